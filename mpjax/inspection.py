@@ -1,0 +1,177 @@
+"""Inspection: which dtype each matmul and convolution of a function really runs in.
+
+Mixed precision is easy to get silently wrong (an f32 kernel promotes a bf16 dot to f32, a
+backward matmul gets an f32 cotangent). These helpers read the jaxpr, nested jaxprs included
+(``jit``, ``scan``, ``while``, ``cond``, ``remat``, custom derivatives, ``shard_map``), so users
+can check their own models the way mpjax's tests check mpjax.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from typing import Any, Callable, Iterator
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+MATMUL_PRIMITIVES = frozenset(
+    {"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"}
+)
+"""Primitive names that :func:`inspect_matmuls` reports."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulInfo:
+    """One matmul or convolution found in a jaxpr.
+
+    Attributes:
+      primitive: the primitive's name, for example ``"dot_general"``.
+      lhs_dtype, rhs_dtype: operand dtypes.
+      out_dtype: the dtype the primitive returns.
+      preferred_element_type: the ``preferred_element_type`` written in the jaxpr, or None.
+        JAX sets it to the output dtype by default; a bf16 x bf16 -> bf16 dot still accumulates
+        in f32 on GPU Tensor Cores.
+      lhs_shape, rhs_shape, out_shape: shapes.
+      scope: JAX's name stack for the equation, for example ``"transpose(jvp(MLP))"``; empty
+        when the function sets no names.
+      context: the higher-order primitives enclosing it, outermost first, for example
+        ``("pjit", "scan")``.
+    """
+
+    primitive: str
+    lhs_dtype: np.dtype
+    rhs_dtype: np.dtype
+    out_dtype: np.dtype
+    preferred_element_type: np.dtype | None
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    scope: str
+    context: tuple[str, ...]
+
+    @property
+    def operand_dtypes(self) -> tuple[np.dtype, np.dtype]:
+        return (self.lhs_dtype, self.rhs_dtype)
+
+
+class MatmulReport(tuple):
+    """A tuple of :class:`MatmulInfo` whose ``str`` is a readable table."""
+
+    def __str__(self) -> str:
+        header = ("primitive", "lhs", "rhs", "out", "preferred", "context", "scope")
+        rows = [
+            (
+                m.primitive,
+                f"{m.lhs_dtype.name}{list(m.lhs_shape)}",
+                f"{m.rhs_dtype.name}{list(m.rhs_shape)}",
+                f"{m.out_dtype.name}{list(m.out_shape)}",
+                m.preferred_element_type.name if m.preferred_element_type is not None else "-",
+                "/".join(m.context) or "-",
+                m.scope or "-",
+            )
+            for m in self
+        ]
+        if not rows:
+            return "no matmuls or convolutions"
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+                 for row in [header, *rows]]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def operand_dtypes(self) -> collections.Counter:
+        """Counts matmuls by their (lhs dtype name, rhs dtype name)."""
+        return collections.Counter((m.lhs_dtype.name, m.rhs_dtype.name) for m in self)
+
+
+def _iter_eqns(jaxpr: Any, context: tuple[str, ...]) -> Iterator[tuple[Any, tuple[str, ...]]]:
+    for eqn in jaxpr.eqns:
+        yield eqn, context
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            yield from _iter_eqns(sub, (*context, eqn.primitive.name))
+
+
+def iter_equations(fn: Callable[..., Any], *args, **kwargs) -> Iterator[tuple[Any, tuple[str, ...]]]:
+    """Yields ``(equation, context)`` for every equation of ``fn``'s jaxpr, nested ones included.
+
+    ``context`` names the enclosing higher-order primitives, outermost first.
+    """
+    closed = jax.make_jaxpr(fn)(*args, **kwargs)
+    yield from _iter_eqns(closed.jaxpr, ())
+
+
+def inspect_matmuls(
+    fn: Callable[..., Any],
+    *args,
+    primitives: frozenset[str] = MATMUL_PRIMITIVES,
+    **kwargs,
+) -> MatmulReport:
+    """Lists every matmul/convolution ``fn`` performs on the given arguments, with dtypes.
+
+    To see the backward pass, inspect the gradient function, for example
+    ``inspect_matmuls(jax.grad(loss), params, batch)``.
+
+    Args:
+      fn: any function JAX can trace.
+      *args, **kwargs: example arguments (arrays or ``jax.ShapeDtypeStruct``).
+      primitives: the primitive names to report.
+
+    Returns:
+      A :class:`MatmulReport` (a tuple of :class:`MatmulInfo`, printed as a table).
+
+    >>> import jax.numpy as jnp
+    >>> report = inspect_matmuls(jnp.dot, jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 4), jnp.bfloat16))
+    >>> [(m.lhs_dtype.name, m.rhs_dtype.name, m.out_dtype.name) for m in report]
+    [('bfloat16', 'bfloat16', 'bfloat16')]
+    """
+    found = []
+    for eqn, context in iter_equations(fn, *args, **kwargs):
+        if eqn.primitive.name not in primitives:
+            continue
+        lhs, rhs = (v.aval for v in eqn.invars[:2])
+        out = eqn.outvars[0].aval
+        acc = eqn.params.get("preferred_element_type")
+        found.append(
+            MatmulInfo(
+                primitive=eqn.primitive.name,
+                lhs_dtype=np.dtype(lhs.dtype),
+                rhs_dtype=np.dtype(rhs.dtype),
+                out_dtype=np.dtype(out.dtype),
+                preferred_element_type=None if acc is None else np.dtype(acc),
+                lhs_shape=tuple(lhs.shape),
+                rhs_shape=tuple(rhs.shape),
+                out_shape=tuple(out.shape),
+                scope=str(getattr(eqn.source_info, "name_stack", "")),
+                context=context,
+            )
+        )
+    return MatmulReport(found)
+
+
+_HLO_OP = re.compile(r"=\s*[^=]*?\s([a-z][a-z0-9\-_]*)\(")
+
+
+def hlo_op_counts(fn: Callable[..., Any], *args, compiled: bool = True, **kwargs) -> collections.Counter:
+    """Counts HLO instructions by opcode in ``jax.jit(fn)`` for the given arguments.
+
+    Args:
+      fn: the function to lower.
+      *args, **kwargs: example arguments.
+      compiled: count in the optimized HLO XLA runs (True), or in the HLO JAX emits before
+        optimization (False).
+
+    Use it to compare two ways of writing the same model, for example
+    ``hlo_op_counts(f, x)["convert"]``. Compare counts taken on the same backend only: XLA's
+    CPU backend, which has no bf16 GEMM, adds converts around bf16 dots that GPUs do not.
+    """
+    lowered = jax.jit(fn).lower(*args, **kwargs)
+    text = lowered.compile().as_text() if compiled else lowered.as_text(dialect="hlo")
+    counts: collections.Counter = collections.Counter()
+    for line in text.splitlines():
+        match = _HLO_OP.search(line)
+        if match and not line.startswith("HloModule"):
+            counts[match.group(1)] += 1
+    return counts

@@ -1,0 +1,326 @@
+"""Precision policies: which dtype parameters are stored in, computed in, and returned in.
+
+A :class:`Policy` is an immutable, hashable value (like ``jmp.Policy``), so it can be a static
+argument to :func:`jax.jit` or be captured by a jitted function. :func:`get_policy` turns every
+accepted spelling of a policy (preset names, jmp's ``"p=f32,c=bf16,o=f32"`` grammar, dtypes,
+``jmp.Policy``) into a :class:`Policy`; every public mpjax function that takes a policy goes
+through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+T = TypeVar("T")
+
+# Names accepted wherever a dtype is spelled as a string. The short forms and ``full``/``half``
+# are jmp's. Unlike jmp, ``half`` always means float16: a policy string means the same thing on
+# every backend (jmp picks bfloat16 on TPU).
+_DTYPE_NAMES: dict[str, np.dtype] = {
+    "float32": np.dtype(jnp.float32),
+    "f32": np.dtype(jnp.float32),
+    "fp32": np.dtype(jnp.float32),
+    "full": np.dtype(jnp.float32),
+    "bfloat16": np.dtype(jnp.bfloat16),
+    "bf16": np.dtype(jnp.bfloat16),
+    "float16": np.dtype(jnp.float16),
+    "f16": np.dtype(jnp.float16),
+    "fp16": np.dtype(jnp.float16),
+    "half": np.dtype(jnp.float16),
+    "float64": np.dtype(jnp.float64),
+    "f64": np.dtype(jnp.float64),
+    "fp64": np.dtype(jnp.float64),
+    "float8_e4m3fn": np.dtype(jnp.float8_e4m3fn),
+    "float8_e5m2": np.dtype(jnp.float8_e5m2),
+}
+
+# Short names used by ``str(policy)``; every one of them parses back.
+_SHORT_NAMES: dict[np.dtype, str] = {
+    np.dtype(jnp.float32): "f32",
+    np.dtype(jnp.bfloat16): "bf16",
+    np.dtype(jnp.float16): "f16",
+    np.dtype(jnp.float64): "f64",
+}
+
+_KEYS: dict[str, str] = {
+    "p": "param_dtype",
+    "params": "param_dtype",
+    "c": "compute_dtype",
+    "compute": "compute_dtype",
+    "o": "output_dtype",
+    "output": "output_dtype",
+}
+
+_FIELD_TO_KEY = {"param_dtype": "params", "compute_dtype": "compute", "output_dtype": "output"}
+
+# A storage dtype needs enough mantissa for optimizer updates to land; 8-bit (and narrower)
+# floats need per-tensor scaling, which a plain cast cannot provide.
+_MIN_PARAM_BITS = 16
+
+
+def _valid_names() -> str:
+    return ", ".join(_DTYPE_NAMES)
+
+
+def _to_dtype(value: Any, role: str) -> np.dtype:
+    """Normalizes a dtype-like ``value`` (a name, numpy/jax dtype or scalar type) to ``np.dtype``."""
+    if isinstance(value, str):
+        name = value.strip()
+        if name not in _DTYPE_NAMES:
+            raise ValueError(
+                f"Unknown dtype name {value!r} for {role}. Valid names: {_valid_names()}."
+            )
+        return _DTYPE_NAMES[name]
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        raise TypeError(
+            f"{role} must be a floating dtype (for example jnp.bfloat16) or one of the names "
+            f"{_valid_names()}; got {value!r} of type {type(value).__name__}."
+        ) from None
+    return dtype
+
+
+def _check_floating(dtype: np.dtype, role: str) -> None:
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"{role} must be a floating-point dtype, got {dtype.name}. "
+            f"Valid names: {_valid_names()}."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A mixed-precision policy: storage, compute and output dtypes.
+
+    Args:
+      param_dtype: dtype parameters are stored in (the optimizer's dtype). Must be a floating
+        dtype of at least 16 bits.
+      compute_dtype: dtype matmuls and convolutions run in.
+      output_dtype: dtype a module or function returns.
+
+    Dtypes may be given as numpy/jax dtypes or scalar types, or as names (``"bf16"``,
+    ``"float32"``...); they are stored as ``numpy.dtype``.
+
+    Casting methods touch only floating-point array leaves (jax and numpy arrays, tracers
+    included); integers, booleans, complex numbers, PRNG keys, ``None``, strings, Python scalars
+    and weakly typed scalars are returned unchanged, identically inside and outside
+    :func:`jax.jit`.
+
+    >>> import jax.numpy as jnp
+    >>> policy = Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+    >>> policy
+    Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=float32)
+    >>> str(policy)
+    'p=f32,c=bf16,o=f32'
+    >>> policy.cast_to_compute({"w": jnp.ones(2), "step": 3})["w"].dtype
+    dtype(bfloat16)
+    """
+
+    param_dtype: np.dtype
+    compute_dtype: np.dtype
+    output_dtype: np.dtype
+
+    def __post_init__(self):
+        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            dtype = _to_dtype(getattr(self, field), field)
+            _check_floating(dtype, field)
+            object.__setattr__(self, field, dtype)
+        if jnp.finfo(self.param_dtype).bits < _MIN_PARAM_BITS:
+            raise ValueError(
+                f"param_dtype {self.param_dtype.name} is too narrow to store parameters: use "
+                "float32, bfloat16 or float16 (8-bit floats need per-tensor scaling, "
+                "which a storage cast cannot provide)."
+            )
+
+    def cast_to_param(self, tree: T) -> T:
+        """Casts the floating-point array leaves of ``tree`` to ``param_dtype``."""
+        return cast_floating(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: T) -> T:
+        """Casts the floating-point array leaves of ``tree`` to ``compute_dtype``."""
+        return cast_floating(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: T) -> T:
+        """Casts the floating-point array leaves of ``tree`` to ``output_dtype``."""
+        return cast_floating(tree, self.output_dtype)
+
+    def with_param_dtype(self, dtype: Any) -> Policy:
+        """Returns a copy of this policy with ``param_dtype`` replaced."""
+        return dataclasses.replace(self, param_dtype=dtype)
+
+    def with_compute_dtype(self, dtype: Any) -> Policy:
+        """Returns a copy of this policy with ``compute_dtype`` replaced."""
+        return dataclasses.replace(self, compute_dtype=dtype)
+
+    def with_output_dtype(self, dtype: Any) -> Policy:
+        """Returns a copy of this policy with ``output_dtype`` replaced."""
+        return dataclasses.replace(self, output_dtype=dtype)
+
+    def __str__(self) -> str:
+        names = (_SHORT_NAMES.get(d, d.name) for d in self._dtypes())
+        return "p={},c={},o={}".format(*names)
+
+    def __repr__(self) -> str:
+        p, c, o = (d.name for d in self._dtypes())
+        return f"Policy(param_dtype={p}, compute_dtype={c}, output_dtype={o})"
+
+    def _dtypes(self) -> tuple[np.dtype, np.dtype, np.dtype]:
+        return self.param_dtype, self.compute_dtype, self.output_dtype
+
+    @classmethod
+    def from_jmp(cls, policy: Any) -> Policy:
+        """Converts a ``jmp.Policy`` to an mpjax :class:`Policy`."""
+        return cls(policy.param_dtype, policy.compute_dtype, policy.output_dtype)
+
+    def to_jmp(self):
+        """Returns the equivalent ``jmp.Policy``."""
+        import jmp  # Deferred: jmp is only needed for interop.
+
+        return jmp.Policy(
+            param_dtype=jnp.dtype(self.param_dtype),
+            compute_dtype=jnp.dtype(self.compute_dtype),
+            output_dtype=jnp.dtype(self.output_dtype),
+        )
+
+
+PolicyLike = Union[Policy, str, np.dtype, type, Any]
+"""Anything :func:`get_policy` accepts: a Policy, a policy string, a dtype or a jmp.Policy."""
+
+
+def _is_castable(x: Any) -> bool:
+    """True for floating-point arrays with a dtype of their own.
+
+    Tracers are instances of ``jax.Array``, so the same leaves are cast inside and outside jit.
+    Weakly typed values are left alone: they are Python scalars, or what ``jit`` makes of one,
+    and already take the dtype of whatever array they meet. Casting them inside jit only (as jmp
+    does) would make a policy behave differently under jit.
+    """
+    if isinstance(x, jax.Array):
+        return jnp.issubdtype(x.dtype, jnp.floating) and not jax.typeof(x).weak_type
+    return isinstance(x, (np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def cast_floating(tree: T, dtype: Any) -> T:
+    """Casts the floating-point array leaves of ``tree`` to ``dtype``; other leaves pass through.
+
+    Numpy leaves stay numpy and jax leaves stay jax. Python scalars and weakly typed arrays are
+    never cast (they adapt to the arrays they meet), so the result is the same inside and
+    outside :func:`jax.jit`.
+
+    >>> import numpy as np, jax.numpy as jnp
+    >>> out = cast_floating({"x": np.ones(2), "n": np.arange(2), "s": 1.0}, jnp.float16)
+    >>> out["x"].dtype, out["n"].dtype, out["s"]
+    (dtype('float16'), dtype('int64'), 1.0)
+    """
+    dtype = _to_dtype(dtype, "dtype")
+    _check_floating(dtype, "dtype")
+
+    def cast(x):
+        if _is_castable(x) and x.dtype != dtype:
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree)
+
+
+MIXED_BFLOAT16 = Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+MIXED_FLOAT16 = Policy(jnp.float32, jnp.float16, jnp.float32)
+
+_PRESETS: dict[str, Policy] = {
+    "mixed_bfloat16": MIXED_BFLOAT16,
+    "mixed_float16": MIXED_FLOAT16,
+}
+
+
+def _is_jmp_policy(value: Any) -> bool:
+    cls = type(value)
+    return cls.__name__ == "Policy" and cls.__module__.split(".")[0] == "jmp"
+
+
+def _parse(spec: str) -> Policy:
+    text = spec.strip()
+    if not text:
+        raise ValueError(
+            "Empty policy string. Use a preset (mixed_bfloat16, mixed_float16), a dtype name "
+            f"({_valid_names()}) or jmp's grammar, for example 'p=f32,c=bf16,o=f32'."
+        )
+    if text in _PRESETS:
+        return _PRESETS[text]
+    if "=" not in text:
+        if text not in _DTYPE_NAMES:
+            raise ValueError(
+                f"Unknown policy {spec!r}. Use a preset ({', '.join(_PRESETS)}), a dtype name "
+                f"({_valid_names()}) or jmp's grammar, for example 'p=f32,c=bf16,o=f32'."
+            )
+        dtype = _DTYPE_NAMES[text]
+        return Policy(dtype, dtype, dtype)
+
+    fields: dict[str, np.dtype] = {}
+    for part in text.split(","):
+        key, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or not key or not value:
+            raise ValueError(
+                f"Malformed entry {part.strip()!r} in policy {spec!r}: expected key=dtype "
+                f"with key one of {', '.join(_KEYS)} and dtype one of {_valid_names()}."
+            )
+        if key not in _KEYS:
+            raise ValueError(
+                f"Unknown key {key!r} in policy {spec!r}. Valid keys: {', '.join(_KEYS)}."
+            )
+        field = _KEYS[key]
+        if field in fields:
+            raise ValueError(
+                f"Duplicate key {key!r} in policy {spec!r}: the {_FIELD_TO_KEY[field]} dtype "
+                "is given more than once."
+            )
+        fields[field] = _to_dtype(value, f"{_FIELD_TO_KEY[field]} dtype ({key}=) in {spec!r}")
+    # jmp's defaults: params f32, compute follows params, output follows compute.
+    param = fields.get("param_dtype", np.dtype(jnp.float32))
+    compute = fields.get("compute_dtype", param)
+    output = fields.get("output_dtype", compute)
+    return Policy(param, compute, output)
+
+
+def get_policy(spec: PolicyLike) -> Policy:
+    """Returns the :class:`Policy` that ``spec`` names.
+
+    Args:
+      spec: one of
+        - a :class:`Policy` (returned as is) or a ``jmp.Policy`` (converted);
+        - a preset: ``"mixed_bfloat16"`` (params f32, compute bf16, output f32) or
+          ``"mixed_float16"`` (the same with f16);
+        - a dtype name (``"float32"``, ``"bf16"``, ``"half"``...) for all three dtypes;
+        - jmp's grammar, ``"p=f32,c=bf16,o=f32"`` or ``"params=float32,compute=bfloat16"``,
+          with jmp's defaults: params f32, compute follows params, output follows compute.
+          Spaces around commas and ``=`` are allowed;
+        - a dtype object (``jnp.bfloat16``, ``np.dtype("float32")``) for all three dtypes.
+
+    Raises:
+      ValueError: for an empty string, unknown preset, key or dtype name, a duplicate key, a
+        non-floating dtype, or a param dtype narrower than 16 bits.
+      TypeError: for a value of any other type.
+
+    >>> get_policy("mixed_bfloat16")
+    Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=float32)
+    >>> get_policy("c=bf16")
+    Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=bfloat16)
+    """
+    if isinstance(spec, Policy):
+        return spec
+    if isinstance(spec, str):
+        return _parse(spec)
+    if _is_jmp_policy(spec):
+        return Policy.from_jmp(spec)
+    if isinstance(spec, (np.dtype, type)):
+        dtype = _to_dtype(spec, "policy dtype")
+        return Policy(dtype, dtype, dtype)
+    raise TypeError(
+        f"Cannot make a policy from {spec!r} of type {type(spec).__name__}. Pass a Policy, a "
+        "jmp.Policy, a dtype, or a string such as 'mixed_bfloat16' or 'p=f32,c=bf16,o=f32'."
+    )

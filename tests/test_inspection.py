@@ -1,0 +1,125 @@
+"""inspect_matmuls and hlo_op_counts read the real jaxpr / HLO, nested jaxprs included."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import shard_map
+from jax.sharding import Mesh, PartitionSpec as P
+
+import mpjax
+
+BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
+
+
+def _x_w(dtype=jnp.bfloat16):
+    return jnp.ones((2, 4), dtype), jnp.ones((4, 4), dtype)
+
+
+@jax.custom_jvp
+def _custom_matmul(x, w):
+    return x @ w
+
+
+@_custom_matmul.defjvp
+def _custom_matmul_jvp(primals, tangents):
+    (x, w), (dx, dw) = primals, tangents
+    return x @ w, dx @ w + x @ dw
+
+
+@jax.custom_vjp
+def _custom_vjp_matmul(x, w):
+    return x @ w
+
+
+_custom_vjp_matmul.defvjp(lambda x, w: (x @ w, (x, w)), lambda res, g: (g @ res[1].T, res[0].T @ g))
+
+
+@pytest.mark.parametrize(
+    "name, fn, context",
+    [
+        ("top", lambda x, w: x @ w, ()),
+        ("jit", jax.jit(lambda x, w: x @ w), ("jit",)),
+        ("scan", lambda x, w: jax.lax.scan(lambda c, _: (c @ w, None), x, None, length=2)[0],
+         ("scan",)),
+        ("while", lambda x, w: jax.lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] @ w),
+                                                  (0, x))[1], ("while",)),
+        ("cond", lambda x, w: jax.lax.cond(True, lambda: x @ w, lambda: x), ("cond",)),
+        ("remat", lambda x, w: jax.checkpoint(lambda x: x @ w)(x), ("remat2",)),
+        ("custom_jvp", _custom_matmul, ("custom_jvp_call",)),
+        ("custom_vjp", _custom_vjp_matmul, ("custom_vjp_call",)),
+    ],
+)
+def test_finds_matmuls_in_nested_jaxprs(name, fn, context):
+    report = mpjax.inspect_matmuls(fn, *_x_w())
+    assert len(report) >= 1, name
+    first = report[0]
+    assert first.primitive == "dot_general"
+    assert first.context == context
+    assert (first.lhs_dtype, first.rhs_dtype, first.out_dtype) == (BF16, BF16, BF16)
+    assert first.lhs_shape == (2, 4) and first.rhs_shape == (4, 4) and first.out_shape == (2, 4)
+
+
+def test_finds_matmuls_inside_shard_map():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    fn = shard_map(lambda x, w: x @ w, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"))
+    (m,) = mpjax.inspect_matmuls(fn, *_x_w())
+    assert m.context == ("shard_map",) and m.lhs_shape == (1, 4)
+
+
+def test_backward_matmuls_are_reported_with_their_dtypes():
+    # The trap from REFERENCE.md: an f32 accumulation type gives f32 cotangents backward.
+    def loss(w, x):
+        y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        return jnp.sum(y.astype(jnp.float32))
+
+    x, w = _x_w()
+    report = mpjax.inspect_matmuls(jax.grad(loss), w, x)
+    assert report[0].preferred_element_type == F32
+    backward = report[1:]
+    assert backward and all(F32 in m.operand_dtypes for m in backward)
+    assert ("float32", "bfloat16") in report.operand_dtypes() or (
+        "bfloat16", "float32") in report.operand_dtypes()
+
+
+def test_reports_convolutions():
+    x = jnp.ones((1, 8, 8, 3), jnp.bfloat16)
+    k = jnp.ones((3, 3, 3, 4), jnp.bfloat16)
+    conv = lambda x, k: jax.lax.conv_general_dilated(x, k, (1, 1), "SAME",
+                                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    (m,) = mpjax.inspect_matmuls(conv, x, k)
+    assert m.primitive == "conv_general_dilated" and m.out_shape == (1, 8, 8, 4)
+
+
+def test_scope_comes_from_named_scopes():
+    def f(x, w):
+        with jax.named_scope("mlp"):
+            return x @ w
+
+    (m,) = mpjax.inspect_matmuls(f, *_x_w())
+    assert "mlp" in m.scope
+
+
+def test_report_prints_a_table():
+    text = str(mpjax.inspect_matmuls(lambda x, w: x @ w, *_x_w()))
+    header, rule, row = text.splitlines()
+    assert header.split() == ["primitive", "lhs", "rhs", "out", "preferred", "context", "scope"]
+    assert set(rule.replace(" ", "")) == {"-"}
+    assert row.split()[:4] == ["dot_general", "bfloat16[2,", "4]", "bfloat16[4,"]
+    assert str(mpjax.inspect_matmuls(jnp.sin, jnp.ones(2))) == "no matmuls or convolutions"
+
+
+def test_accepts_shape_dtype_structs():
+    spec = jax.ShapeDtypeStruct((2, 4), jnp.float16), jax.ShapeDtypeStruct((4, 4), jnp.float16)
+    (m,) = mpjax.inspect_matmuls(lambda x, w: x @ w, *spec)
+    assert m.lhs_dtype == np.dtype(jnp.float16)
+
+
+def test_hlo_op_counts_counts_converts():
+    x, w = _x_w(jnp.float32)
+    plain = mpjax.hlo_op_counts(lambda x, w: x @ w, x, w, compiled=False)
+    cast = mpjax.hlo_op_counts(
+        lambda x, w: x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16), x, w, compiled=False)
+    assert plain["dot"] == cast["dot"] == 1
+    assert plain["convert"] == 0 and cast["convert"] == 2
+    assert mpjax.hlo_op_counts(lambda x, w: x @ w, x, w)["dot"] >= 1

@@ -1,0 +1,44 @@
+"""The README's first example is the quickstart script, and it runs and learns."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _readme_first_python_block() -> str:
+    text = (ROOT / "README.md").read_text()
+    return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+
+
+def _quickstart_code() -> str:
+    source = (ROOT / "examples" / "quickstart.py").read_text()
+    return source.split('"""', 2)[2].lstrip("\n")
+
+
+def test_readme_example_is_the_quickstart_script():
+    assert _readme_first_python_block() == _quickstart_code()
+
+
+def test_readme_has_exactly_two_setup_commands():
+    text = (ROOT / "README.md").read_text()
+    setup = text.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"```bash\n(.*?)```", setup, re.S)
+    assert len(commands) == 2
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert commands[1].strip() in ci, ".ci/run must run the README's test command"
+
+
+def test_quickstart_runs_and_learns():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "quickstart.py")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": ""},
+    )
+    assert result.returncode == 0, result.stderr
+    losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", result.stdout)]
+    assert losses[0] > 0.5 and losses[-1] < 0.1, losses
+    matmul_rows = [l for l in result.stdout.splitlines() if l.startswith("dot_general")]
+    assert len(matmul_rows) == 5 and all(r.count("bfloat16[") == 3 for r in matmul_rows)
