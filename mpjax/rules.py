@@ -1,0 +1,272 @@
+"""Rules: which precision policy applies to which module.
+
+A :class:`Rules` value is an ordered list of :class:`Rule` entries plus a default policy. Each
+rule has a key saying *where* it applies, a module path glob (``"decoder/*/mlp*"``), a compiled
+regular expression (``re.compile(r"block_\\d+/attn")``, matched in full) or a module class
+(subclasses match too, unlike Haiku's ``set_policy``), and says *what* applies there: a policy,
+or a function of the default policy, plus optional module attributes to set (for example
+``force_fp32_for_softmax=True``). The first matching rule wins; modules no rule matches use the
+default.
+
+Built-in rules come after the user's: normalization layers keep f32 parameters and compute
+their statistics in f32, returning the compute dtype; attention runs its softmax in f32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
+
+import jax.numpy as jnp
+import numpy as np
+
+from mpjax.policy import Policy, PolicyLike, get_policy
+
+RuleKey = Union[str, "re.Pattern[str]", type]
+RuleValue = Union[PolicyLike, Callable[[Policy], Policy], None]
+
+
+def _key_text(key: RuleKey) -> str:
+    if isinstance(key, type):
+        return f"{key.__module__}.{key.__qualname__}"
+    if isinstance(key, re.Pattern):
+        return f"re:{key.pattern}"
+    return key
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One entry of :class:`Rules`: where it applies and what it sets there.
+
+    Args:
+      key: a glob over the ``/``-joined module path (``fnmatch`` syntax: ``*`` also crosses
+        ``/``), a compiled regular expression matched against the whole path, or a module class
+        (instances of subclasses match too).
+      policy: the policy there: anything :func:`mpjax.get_policy` accepts, a function from the
+        default policy to a policy, or None for the default policy itself.
+      attributes: module attributes to set where the rule applies, for modules that have them.
+      name: how reports refer to the rule; defaults to the key.
+      builtin: True for mpjax's own rules. Only the user's rules are reported when they never
+        match.
+    """
+
+    key: RuleKey
+    policy: RuleValue = None
+    attributes: tuple[tuple[str, Any], ...] = ()
+    name: str = ""
+    builtin: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.key, (str, re.Pattern, type)):
+            raise TypeError(
+                "Rule key must be a path glob (str), a compiled regular expression or a module "
+                f"class; got {self.key!r} of type {type(self.key).__name__}."
+            )
+        if isinstance(self.key, str) and not self.key.strip():
+            raise ValueError("Rule key must not be empty: use '*' to match every module path.")
+        if isinstance(self.attributes, Mapping):
+            object.__setattr__(self, "attributes", tuple(self.attributes.items()))
+        if not callable(self.policy) or isinstance(self.policy, type):
+            if self.policy is not None:
+                # Validate eagerly so a typo fails where the rule is written.
+                object.__setattr__(self, "policy", get_policy(self.policy))
+        if not self.name:
+            object.__setattr__(self, "name", _key_text(self.key))
+
+    def matches(self, path: str, module_type: type) -> bool:
+        """Whether this rule applies to the module at ``path`` of class ``module_type``."""
+        if isinstance(self.key, type):
+            return issubclass(module_type, self.key)
+        if isinstance(self.key, re.Pattern):
+            return self.key.fullmatch(path) is not None
+        return fnmatch.fnmatchcase(path, self.key)
+
+    def policy_for(self, default: Policy) -> Policy:
+        """The policy this rule gives, given the default policy."""
+        if self.policy is None:
+            return default
+        if isinstance(self.policy, Policy):
+            return self.policy
+        return get_policy(self.policy(default))
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """What :meth:`Rules.resolve` decided for one module."""
+
+    path: str
+    module_type: type
+    policy: Policy
+    rule: Rule | None
+    attributes: tuple[tuple[str, Any], ...]
+
+    @property
+    def rule_name(self) -> str:
+        return self.rule.name if self.rule is not None else "default"
+
+
+def norm_policy(default: Policy) -> Policy:
+    """Normalization layers: f32 params and statistics, output in the compute dtype."""
+    f32 = np.dtype(jnp.float32)
+    return Policy(f32, f32, default.compute_dtype)
+
+
+def _builtin_rules() -> tuple[Rule, ...]:
+    import flax.linen as nn  # Deferred: keeps `import mpjax.policy` free of Flax.
+    from flax import nnx
+
+    norms = [nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm,
+             nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm]
+    rules = [Rule(cls, norm_policy, name=f"builtin: {cls.__module__.split('.')[1]}.{cls.__name__} "
+                                         "in f32", builtin=True) for cls in norms]
+    rules.append(Rule(nn.MultiHeadDotProductAttention, None,
+                      attributes={"force_fp32_for_softmax": True},
+                      name="builtin: linen attention softmax in f32", builtin=True))
+    return tuple(rules)
+
+
+def _as_rule(entry: Any) -> Rule:
+    if isinstance(entry, Rule):
+        return entry
+    if isinstance(entry, tuple) and len(entry) in (2, 3):
+        return Rule(*entry)
+    raise TypeError(
+        "Each rule must be a Rule or a (key, policy) or (key, policy, attributes) tuple; got "
+        f"{entry!r}."
+    )
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class Rules:
+    """An ordered set of rules plus a default policy; the first matching rule wins.
+
+    Args:
+      rules: the user's rules, highest priority first: a mapping ``{key: policy}``, or an
+        iterable of :class:`Rule` or ``(key, policy[, attributes])`` tuples.
+      default: the policy for modules no rule matches.
+      builtins: append mpjax's built-in rules (norms and softmax in f32) after the user's.
+
+    >>> import flax.linen as nn
+    >>> rules = Rules({"head": "float32"}, default="mixed_bfloat16")
+    >>> rules.resolve("head", nn.Dense).policy
+    Policy(param_dtype=float32, compute_dtype=float32, output_dtype=float32)
+    >>> rules.resolve("block_0/norm", nn.LayerNorm).policy
+    Policy(param_dtype=float32, compute_dtype=float32, output_dtype=bfloat16)
+    >>> rules.resolve("block_0/mlp", nn.Dense).policy
+    Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=float32)
+    """
+
+    rules: tuple[Rule, ...]
+    default: Policy
+
+    def __init__(
+        self,
+        rules: Mapping[RuleKey, RuleValue] | Iterable[Any] = (),
+        *,
+        default: PolicyLike = "float32",
+        builtins: bool = True,
+    ):
+        entries = rules.items() if isinstance(rules, Mapping) else rules
+        user = tuple(_as_rule(e) for e in entries)
+        keys = [r.key for r in user]
+        duplicates = sorted({_key_text(k) for k in keys if keys.count(k) > 1})
+        if duplicates:
+            raise ValueError(f"Duplicate rule keys: {', '.join(duplicates)}. Give each key once.")
+        object.__setattr__(self, "rules", user + (_builtin_rules() if builtins else ()))
+        object.__setattr__(self, "default", get_policy(default))
+
+    @classmethod
+    def _from(cls, rules: tuple[Rule, ...], default: Policy) -> Rules:
+        new = object.__new__(cls)
+        object.__setattr__(new, "rules", rules)
+        object.__setattr__(new, "default", default)
+        return new
+
+    def resolve(self, path: str | Sequence[str], module_type: type | Any) -> Resolution:
+        """Returns the policy, rule and attributes for the module at ``path``.
+
+        Args:
+          path: the module's path, as a ``/``-joined string or a sequence of names (the root
+            module's path is ``""``).
+          module_type: the module's class, or the module itself.
+        """
+        path = path if isinstance(path, str) else "/".join(str(p) for p in path)
+        module_type = module_type if isinstance(module_type, type) else type(module_type)
+        for rule in self.rules:
+            if rule.matches(path, module_type):
+                return Resolution(path, module_type, rule.policy_for(self.default), rule,
+                                  rule.attributes)
+        return Resolution(path, module_type, self.default, None, ())
+
+    def with_rule(self, key: RuleKey, policy: RuleValue = None, attributes: Mapping[str, Any] = (),
+                  *, first: bool = True) -> Rules:
+        """Returns new rules with a rule for ``key`` added, or replaced in place if ``key`` has one.
+
+        A new rule goes first (highest priority) unless ``first=False``, which puts it after the
+        user's rules but before the built-in ones.
+        """
+        rule = Rule(key, policy, attributes)
+        index = self._index(key)
+        if index is not None:
+            rules = self.rules[:index] + (rule,) + self.rules[index + 1:]
+        elif first:
+            rules = (rule,) + self.rules
+        else:
+            n_user = sum(not r.builtin for r in self.rules)
+            rules = self.rules[:n_user] + (rule,) + self.rules[n_user:]
+        return Rules._from(rules, self.default)
+
+    def without(self, key: RuleKey) -> Rules:
+        """Returns new rules without the rule for ``key`` (a user rule or a built-in one)."""
+        index = self._index(key)
+        if index is None:
+            raise ValueError(
+                f"No rule has key {_key_text(key)!r}. Keys: "
+                f"{', '.join(_key_text(r.key) for r in self.rules) or 'none'}."
+            )
+        return Rules._from(self.rules[:index] + self.rules[index + 1:], self.default)
+
+    def with_default(self, policy: PolicyLike) -> Rules:
+        """Returns new rules with another default policy."""
+        return Rules._from(self.rules, get_policy(policy))
+
+    def _index(self, key: RuleKey) -> int | None:
+        for i, rule in enumerate(self.rules):
+            if rule.key == key:
+                return i
+        return None
+
+    def problems(self, modules: Iterable[tuple[str, type]]) -> list[str]:
+        """Reports the user's rules that never match, or that match a module a rule before them
+        already claims (so they never apply there), over the given ``(path, class)`` pairs."""
+        modules = list(modules)
+        found = []
+        for i, rule in enumerate(self.rules):
+            if rule.builtin:
+                continue
+            hits = [(p, t) for p, t in modules if rule.matches(p, t)]
+            if not hits:
+                found.append(f"rule {rule.name!r} matches no module.")
+                continue
+            for path, module_type in hits:
+                earlier = next((r for r in self.rules[:i] if r.matches(path, module_type)), None)
+                if earlier is not None:
+                    found.append(
+                        f"rule {rule.name!r} is ambiguous at {path or '<root>'!r}: rule "
+                        f"{earlier.name!r} comes first and wins there."
+                    )
+        return found
+
+
+def as_rules(spec: Rules | PolicyLike) -> Rules:
+    """Returns ``spec`` if it is :class:`Rules`, else rules with ``spec`` as default policy and
+    the built-in rules."""
+    if isinstance(spec, Rules):
+        return spec
+    return Rules(default=spec)
+
+
+class RuleWarning(UserWarning):
+    """Warned when a user's rule never matches or is shadowed by an earlier rule."""

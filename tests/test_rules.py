@@ -1,0 +1,187 @@
+"""Rules: matching by glob, regex and class (subclasses too), priority, built-ins, edits,
+problem reports; and the precision report table."""
+
+import re
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mpjax
+from mpjax import ModuleRow, Policy, PrecisionReport, Rule, Rules, get_policy
+
+F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
+MIXED = get_policy("mixed_bfloat16")
+
+
+class MyLayerNorm(nn.LayerNorm):
+    pass
+
+
+def test_default_applies_where_no_rule_matches():
+    res = Rules(default="mixed_bfloat16").resolve("block_0/mlp/Dense_0", nn.Dense)
+    assert res.policy == MIXED and res.rule is None and res.rule_name == "default"
+
+
+@pytest.mark.parametrize(
+    "key, path, matches",
+    [
+        ("block_*/mlp", "block_3/mlp", True),
+        ("block_*/mlp", "block_3/mlp/Dense_0", False),
+        ("block_*/mlp*", "block_3/mlp/Dense_0", True),
+        ("*/attn", "encoder/layer_1/attn", True),  # fnmatch: * crosses '/'
+        ("head", "head", True),
+        ("head", "lm_head", False),
+        (re.compile(r"block_\d+/attn"), "block_12/attn", True),
+        (re.compile(r"block_\d+/attn"), "block_12/attn/query", False),  # full match only
+        (re.compile(r"block_\d+/attn.*"), "block_12/attn/query", True),
+    ],
+)
+def test_path_keys(key, path, matches):
+    rules = Rules({key: "float32"}, default="mixed_bfloat16", builtins=False)
+    assert (rules.resolve(path, nn.Dense).policy == get_policy("float32")) is matches
+
+
+def test_path_may_be_a_sequence_of_names():
+    rules = Rules({"block_0/mlp": "float16"}, builtins=False)
+    assert rules.resolve(("block_0", "mlp"), nn.Dense).policy.compute_dtype == F16
+
+
+def test_class_keys_match_subclasses_and_instances():
+    rules = Rules({nn.LayerNorm: "float16"}, builtins=False)
+    assert rules.resolve("x", MyLayerNorm).policy.compute_dtype == F16
+    assert rules.resolve("x", MyLayerNorm()).policy.compute_dtype == F16
+    assert rules.resolve("x", nn.Dense).rule is None
+
+
+def test_first_match_wins():
+    rules = Rules([("block_0/*", "float16"), (nn.Dense, "float32")], default="bf16")
+    assert rules.resolve("block_0/d", nn.Dense).policy.compute_dtype == F16
+    assert rules.resolve("block_1/d", nn.Dense).policy.compute_dtype == F32
+
+
+@pytest.mark.parametrize("norm", [nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm,
+                                  nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm,
+                                  MyLayerNorm])
+@pytest.mark.parametrize("default", ["mixed_bfloat16", "bfloat16", "mixed_float16"])
+def test_builtin_norm_rule_keeps_params_and_statistics_f32_output_compute(norm, default):
+    default = get_policy(default)
+    res = Rules(default=default).resolve("block/norm", norm)
+    assert res.policy == Policy(F32, F32, default.compute_dtype)
+    assert res.rule.builtin
+
+
+def test_builtin_attention_rule_forces_f32_softmax_in_compute_policy():
+    res = Rules(default="mixed_bfloat16").resolve("attn", nn.SelfAttention)  # a subclass
+    assert res.policy == MIXED
+    assert dict(res.attributes) == {"force_fp32_for_softmax": True}
+
+
+def test_user_rules_take_precedence_over_builtins():
+    rules = Rules({nn.LayerNorm: "bfloat16"}, default="mixed_bfloat16")
+    assert rules.resolve("n", nn.LayerNorm).policy == get_policy("bfloat16")
+
+
+def test_builtins_can_be_left_out_or_removed():
+    assert Rules(default="bf16", builtins=False).resolve("n", nn.LayerNorm).rule is None
+    rules = Rules(default="bf16").without(nn.LayerNorm)
+    assert rules.resolve("n", nn.LayerNorm).rule is None
+    assert rules.resolve("n", nn.RMSNorm).rule is not None
+
+
+def test_with_rule_adds_first_or_after_user_rules_and_replaces_in_place():
+    rules = Rules({"a": "f16"}, default="bf16")
+    added = rules.with_rule("b", "f32")
+    assert [r.name for r in added.rules[:2]] == ["b", "a"]
+    appended = rules.with_rule("b", "f32", first=False)
+    assert [r.name for r in appended.rules[:2]] == ["a", "b"] and appended.rules[2].builtin
+    replaced = added.with_rule("a", "bf16")
+    assert [r.name for r in replaced.rules[:2]] == ["b", "a"]
+    assert replaced.resolve("a", nn.Dense).policy == get_policy("bf16")
+    assert rules.resolve("a", nn.Dense).policy == get_policy("f16"), "rules are immutable"
+
+
+def test_with_default():
+    assert Rules().with_default("mixed_float16").default == get_policy("mixed_float16")
+
+
+def test_callable_policy_gets_the_default():
+    rules = Rules({"head": lambda d: d.with_compute_dtype(jnp.float32)}, default="mixed_bfloat16")
+    assert rules.resolve("head", nn.Dense).policy == Policy(F32, F32, F32)
+
+
+def test_attributes_from_user_rules():
+    rules = Rules([("attn", None, {"precision": "highest"})], default="bf16")
+    res = rules.resolve("attn", nn.Dense)
+    assert res.policy == get_policy("bf16") and dict(res.attributes) == {"precision": "highest"}
+
+
+def test_problems_report_never_matching_and_shadowed_rules():
+    rules = Rules([("block_*", "f32"), ("block_0", "f16"), ("nowhere/*", "f16")], default="bf16")
+    problems = rules.problems([("block_0", nn.Dense), ("block_1", nn.Dense), ("n", nn.LayerNorm)])
+    assert problems == [
+        "rule 'block_0' is ambiguous at 'block_0': rule 'block_*' comes first and wins there.",
+        "rule 'nowhere/*' matches no module.",
+    ]
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: Rules({"a": "p=f33"}), ValueError, "Unknown dtype name 'f33'"),
+        (lambda: Rules({3: "f32"}), TypeError, "Rule key must be a path glob .*got 3 of type int"),
+        (lambda: Rules({"  ": "f32"}), ValueError, "Rule key must not be empty"),
+        (lambda: Rules([("a", "f32"), ("a", "f16")]), ValueError, "Duplicate rule keys: a"),
+        (lambda: Rules(["a"]), TypeError, "Each rule must be a Rule or a \\(key, policy\\)"),
+        (lambda: Rules().without("x"), ValueError, "No rule has key 'x'. Keys: flax.linen"),
+        (lambda: Rules(default="mixed_bf"), ValueError, "Unknown policy 'mixed_bf'"),
+    ],
+)
+def test_bad_rules_raise_clear_errors(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_as_rules():
+    rules = Rules(default="bf16")
+    assert mpjax.as_rules(rules) is rules
+    made = mpjax.as_rules("mixed_float16")
+    assert made.default == get_policy("mixed_float16") and any(r.builtin for r in made.rules)
+
+
+def test_rules_and_rule_are_hashable_values():
+    assert hash(Rule("a", "f32")) == hash(Rule("a", "f32"))
+    assert Rules({"a": "f32"}, default="bf16") == Rules({"a": "f32"}, default="bf16")
+    hash(Rules({"a": "f32"}))
+
+
+def test_precision_report_table_and_totals():
+    report = PrecisionReport(
+        rows=(
+            ModuleRow("", "GPT", MIXED, "default", 0, 0),
+            ModuleRow("block_0/norm", "LayerNorm", Policy(F32, F32, BF16), "builtin: LayerNorm",
+                      256, 1024),
+            ModuleRow("head", "Dense", Policy(F32, F32, F32), "head", 1_000_000, 4_000_000),
+        ),
+        problems=("rule 'x' matches no module.",),
+    )
+    assert report.total_params == 1_000_256 and report.total_bytes == 4_001_024
+    assert report.row("head").type_name == "Dense"
+    with pytest.raises(KeyError, match="No module at path 'nope'"):
+        report.row("nope")
+    lines = str(report).splitlines()
+    assert lines[0].split() == ["path", "type", "params", "compute", "output", "rule", "#params",
+                                "bytes"]
+    assert lines[2].split() == ["<root>", "GPT", "float32", "bfloat16", "float32", "default", "0",
+                                "0", "B"]
+    assert lines[3].split()[:5] == ["block_0/norm", "LayerNorm", "float32", "float32", "bfloat16"]
+    assert lines[4].endswith("1,000,000  3.8 MiB")
+    assert lines[6].split() == ["total", "1,000,256", "3.8", "MiB"]
+    assert lines[7] == "warning: rule 'x' matches no module."
+
+
+def test_describe_rejects_non_flax_models():
+    with pytest.raises(TypeError, match="describe\\(\\) takes a flax.linen or flax.nnx module"):
+        mpjax.describe(object())
