@@ -56,7 +56,8 @@ def _scale_leaf(value: Any, name: str) -> Any:
         host = np.asarray(value)
         if host.shape != () or not np.issubdtype(host.dtype, np.number):
             raise ValueError(f"{name} must be a positive number, got {value!r}.")
-        as_f32 = np.float32(host)
+        with np.errstate(over="ignore"):  # too large for float32 is reported just below
+            as_f32 = np.float32(host)
         if not (np.isfinite(as_f32) and as_f32 > 0):
             raise ValueError(
                 f"{name} must be positive and finite in float32, got {value!r}."
@@ -89,7 +90,9 @@ def _optional_bound(value: Any, name: str) -> Optional[float]:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
         raise TypeError(f"{name} must be a positive number or None, got {value!r}.")
     value = float(value)
-    if not (value > 0 and math.isfinite(np.float32(value))):
+    with np.errstate(over="ignore"):  # too large for float32 is reported just below
+        in_range = math.isfinite(np.float32(value))
+    if not (value > 0 and in_range):
         raise ValueError(f"{name} must be positive and finite in float32 or None, got {value!r}.")
     return value
 
