@@ -730,3 +730,20 @@ def test_multisteps_around_loss_scaling_would_corrupt_the_accumulator():
             _, state = tx.update({"w": jnp.full(2, g)}, state, params)
     assert bool(jnp.isnan(state.acc_grads["w"]).all())
     assert not bool(state.inner_opt_state.applied)
+
+
+# ---------------------------------------------------------------------------------------------
+# README
+
+
+def test_readme_loss_scaling_example_runs(capsys):
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Loss scaling", 1)[1].split("\n## ", 1)[0]
+    assert "scale -> grad -> unscale -> clip -> update" in section
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    with standard_promotion():
+        exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out.split() == ["32768.0", "True", "0"]
