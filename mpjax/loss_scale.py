@@ -13,6 +13,10 @@ scale's hyperparameters (``growth_factor``, ``backoff_factor``, ``growth_interva
 optax learning rate held in a closure. They survive every tree operation (they are part of the
 tree structure), and a checkpoint restored into an optimizer state built by the same code gets
 them back from that code, while the scale and counter come from the checkpoint.
+
+Constructor arguments given as Python or NumPy numbers are validated. jax arrays are only cast
+to float32/int32: tree operations rebuild these objects from tracers and device arrays through
+the constructor, and checking a device value would wait for it.
 """
 
 from __future__ import annotations
@@ -312,7 +316,7 @@ class DynamicLossScale(_LossScaleMethods):
 LossScale = Union[DynamicLossScale, StaticLossScale, NoOpLossScale]
 """Any of the three loss-scale pytrees."""
 
-LOSS_SCALE_CHOICES = ("'dynamic'", "'none'", "'static:N'", "a positive number", "a loss scale")
+_LOSS_SCALE_CHOICES = ("'dynamic'", "'none'", "'static:N'", "a positive number", "a loss scale")
 
 
 def get_loss_scale(spec: Union[LossScale, str, int, float]) -> LossScale:
@@ -350,12 +354,12 @@ def get_loss_scale(spec: Union[LossScale, str, int, float]) -> LossScale:
                 ) from None
             return StaticLossScale(number)
         raise ValueError(
-            f"Unknown loss_scale {spec!r}. Valid choices: {', '.join(LOSS_SCALE_CHOICES)}."
+            f"Unknown loss_scale {spec!r}. Valid choices: {', '.join(_LOSS_SCALE_CHOICES)}."
         )
     if isinstance(spec, (int, float, np.number)) and not isinstance(spec, bool):
         return StaticLossScale(spec)
     raise TypeError(
-        f"loss_scale must be one of {', '.join(LOSS_SCALE_CHOICES)}; got {spec!r} of type "
+        f"loss_scale must be one of {', '.join(_LOSS_SCALE_CHOICES)}; got {spec!r} of type "
         f"{type(spec).__name__}."
     )
 

@@ -1,8 +1,6 @@
 """Loss-scale values and the loss_scaling optax transform: trajectories, skips, jit, sharding,
 checkpoints, MultiSteps and bad input."""
 
-import contextlib
-
 import flax.serialization
 import jax
 import jax.numpy as jnp
@@ -215,6 +213,9 @@ def test_loss_scale_specs():
     assert float(mpjax.get_loss_scale(8).loss_scale) == 8.0
     custom = DynamicLossScale(4.0)
     assert mpjax.get_loss_scale(custom) is custom
+    for spec in ("dynamic", "none", "static:3", 3, 2.5, custom):
+        ls = mpjax.get_loss_scale(spec)
+        assert ls.loss_scale.dtype == F32 and ls.counter.dtype == jnp.int32
 
 
 def test_default_loss_scale_is_dynamic_at_2_to_15():
@@ -605,7 +606,7 @@ def test_sharded_state_matches_params_and_overflow_check_is_global(mesh):
     assert state2.inner_state[1][0].trace["w"].sharding.is_equivalent_to(sharding, 1)
 
 
-def test_sharding_in_types_state_matches_init_and_update(mesh):
+def test_sharding_in_types_state_matches_init_and_update():
     # optax's sharding_test pattern: with explicit axes, the types (shardings included) of the
     # state from init and from update must be equal.
     explicit = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
