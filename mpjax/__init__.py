@@ -1,6 +1,23 @@
 """mpjax: mixed-precision training for JAX, Flax and optax."""
 
 from mpjax.inspection import MatmulInfo, MatmulReport, hlo_op_counts, inspect_matmuls
+from mpjax.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    get_loss_scale,
+    loss_scale_for,
+)
+from mpjax.loss_scaling import (
+    LossScalingState,
+    PersistentOverflowError,
+    check_overflow,
+    find_loss_scaling_state,
+    loss_scaling,
+    scale_loss,
+)
+from mpjax.master_weights import MasterWeightsState, master_weights
 from mpjax.policy import (
     MIXED_BFLOAT16,
     MIXED_FLOAT16,
@@ -15,11 +32,17 @@ from mpjax.rules import Resolution, Rule, Rules, RuleWarning, as_rules, norm_pol
 __version__ = "0.1.0"
 
 __all__ = [
+    "DynamicLossScale",
+    "LossScale",
+    "LossScalingState",
     "MIXED_BFLOAT16",
     "MIXED_FLOAT16",
+    "MasterWeightsState",
     "MatmulInfo",
     "MatmulReport",
     "ModuleRow",
+    "NoOpLossScale",
+    "PersistentOverflowError",
     "Policy",
     "PolicyLike",
     "PrecisionReport",
@@ -27,11 +50,19 @@ __all__ = [
     "Rule",
     "RuleWarning",
     "Rules",
+    "StaticLossScale",
     "as_rules",
     "cast_floating",
+    "check_overflow",
     "describe",
+    "find_loss_scaling_state",
+    "get_loss_scale",
     "get_policy",
     "hlo_op_counts",
     "inspect_matmuls",
+    "loss_scale_for",
+    "loss_scaling",
+    "master_weights",
     "norm_policy",
+    "scale_loss",
 ]
