@@ -58,7 +58,7 @@ class _Call:
 
 class _ActiveCalls(threading.local):
     def __init__(self):
-        self.stack: list[tuple[type, _Call]] = []
+        self.stack: list[tuple[_WrapperState, _Call]] = []
 
 
 # Innermost wrapped root last. Only the innermost root's interceptor acts, so a wrapped model
@@ -144,7 +144,7 @@ def _install_param_casts(module: nn.Module, policy: Policy, cast_at_use: bool) -
         object.__setattr__(module, method.__name__, method)
 
 
-def _f32_softmax_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+def f32_softmax_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
                            dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
                            precision=None, module=None, force_fp32_for_softmax=True,
                            qk_attn_weights_einsum=None, attn_weights_value_einsum=None):
@@ -182,7 +182,7 @@ def _configure(module: nn.Module, path: str, rules: Rules) -> Resolution:
         updates["param_dtype"] = policy.param_dtype
     if (updates.get("force_fp32_for_softmax") and
             getattr(module, "attention_fn", None) is nn.dot_product_attention):
-        updates["attention_fn"] = _f32_softmax_attention
+        updates["attention_fn"] = f32_softmax_attention
     for name, value in updates.items():
         if name in fields:
             # Bound modules are Flax's per-call copies: setting a field here is what
