@@ -2,6 +2,8 @@
 describe() tables."""
 
 import functools
+import pathlib
+import re
 import warnings
 
 import flax.linen as nn
@@ -538,3 +540,15 @@ def test_bad_input_raises_clear_errors():
         mpl.describe(mpl.apply_policy(nn.Dense(2), "bf16"), jnp.ones((1, 2)), rules="f32")
     with pytest.raises(TypeError, match=r"Module instance as `model`"):
         mpl.describe(nn.Dense, jnp.ones((1, 2)), rules="f32")
+
+
+def test_readme_flax_linen_example_runs_and_prints_its_table(capsys):
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("\n## Flax\n", 1)[1].split("\n### NNX", 1)[0].split("\n## ", 1)[0]
+    code = "\n".join(re.findall(r"```python\n(.*?)```", section, re.S))
+    table = re.search(r"```text\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "float32 {dtype('float32')}"
+    assert printed[1] == "Counter({('bfloat16', 'bfloat16'): 21, ('float32', 'float32'): 3})"
+    assert printed[2:] == table.splitlines()
