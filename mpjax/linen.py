@@ -26,6 +26,7 @@ call, never the user's instances, so nothing outside the call changes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -215,29 +216,53 @@ def _interceptor(call: _Call):
     return intercept
 
 
+@contextlib.contextmanager
+def _policy_call(state: _WrapperState, root_path: tuple[str, ...], report: bool):
+    """Runs the body under ``state``'s rules, for the modules at or below ``root_path``."""
+    call = _Call(state.rules, root_path)
+    _active.stack.append((state, call))
+    try:
+        with nn.intercept_methods(_interceptor(call)):
+            yield
+    finally:
+        _active.stack.pop()
+    if report:
+        state.seen = call.seen
+        state.warn_once(call.seen)
+
+
 class _PolicyMixin:
     """The methods of the subclass :func:`apply_policy` makes; ``_mpjax_state`` is per class."""
 
     _mpjax_state: _WrapperState
 
-    @nn.nowrap
+    def _mpjax_active(self) -> bool:
+        return bool(_active.stack) and _active.stack[-1][0] is type(self)._mpjax_state
+
+    # A top-level init/apply runs entirely under the rules, so functions passed as
+    # `method=` that reach into submodules (`lambda m, x: m.encoder(x)`) are covered too.
+    def init_with_output(self, *args, **kwargs):
+        if self._mpjax_active():
+            return super().init_with_output(*args, **kwargs)
+        with _policy_call(type(self)._mpjax_state, (), report=True):
+            return super().init_with_output(*args, **kwargs)
+
+    def apply(self, *args, **kwargs):
+        if self._mpjax_active():
+            return super().apply(*args, **kwargs)
+        with _policy_call(type(self)._mpjax_state, (), report=True):
+            return super().apply(*args, **kwargs)
+
     def _call_wrapped_method(self, fun, args, kwargs):
-        # Every wrapped method of the root enters here: setup, __call__, other methods, and
-        # functions passed to `apply(method=...)`, so all of them run under the interceptor.
-        state = type(self)._mpjax_state
-        if _active.stack and _active.stack[-1][0] is state:
+        # Used as a submodule, the wrapped module's methods (setup included) enter here.
+        # Overriding Flax's method dispatcher also covers Flax's own functions passed to
+        # `apply(method=nn.Embed.attend)`, which would bypass an override of `attend`.
+        if self._mpjax_active():
             return super()._call_wrapped_method(fun, args, kwargs)
-        call = _Call(state.rules, tuple(self.scope.path))
-        _active.stack.append((state, call))
-        try:
-            with nn.intercept_methods(_interceptor(call)):
-                out = super()._call_wrapped_method(fun, args, kwargs)
-        finally:
-            _active.stack.pop()
-        if fun.__name__ != "setup":  # a setup alone (attribute access) sees only the root
-            state.seen = call.seen
-            state.warn_once(call.seen)
-        return out
+        # A setup alone (a parent reading an attribute) sees only this module: no report.
+        with _policy_call(type(self)._mpjax_state, tuple(self.scope.path),
+                          report=fun.__name__ != "setup"):
+            return super()._call_wrapped_method(fun, args, kwargs)
 
 
 def _wrap_class(cls: type, rules: Rules) -> type:
