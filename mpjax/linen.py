@@ -22,6 +22,13 @@ every module below it and, for each module,
 
 The modules being configured are the throwaway copies Flax binds for each ``init``/``apply``
 call, never the user's instances, so nothing outside the call changes.
+
+Why this way: calling ``module.clone(parent=module.scope, dtype=...)`` from the interceptor
+runs ``setup`` a second time on the same scope (Flax runs the original's ``setup`` before any
+interceptor), which fails for modules that define submodules or params there (``nn.Embed``);
+``nn.map_variables(..., init=True)`` would store the cast params. Setting the fields of the
+bound copy when the interceptor first sees it (its ``setup`` call, if it has one) avoids both,
+and lifted transforms (``nn.scan``, ``nn.remat``, ``nn.vmap``) clone the configured fields.
 """
 
 from __future__ import annotations
