@@ -1,5 +1,6 @@
 """mpjax: mixed-precision training for JAX, Flax and optax."""
 
+from mpjax import linen
 from mpjax.inspection import MatmulInfo, MatmulReport, hlo_op_counts, inspect_matmuls
 from mpjax.loss_scale import (
     DynamicLossScale,
@@ -32,6 +33,7 @@ from mpjax.rules import Resolution, Rule, Rules, RuleWarning, as_rules, norm_pol
 __version__ = "0.1.0"
 
 __all__ = [
+    "linen",
     "DynamicLossScale",
     "LossScale",
     "LossScalingState",

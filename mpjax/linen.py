@@ -1,0 +1,480 @@
+"""Flax linen: apply a precision policy or rules to an existing, unmodified linen module.
+
+``apply_policy(model, "mixed_bfloat16")`` returns a copy of ``model`` whose class is a thin
+subclass of the original (same name, same fields, same parameter tree). While any method of the
+wrapped model runs, a :func:`flax.linen.intercept_methods` interceptor sees every method call of
+every module below it and, for each module,
+
+1. resolves its policy with ``rules.resolve(path, module)``, ``path`` being the module's path
+   relative to the wrapped root (``"Block_0/attn/query"``; the root is ``""``);
+2. configures the module once, before its ``setup`` or first method runs: modules with ``dtype``
+   / ``param_dtype`` fields (Flax's own layers) get ``dtype=compute_dtype`` and
+   ``param_dtype=param_dtype``, plus the attributes of the rule that matched
+   (``force_fp32_for_softmax=True`` for attention); every module creates its parameters in the
+   param dtype; modules without a ``dtype`` field read their parameters (``self.param``,
+   ``self.get_variable("params", ...)``, ``self.variable("params", ...).value``) cast to the
+   compute dtype. Stored values are never replaced, so gradients come back in the param dtype;
+3. casts the floating-point inputs of the call to the compute dtype, and its outputs to the
+   output dtype where the policy's region ends: at the wrapped root, and at a module whose policy
+   differs from the policy of the module that called it. Inside a region activations stay in the
+   compute dtype, as with hand-written ``dtype=jnp.bfloat16`` layers, so a wrapped model adds no
+   conversions a hand-written one does not have.
+
+The modules being configured are the throwaway copies Flax binds for each ``init``/``apply``
+call, never the user's instances, so nothing outside the call changes.
+
+Why this way: calling ``module.clone(parent=module.scope, dtype=...)`` from the interceptor
+runs ``setup`` a second time on the same scope (Flax runs the original's ``setup`` before any
+interceptor), which fails for modules that define submodules or params there (``nn.Embed``);
+``nn.map_variables(..., init=True)`` would store the cast params. Setting the fields of the
+bound copy when the interceptor first sees it (its ``setup`` call, if it has one) avoids both,
+and lifted transforms (``nn.scan``, ``nn.remat``, ``nn.vmap``) clone the configured fields.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+import warnings
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.core.scope import Variable
+from flax.linen.dtypes import promote_dtype
+
+from mpjax.policy import Policy, PolicyLike, cast_floating
+from mpjax.report import ModuleRow, PrecisionReport
+from mpjax.rules import Resolution, Rules, RuleWarning, as_rules
+
+_RESOLUTION = "_mpjax_resolution"  # instance-dict key marking a configured bound module
+
+
+@dataclasses.dataclass
+class _Call:
+    """One outermost call of a wrapped root: what its interceptor needs and what it saw."""
+
+    rules: Rules
+    root_path: tuple[str, ...]
+    seen: dict[str, tuple[type, Resolution]] = dataclasses.field(default_factory=dict)
+    policies: list[Policy] = dataclasses.field(default_factory=list)
+
+
+class _ActiveCalls(threading.local):
+    def __init__(self):
+        self.stack: list[tuple[_WrapperState, _Call]] = []
+
+
+# Innermost wrapped root last. Only the innermost root's interceptor acts, so a wrapped model
+# nested in another keeps its own rules.
+_active = _ActiveCalls()
+
+
+class _WrapperState:
+    """Per wrapped class: its rules, the modules its last call saw, and whether problems with
+    its rules were already warned about (once per wrap, not every step)."""
+
+    def __init__(self, rules: Rules):
+        self.rules = rules
+        self.seen: dict[str, tuple[type, Resolution]] = {}
+        self._warned = False
+
+    def warn_once(self, seen: dict[str, tuple[type, Resolution]]) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        for problem in self.rules.problems((path, cls) for path, (cls, _) in seen.items()):
+            warnings.warn(problem, RuleWarning, stacklevel=2)
+
+
+def _relative_path(module: nn.Module, root: tuple[str, ...]) -> str | None:
+    path = tuple(module.scope.path)
+    if path[: len(root)] != root:
+        return None
+    return "/".join(path[len(root):])
+
+
+def _fields(module: nn.Module) -> set[str]:
+    return {f.name for f in dataclasses.fields(module)}
+
+
+def _init_in(dtype: np.dtype, init_fn: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """Wraps an initializer so the stored value is created in ``dtype``."""
+    if init_fn is None:
+        return None
+
+    def init(*args, **kwargs):
+        return cast_floating(init_fn(*args, **kwargs), dtype)
+
+    return init
+
+
+class _ComputeView(Variable):
+    """A ``params`` variable whose reads come back in the compute dtype; writes go through."""
+
+    def __init__(self, variable: Variable, dtype: np.dtype):
+        super().__init__(variable.scope, variable.collection, variable.name, variable.unbox)
+        self._dtype = dtype
+
+    value = property(
+        lambda self: cast_floating(Variable.value.fget(self), self._dtype), Variable.value.fset
+    )
+
+
+def _install_param_casts(module: nn.Module, policy: Policy, cast_at_use: bool) -> None:
+    """Makes ``module`` create its params in the param dtype and, if ``cast_at_use``, read them
+    in the compute dtype. Linen has no param getter hook, so the bound module's ``param``,
+    ``get_variable`` and ``variable`` are shadowed on the instance (Flax's methods still run)."""
+    cls = type(module)
+    compute = policy.cast_to_compute if cast_at_use else (lambda value: value)
+
+    def param(name, init_fn, *init_args, **init_kwargs):
+        value = cls.param(module, name, _init_in(policy.param_dtype, init_fn), *init_args,
+                          **init_kwargs)
+        return compute(value)
+
+    def get_variable(col, name, default=None):
+        value = cls.get_variable(module, col, name, default)
+        return compute(value) if col == "params" else value
+
+    def variable(col, name, init_fn=None, *init_args, **init_kwargs):
+        if col != "params":
+            return cls.variable(module, col, name, init_fn, *init_args, **init_kwargs)
+        var = cls.variable(module, col, name, _init_in(policy.param_dtype, init_fn),
+                           *init_args, **init_kwargs)
+        return _ComputeView(var, policy.compute_dtype) if cast_at_use else var
+
+    for method in (param, get_variable, variable):
+        object.__setattr__(module, method.__name__, method)
+
+
+def f32_softmax_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                           dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                           precision=None, module=None, force_fp32_for_softmax=True,
+                           qk_attn_weights_einsum=None, attn_weights_value_einsum=None):
+    """``nn.dot_product_attention`` with the softmax in f32 and both matmuls in ``dtype``.
+
+    Flax's own ``force_fp32_for_softmax=True`` leaves the attention weights in f32, so the
+    weights x values matmul runs in f32 (and fails under strict dtype promotion). Here the
+    weights go back to the compute dtype after the softmax, as PyTorch's autocast does.
+    """
+    query, key, value = promote_dtype(query, key, value, dtype=dtype)
+    weights = nn.dot_product_attention_weights(
+        query, key, bias, mask, precision=precision, module=module,
+        force_fp32_for_softmax=True, einsum=qk_attn_weights_einsum,
+    ).astype(value.dtype)
+    if not deterministic and dropout_rate > 0.0:
+        keep_prob = 1.0 - dropout_rate
+        shape = ((1,) * (key.ndim - 2) + weights.shape[-2:]) if broadcast_dropout else weights.shape
+        keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+        weights = weights * (keep.astype(weights.dtype) / jnp.asarray(keep_prob, weights.dtype))
+    einsum = attn_weights_value_einsum or functools.partial(jnp.einsum, precision=precision)
+    return einsum("...hqk,...khd->...qhd", weights, value)
+
+
+def _configure(module: nn.Module, path: str, rules: Rules) -> Resolution:
+    """Resolves ``module``'s policy and sets it up, once per bound module."""
+    resolution = module.__dict__.get(_RESOLUTION)
+    if resolution is not None:
+        return resolution
+    resolution = rules.resolve(path, module)
+    policy, fields = resolution.policy, _fields(module)
+    updates = dict(resolution.attributes)
+    if "dtype" in fields:
+        updates["dtype"] = policy.compute_dtype
+    if "param_dtype" in fields:
+        updates["param_dtype"] = policy.param_dtype
+    if (updates.get("force_fp32_for_softmax") and
+            getattr(module, "attention_fn", None) is nn.dot_product_attention):
+        updates["attention_fn"] = f32_softmax_attention
+    for name, value in updates.items():
+        if name in fields:
+            # Bound modules are Flax's per-call copies: setting a field here is what
+            # `module.clone(dtype=...)` would give, without re-running setup on a second copy.
+            object.__setattr__(module, name, value)
+    _install_param_casts(module, policy, cast_at_use="dtype" not in fields)
+    object.__setattr__(module, _RESOLUTION, resolution)
+    return resolution
+
+
+def _interceptor(call: _Call):
+    def intercept(next_fun, args, kwargs, context):
+        module = context.module
+        path = _relative_path(module, call.root_path)
+        if _active.stack[-1][1] is not call or path is None:
+            return next_fun(*args, **kwargs)  # another wrapped root's module, or outside ours
+        resolution = _configure(module, path, call.rules)
+        call.seen.setdefault(path, (type(module), resolution))
+        policy = resolution.policy
+        caller = call.policies[-1] if call.policies else None
+        args, kwargs = policy.cast_to_compute((args, kwargs))
+        call.policies.append(policy)
+        try:
+            out = next_fun(*args, **kwargs)
+        finally:
+            call.policies.pop()
+        # The region of a policy ends at the root (no caller) and where the caller's differs.
+        return policy.cast_to_output(out) if caller != policy else out
+
+    return intercept
+
+
+@contextlib.contextmanager
+def _policy_call(state: _WrapperState, root_path: tuple[str, ...], report: bool):
+    """Runs the body under ``state``'s rules, for the modules at or below ``root_path``."""
+    call = _Call(state.rules, root_path)
+    _active.stack.append((state, call))
+    try:
+        with nn.intercept_methods(_interceptor(call)):
+            yield
+    finally:
+        _active.stack.pop()
+    if report:
+        state.seen = call.seen
+        state.warn_once(call.seen)
+
+
+class _PolicyMixin:
+    """The methods of the subclass :func:`apply_policy` makes; ``_mpjax_state`` is per class."""
+
+    _mpjax_state: _WrapperState
+
+    def _mpjax_active(self) -> bool:
+        return bool(_active.stack) and _active.stack[-1][0] is type(self)._mpjax_state
+
+    # A top-level init/apply runs entirely under the rules, so functions passed as
+    # `method=` that reach into submodules (`lambda m, x: m.encoder(x)`) are covered too.
+    def init_with_output(self, *args, **kwargs):
+        if self._mpjax_active():
+            return super().init_with_output(*args, **kwargs)
+        with _policy_call(type(self)._mpjax_state, (), report=True):
+            return super().init_with_output(*args, **kwargs)
+
+    def apply(self, *args, **kwargs):
+        if self._mpjax_active():
+            return super().apply(*args, **kwargs)
+        with _policy_call(type(self)._mpjax_state, (), report=True):
+            return super().apply(*args, **kwargs)
+
+    def _call_wrapped_method(self, fun, args, kwargs):
+        # Used as a submodule, the wrapped module's methods (setup included) enter here.
+        # Overriding Flax's method dispatcher also covers Flax's own functions passed to
+        # `apply(method=nn.Embed.attend)`, which would bypass an override of `attend`.
+        if self._mpjax_active():
+            return super()._call_wrapped_method(fun, args, kwargs)
+        # A setup alone (a parent reading an attribute) sees only this module: no report.
+        with _policy_call(type(self)._mpjax_state, tuple(self.scope.path),
+                          report=fun.__name__ != "setup"):
+            return super()._call_wrapped_method(fun, args, kwargs)
+
+
+def _wrap_class(cls: type, rules: Rules) -> type:
+    cls = getattr(cls, "_mpjax_original", cls)  # wrapping again replaces the rules
+    # Same name and qualname: linen auto-names submodules after their class ("Dense_0"), so a
+    # wrapped model has the unwrapped model's parameter tree and the same variables fit both.
+    namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                 "__doc__": cls.__doc__, "_mpjax_state": _WrapperState(rules),
+                 "_mpjax_original": cls}
+    return type(cls.__name__, (_PolicyMixin, cls), namespace)
+
+
+def apply_policy(module: nn.Module | type, policy_or_rules: Rules | PolicyLike):
+    """Applies a precision policy, or rules, to an unmodified linen module or module class.
+
+    Every module below the wrapped one (submodules defined in ``setup`` or ``@nn.compact``,
+    shared modules, modules inside ``nn.scan``, ``nn.remat``, ``nn.vmap``...) resolves its policy
+    with ``rules.resolve(path, module)``, ``path`` being its ``/``-joined path relative to the
+    wrapped module (``""`` for the wrapped module itself). Then
+
+    - ``init`` creates every param in its module's ``param_dtype``;
+    - ``apply`` runs each module in its ``compute_dtype``: Flax layers (anything with ``dtype``
+      and ``param_dtype`` fields) get ``dtype=compute_dtype``, ``param_dtype=param_dtype`` and
+      the matched rule's attributes; other modules read their params (``self.param(...)``,
+      ``self.get_variable("params", ...)``) cast to the compute dtype. Stored params are never
+      replaced, so gradients come back in the param dtype;
+    - floating-point inputs of each module are cast to its compute dtype, and outputs to its
+      ``output_dtype`` where the policy's region ends: at the wrapped module and at modules
+      whose policy differs from their caller's. Inside a region activations stay in the compute
+      dtype, exactly as with layers written with ``dtype=jnp.bfloat16``, so no conversion is
+      added that a hand-written model would not have;
+    - attention (under the built-in rule) computes its softmax in f32 and casts the weights back
+      to the compute dtype, so both attention matmuls run in the compute dtype. (Flax's own
+      ``force_fp32_for_softmax`` keeps the weights in f32, so the weights x values matmul runs in
+      f32; mpjax swaps in an attention function that does not, when the module uses Flax's
+      default ``attention_fn``.)
+
+    The user's rules that match no module, or only modules an earlier rule claims, are warned
+    about once (:class:`mpjax.RuleWarning`), after the first call (usually ``init``).
+
+    Args:
+      module: a linen module instance that is not bound or attached to a parent yet, or a
+        module class. A class gives a subclass with the same name and fields whose instances
+        are wrapped: use it to wrap a submodule inside another module
+        (``apply_policy(nn.Dense, "float32")(features)``). Wrapping a wrapped module replaces
+        its rules.
+      policy_or_rules: a :class:`mpjax.Rules`, or anything :func:`mpjax.get_policy` accepts,
+        which becomes the default policy with the built-in rules (norms and softmax in f32).
+
+    Returns:
+      A module of a subclass of ``type(module)`` with the same fields and parameter tree, or,
+      for a class, that subclass. Use it as the original: ``init``, ``apply``, ``bind``, as a
+      submodule, under ``jax.jit`` and ``jax.grad``.
+
+    Raises:
+      TypeError: if ``module`` is not a linen module or module class, or ``policy_or_rules`` is
+        not a policy or rules.
+      ValueError: if ``module`` is already bound or attached to a parent, or the policy string
+        is invalid.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, mpjax
+    >>> model = apply_policy(nn.Dense(4), "mixed_bfloat16")
+    >>> x = jnp.ones((2, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> variables["params"]["kernel"].dtype, model.apply(variables, x).dtype
+    (dtype('float32'), dtype('float32'))
+    >>> [m.operand_dtypes for m in mpjax.inspect_matmuls(model.apply, variables, x)]
+    [(dtype(bfloat16), dtype(bfloat16))]
+    """
+    rules = as_rules(policy_or_rules)
+    if isinstance(module, type) and issubclass(module, nn.Module):
+        return _wrap_class(module, rules)
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            "apply_policy() takes a flax.linen Module instance or class as `module`; got "
+            f"{module!r} of type {type(module).__name__}."
+            + (" For flax.nnx modules use mpjax.nnx.apply_policy." if _is_nnx(module) else "")
+        )
+    if module.scope is not None:
+        raise ValueError(
+            f"apply_policy() got a {type(module).__name__} that is already bound or attached to "
+            "a parent module, so its scope can no longer change. Either\n"
+            "  1. wrap the module before binding it: apply_policy(model, rules).init(...), or\n"
+            "  2. inside a parent module, wrap the class: apply_policy(nn.Dense, rules)(4)(x)."
+        )
+    cls = _wrap_class(type(module), rules)
+    attrs = {f.name: getattr(module, f.name) for f in dataclasses.fields(module) if f.init}
+    # An orphan, like `module.clone()`: a parent's setup adopts it when assigned to an attribute.
+    attrs["parent"] = None
+    return cls(**attrs)
+
+
+def _is_nnx(value: Any) -> bool:
+    from flax import nnx
+
+    return isinstance(value, nnx.Module)
+
+
+def _owned_params(params: Any, path: str, module_paths: set[str]) -> list[Any]:
+    """The param leaves stored at ``path`` that belong to no submodule."""
+    node = params
+    for name in filter(None, path.split("/")):
+        node = node.get(name, {}) if isinstance(node, Mapping) else {}
+    if not isinstance(node, Mapping):
+        return []
+    prefix = f"{path}/" if path else ""
+    return [leaf for name, value in node.items() if f"{prefix}{name}" not in module_paths
+            for leaf in jax.tree.leaves(value)]
+
+
+def describe(
+    model: nn.Module,
+    *args,
+    rules: Rules | PolicyLike | None = None,
+    variables: Any = None,
+    rngs: Any = None,
+    method: Callable[..., Any] | str | None = None,
+    print_table: bool = True,
+    **kwargs,
+) -> PrecisionReport:
+    """Returns, and prints, what the rules of a wrapped linen model resolve to, module by module.
+
+    The model is traced abstractly with ``jax.eval_shape`` (nothing is allocated or computed):
+    ``model.init(rngs, *args, **kwargs)``, or ``model.apply(variables, *args, **kwargs)`` when
+    ``variables`` are given. Each module called gets a row: its path, class name, resolved
+    policy, the rule that decided it, and the number and bytes of the params it owns directly
+    (not its submodules'), as stored. Problems with the rules are listed under the table.
+
+    Args:
+      model: a model returned by :func:`apply_policy`, or an unwrapped module with ``rules``.
+      *args: example inputs: arrays or ``jax.ShapeDtypeStruct``.
+      rules: rules or a policy for an unwrapped ``model``; must be None for a wrapped one.
+      variables: the model's variables (arrays or ``jax.ShapeDtypeStruct``) to count instead of
+        initializing; the params of a bf16-stored model count 2 bytes each.
+      rngs: the PRNG key or ``{name: key}`` dict for ``init``; defaults to ``jax.random.key(0)``.
+      method: the method to trace, as for ``Module.init``/``Module.apply``.
+      print_table: print the report (the default) as well as returning it.
+      **kwargs: further keyword arguments of the method (static values such as
+        ``deterministic=True``).
+
+    Returns:
+      A :class:`mpjax.PrecisionReport`.
+
+    Raises:
+      TypeError: if ``model`` is not a linen module.
+      ValueError: if ``model`` is wrapped and ``rules`` is given, or unwrapped and it is not.
+
+    >>> import jax.numpy as jnp, flax.linen as nn
+    >>> class MLP(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         return nn.Dense(2, name="out")(nn.LayerNorm(name="norm")(x))
+    >>> report = describe(apply_policy(MLP(), "mixed_bfloat16"), jnp.ones((1, 3)))
+    path    type       params   compute   output    rule                             #params  bytes
+    ------  ---------  -------  --------  --------  -------------------------------  -------  -----
+    <root>  MLP        float32  bfloat16  float32   default                                0    0 B
+    norm    LayerNorm  float32  float32   bfloat16  builtin: linen.LayerNorm in f32        6   24 B
+    out     Dense      float32  bfloat16  float32   default                                8   32 B
+    ------  ---------  -------  --------  --------  -------------------------------  -------  -----
+    total                                                                                 14   56 B
+    """
+    model = _wrapped_for_report(model, rules)
+    state = type(model)._mpjax_state
+    if variables is None:
+        rngs = jax.random.key(0) if rngs is None else rngs
+        init = functools.partial(model.init, method=method, **kwargs)
+        shapes = jax.eval_shape(lambda *a: init(rngs, *a), *args)
+    else:
+        apply = functools.partial(model.apply, method=method, rngs=rngs, mutable=True, **kwargs)
+        jax.eval_shape(apply, variables, *args)
+        shapes = variables
+    params = nn.meta.unbox(shapes).get("params", {}) if isinstance(shapes, Mapping) else {}
+    seen = state.seen
+    rows = []
+    for path, (module_type, resolution) in seen.items():
+        leaves = _owned_params(params, path, set(seen))
+        rows.append(ModuleRow(
+            path=path, type_name=module_type.__name__, policy=resolution.policy,
+            rule=resolution.rule_name,
+            param_count=sum(int(np.prod(leaf.shape)) for leaf in leaves),
+            param_bytes=sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+                            for leaf in leaves),
+        ))
+    problems = state.rules.problems((path, cls) for path, (cls, _) in seen.items())
+    report = PrecisionReport(tuple(rows), tuple(problems))
+    if print_table:
+        print(report)
+    return report
+
+
+def _wrapped_for_report(model: Any, rules: Rules | PolicyLike | None) -> nn.Module:
+    if not isinstance(model, nn.Module) or isinstance(model, type):
+        raise TypeError(
+            f"describe() takes a flax.linen Module instance as `model`; got {model!r} of type "
+            f"{type(model).__name__}."
+        )
+    wrapped = isinstance(model, _PolicyMixin)
+    if wrapped and rules is not None:
+        raise ValueError(
+            "describe() got `rules` for a model apply_policy() already wrapped, which has its "
+            "own rules. Pass the unwrapped model with `rules`, or the wrapped model alone."
+        )
+    if not wrapped and rules is None:
+        raise ValueError(
+            f"describe() got an unwrapped {type(model).__name__}: pass `rules=` (rules or a "
+            "policy), or the model returned by mpjax.linen.apply_policy(model, rules)."
+        )
+    return model if wrapped else apply_policy(model, rules)

@@ -1,0 +1,571 @@
+"""Flax linen integration: apply_policy on unmodified modules, read back from the jaxpr/HLO;
+describe() tables."""
+
+import functools
+import pathlib
+import re
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mpjax
+import mpjax.linen as mpl
+from mpjax import Rules
+from mpjax.inspection import iter_equations
+
+F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
+VOCAB, DIM, SEQ = 16, 16, 4
+KEY = jax.random.key(0)
+
+
+# --- Models: stock Flax layers and third-party-style code, none of them aware of mpjax. ------
+
+class Block(nn.Module):
+    """A pre-norm transformer block from Flax's stock layers. ``dtype=None`` everywhere unless a
+    hand-written bf16 version is asked for."""
+
+    dtype: object = None
+    attention_fn: object = nn.dot_product_attention
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.LayerNorm(dtype=self.dtype, name="ln1")(x)
+        y = nn.MultiHeadDotProductAttention(num_heads=2, dtype=self.dtype,
+                                            attention_fn=self.attention_fn, name="attn")(y)
+        x = x + y
+        y = nn.LayerNorm(dtype=self.dtype, name="ln2")(x)
+        y = nn.Dense(2 * DIM, dtype=self.dtype, name="up")(y)
+        y = nn.Dense(DIM, dtype=self.dtype, name="down")(nn.gelu(y))
+        return x + y
+
+
+class Scale(nn.Module):
+    """The hard case: a module that calls ``self.param`` and does its math in jnp."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.lecun_normal(), (x.shape[-1], x.shape[-1]))
+        g = self.param("g", nn.initializers.ones, (x.shape[-1],))
+        return (x @ w) * g
+
+
+class LM(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        x = nn.Embed(VOCAB, DIM, name="embed")(ids)
+        x = Block(name="block")(x)
+        x = Scale(name="scale")(nn.RMSNorm(name="norm")(x))
+        return nn.DenseGeneral(VOCAB, name="head")(x)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    ids = jax.random.randint(jax.random.key(1), (2, SEQ), 0, VOCAB)
+    wrapped = mpl.apply_policy(LM(), "mixed_bfloat16")
+    variables = jax.jit(wrapped.init)(KEY, ids)
+    return wrapped, variables, ids
+
+
+def _loss(model, ids):
+    def loss(params):
+        logits = model.apply({"params": params}, ids)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ids).mean()
+    return loss
+
+
+def _forward_and_backward(model, params, x):
+    """The matmuls of the forward pass, and of the gradient w.r.t. params and input."""
+    fwd = mpjax.inspect_matmuls(lambda p: model.apply({"params": p}, x), params)
+    loss = lambda p, x: model.apply({"params": p}, x).sum()  # noqa: E731
+    bwd = mpjax.inspect_matmuls(jax.grad(loss, argnums=(0, 1)), params, x)
+    return fwd, bwd
+
+
+def _init(model, *args, **kwargs):
+    """The model's variables, abstractly: dtype checks and jaxpr reading need no numbers."""
+    return jax.eval_shape(functools.partial(model.init, **kwargs), KEY, *args)
+
+
+def _dtypes(tree):
+    return {leaf.dtype for leaf in jax.tree.leaves(tree)}
+
+
+def _equations(fn, *args, primitive):
+    """(input dtypes, name stack) of every ``primitive`` equation, nested jaxprs included."""
+    return [({np.dtype(v.aval.dtype) for v in eqn.invars}, str(eqn.source_info.name_stack))
+            for eqn, _ in iter_equations(fn, *args) if eqn.primitive.name == primitive]
+
+
+# --- The transformer block of the issue's "Done when". -----------------------------------------
+
+def test_every_matmul_forward_and_backward_runs_in_bf16(lm):
+    model, variables, ids = lm
+    report = mpjax.inspect_matmuls(jax.grad(_loss(model, ids)), variables["params"])
+    # q, k, v, scores, weights x values, out, up, down, scale, head: 10 forward, 2 backward each.
+    assert len(report) == 10 + 2 * 10
+    assert report.operand_dtypes() == {("bfloat16", "bfloat16"): len(report)}, str(report)
+
+
+def test_a_user_rule_keeps_the_head_in_f32(lm):
+    _, variables, ids = lm
+    rules = Rules({"head": "float32"}, default="mixed_bfloat16")
+    model = mpl.apply_policy(LM(), rules)
+    report = mpjax.inspect_matmuls(jax.grad(_loss(model, ids)), variables["params"])
+    head = [m for m in report if m.scope.endswith("/head")]
+    assert len(head) == 3  # forward, and the two gradients
+    assert {m.operand_dtypes for m in head} == {(F32, F32)}
+    assert {m.operand_dtypes for m in report if m not in head} == {(BF16, BF16)}
+    assert jax.eval_shape(model.apply, variables, ids).dtype == F32
+
+
+def test_norm_statistics_run_in_f32(lm):
+    model, variables, ids = lm
+    fn = jax.grad(_loss(model, ids))
+    for primitive in ("reduce_sum", "rsqrt"):
+        found = [d for d, scope in _equations(fn, variables["params"], primitive=primitive)
+                 if scope.endswith(("/ln1", "/ln2", "/norm"))]
+        assert found and all(d == {F32} for d in found), (primitive, found)
+
+
+def test_attention_softmax_runs_in_f32(lm):
+    model, variables, ids = lm
+    fn = jax.grad(_loss(model, ids))
+    for primitive in ("reduce_max", "exp"):
+        found = _equations(fn, variables["params"], primitive=primitive)
+        attn = [d for d, scope in found if "/attn" in scope]
+        assert len(attn) == 1 and attn[0] == {F32}, found
+    # Flax's force_fp32_for_softmax keeps the weights in f32; both attention dots stay bf16.
+    dots = [m for m in mpjax.inspect_matmuls(lambda p: model.apply({"params": p}, ids),
+                                             variables["params"]) if "/attn/..." in m.scope]
+    assert [m.operand_dtypes for m in dots] == [(BF16, BF16)] * 2
+
+
+def test_params_are_created_in_f32_and_stay_f32_across_adam_steps(lm):
+    model, variables, ids = lm
+    params = variables["params"]
+    assert _dtypes(params) == {F32}
+    tx = optax.adam(1e-2)
+
+    @jax.jit
+    def step(params, opt_state):
+        loss, grads = jax.value_and_grad(_loss(model, ids))(params)
+        with jax.numpy_dtype_promotion("standard"):  # optax's adam is not strict-promotion clean
+            updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, grads
+
+    opt_state = tx.init(params)
+    losses = []
+    for _ in range(4):
+        params, opt_state, loss, grads = step(params, opt_state)
+        losses.append(float(loss))
+        assert _dtypes(params) == _dtypes(grads) == {F32}
+        assert _dtypes(opt_state) == {F32, np.dtype(np.int32)}  # adam's mu, nu and count
+    assert losses[-1] < losses[0]
+    assert step._cache_size() == 1  # no retrace
+    moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), params, variables["params"])
+    assert all(jax.tree.leaves(moved))
+
+
+def test_output_matches_the_f32_model_within_bf16_tolerance(lm):
+    model, variables, ids = lm
+    out = jax.jit(model.apply)(variables, ids)
+    ref = jax.jit(LM().apply)(variables, ids)  # the unwrapped model, same variables
+    assert out.dtype == ref.dtype == F32
+    scale = float(jnp.abs(ref).max())
+    np.testing.assert_allclose(out, ref, atol=0.03 * scale)
+    assert not np.array_equal(out, ref)  # it did run in bf16
+
+
+def test_wrapped_model_has_the_unwrapped_parameter_tree(lm):
+    _, variables, ids = lm
+    plain = jax.eval_shape(LM().init, jax.random.key(0), ids)
+    assert jax.tree.structure(plain) == jax.tree.structure(variables)
+
+
+# --- Each kind of module. ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("layer, x", [
+    (nn.Dense(4), jnp.ones((2, 3))),
+    (nn.DenseGeneral((2, 2), axis=(-2, -1)), jnp.ones((2, 3, 4))),
+    (nn.Conv(4, (3, 3)), jnp.ones((1, 5, 5, 2))),
+    (nn.MultiHeadDotProductAttention(num_heads=2), jnp.ones((2, 3, 4))),
+    (Scale(), jnp.ones((2, 3))),
+], ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else "")
+def test_layer_runs_in_bf16_keeps_f32_params_and_grads(layer, x):
+    model = mpl.apply_policy(layer, "mixed_bfloat16")
+    variables = _init(model, x)
+    params = variables["params"]
+    fwd, bwd = _forward_and_backward(model, params, x)
+    assert fwd and {m.operand_dtypes for m in fwd + bwd} == {(BF16, BF16)}
+    assert len(bwd) == 3 * len(fwd)
+    assert _dtypes(params) == {F32}
+    assert jax.eval_shape(model.apply, variables, x).dtype == F32
+    grads = jax.eval_shape(jax.grad(lambda p: model.apply({"params": p}, x).sum()), params)
+    assert _dtypes(grads) == {F32}
+
+
+def test_embed_lookup_and_attend_run_in_bf16():
+    model = mpl.apply_policy(nn.Embed(VOCAB, DIM), "mixed_bfloat16")
+    ids = jnp.arange(3)
+    variables = _init(model, ids)
+    assert variables["params"]["embedding"].dtype == F32
+    lookup = jax.make_jaxpr(lambda v: model.apply(v, ids))(variables)
+    assert BF16 in {np.dtype(v.aval.dtype) for e in lookup.jaxpr.eqns for v in e.outvars}
+    assert jax.eval_shape(model.apply, variables, ids).dtype == F32
+    query = jnp.ones((2, DIM))
+    for method in ("attend", nn.Embed.attend):  # by name or as Flax's own function
+        fwd = mpjax.inspect_matmuls(lambda v: model.apply(v, query, method=method), variables)
+        assert [m.operand_dtypes for m in fwd] == [(BF16, BF16)]
+        assert jax.eval_shape(functools.partial(model.apply, method=method), variables,
+                              query).dtype == F32
+
+
+def test_custom_module_reads_params_cast_by_param_get_variable_and_variable():
+    class Reads(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.initializers.ones, (3, 3))
+            v = self.variable("params", "v", jnp.ones, (3, 3)).value
+            u = self.get_variable("params", "w")
+            return x @ w + x @ v + x @ u
+
+    model = mpl.apply_policy(Reads(), "mixed_bfloat16")
+    x = jnp.ones((2, 3))
+    params = _init(model, x)["params"]
+    assert _dtypes(params) == {F32}
+    fwd, bwd = _forward_and_backward(model, params, x)
+    assert len(fwd) == 3 and {m.operand_dtypes for m in fwd + bwd} == {(BF16, BF16)}
+    grads = jax.eval_shape(jax.grad(lambda p: model.apply({"params": p}, x).sum()), params)
+    assert _dtypes(grads) == {F32}
+
+
+def test_layer_norm_rms_norm_and_batch_norm_keep_f32_params_and_stats():
+    class Convnet(nn.Module):
+        @nn.compact
+        def __call__(self, x, train):
+            x = nn.Conv(4, (3, 3))(x)
+            x = nn.BatchNorm(use_running_average=not train)(x)
+            return nn.RMSNorm()(nn.LayerNorm()(x))
+
+    model = mpl.apply_policy(Convnet(), "mixed_bfloat16")
+    x = jax.random.normal(jax.random.key(1), (2, 5, 5, 2))
+    variables = jax.jit(functools.partial(model.init, train=False))(KEY, x)
+    assert _dtypes(variables) == {F32}
+    out, updated = jax.jit(functools.partial(model.apply, train=True, mutable=["batch_stats"]))(
+        variables, x)
+    assert out.dtype == F32 and _dtypes(updated) == {F32}
+    before, after = variables["batch_stats"]["BatchNorm_0"], updated["batch_stats"]["BatchNorm_0"]
+    assert not np.allclose(before["mean"], after["mean"])
+    fn = lambda v: model.apply(v, x, train=True, mutable=["batch_stats"])[0]  # noqa: E731
+    convs = mpjax.inspect_matmuls(fn, variables)
+    assert [m.operand_dtypes for m in convs] == [(BF16, BF16)]
+    stats = [d for d, scope in _equations(fn, variables, primitive="reduce_sum")]
+    assert len(stats) == 5 and all(d == {F32} for d in stats)  # mean, mean square; RMS: one
+
+
+# --- Lifted transforms, sharing, setup. --------------------------------------------------------
+
+class ScanLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return Scale()(nn.Dense(DIM)(x)), None
+
+
+class WithSetup(nn.Module):
+    def setup(self):
+        self.dense = nn.Dense(DIM)
+        self.scale = Scale()
+        self.gain = self.param("gain", nn.initializers.ones, (DIM,))
+
+    def __call__(self, x):
+        return self.scale(self.dense(x)) * self.gain
+
+
+class Transformed(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.scan(ScanLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                    length=2)(name="scan")(x, None)[0]
+        x = nn.remat(Scale)(name="remat")(x)
+        x = nn.vmap(Scale, variable_axes={"params": 0}, split_rngs={"params": True})(name="vmap")(x)
+        shared = nn.Dense(DIM, name="shared")
+        x = shared(shared(x))
+        return WithSetup(name="setup")(x)
+
+
+@pytest.fixture(scope="module")
+def transformed():
+    model = mpl.apply_policy(Transformed(), "mixed_bfloat16")
+    x = jax.random.normal(jax.random.key(1), (2, DIM))
+    return model, _init(model, x), x
+
+
+def test_scan_remat_vmap_shared_and_setup_modules_run_in_bf16(transformed):
+    model, variables, x = transformed
+    fwd, bwd = _forward_and_backward(model, variables["params"], x)
+    # scan's body (traced once), remat, vmap, shared twice, setup's two.
+    assert len(fwd) == 8 and len(bwd) > 2 * len(fwd)
+    assert {m.operand_dtypes for m in fwd + bwd} == {(BF16, BF16)}
+    contexts = {c for m in bwd for c in m.context}
+    assert {"scan", "remat2"} <= contexts
+    assert _dtypes(variables) == {F32}
+    assert variables["params"]["scan"]["Dense_0"]["kernel"].shape == (2, DIM, DIM)
+    assert set(variables["params"]["setup"]) == {"dense", "scale", "gain"}
+    grads = jax.eval_shape(jax.grad(lambda p: model.apply({"params": p}, x).sum()),
+                           variables["params"])
+    assert _dtypes(grads) == {F32}
+
+
+def test_transformed_modules_are_resolved_at_their_paths(transformed):
+    model, variables, x = transformed
+    report = mpl.describe(model, x, print_table=False)
+    assert [r.path for r in report.rows] == [
+        "", "scan", "scan/Dense_0", "scan/Scale_0", "remat", "vmap", "shared", "setup",
+        "setup/dense", "setup/scale"]
+    assert report.row("scan").param_count == 0
+    assert report.row("scan/Dense_0").param_count == 2 * (DIM * DIM + DIM)
+    assert report.row("setup").param_count == DIM
+
+
+def test_a_rule_on_a_path_inside_scan_applies_there(transformed):
+    _, variables, x = transformed
+    model = mpl.apply_policy(Transformed(), Rules({"scan/Dense_0": "float32"},
+                                                  default="mixed_bfloat16"))
+    fwd = mpjax.inspect_matmuls(lambda v: model.apply(v, x), variables)
+    assert [m.operand_dtypes for m in fwd].count((F32, F32)) == 1
+    assert jax.eval_shape(model.apply, variables, x).dtype == F32
+
+
+# --- bf16 storage. -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy, output", [("bfloat16", BF16), ("p=bf16,c=bf16,o=f32", F32)])
+def test_bf16_storage_creates_bf16_params_except_norms_and_grads_follow(lm, policy, output):
+    _, _, ids = lm
+    model = mpl.apply_policy(LM(), policy)
+    params = _init(model, ids)["params"]
+    norms = {"ln1", "ln2"}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = {k.key for k in path}
+        assert leaf.dtype == (F32 if names & (norms | {"norm"}) else BF16), path
+    loss = lambda p: model.apply({"params": p}, ids).astype(F32).sum()  # noqa: E731
+    grads = jax.eval_shape(jax.grad(loss), params)
+    assert jax.tree.map(lambda p: p.dtype, params) == jax.tree.map(lambda g: g.dtype, grads)
+    assert jax.eval_shape(model.apply, {"params": params}, ids).dtype == output
+
+
+# --- Regions, nesting, wrapping forms. ---------------------------------------------------------
+
+def test_a_wrapped_class_is_a_submodule_with_its_own_rules_inside_a_wrapped_model():
+    F32Dense = mpl.apply_policy(nn.Dense, "float32")
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(F32Dense(4)(nn.Dense(4)(x)))
+
+    model = mpl.apply_policy(Net(), "mixed_bfloat16")
+    x = jnp.ones((2, 4))
+    params = _init(model, x)["params"]
+    assert set(params) == {"Dense_0", "Dense_1", "Dense_2"}  # same auto-names as unwrapped
+    fwd, bwd = _forward_and_backward(model, params, x)
+    assert [m.operand_dtypes for m in fwd] == [(BF16, BF16), (F32, F32), (BF16, BF16)]
+    assert jax.eval_shape(model.apply, {"params": params}, x).dtype == F32
+
+
+def test_inside_a_region_activations_stay_in_the_compute_dtype():
+    seen = []
+
+    class Probe(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            y = nn.Dense(4)(x)
+            seen.append(y.dtype)
+            return y
+
+    model = mpl.apply_policy(Probe(), "mixed_bfloat16")
+    x = jnp.ones((2, 4))
+    out = jax.eval_shape(model.apply, _init(model, x), x)
+    assert seen == [BF16, BF16] and out.dtype == F32  # init and apply; the root casts back
+
+
+def test_wrapped_model_works_as_a_submodule_of_an_unwrapped_one_under_jit():
+    class Outer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(mpl.apply_policy(Block, "mixed_bfloat16")(name="inner")(x))
+
+    x = jnp.ones((2, SEQ, DIM))
+    variables = jax.eval_shape(jax.jit(Outer().init), KEY, x)
+    fwd = mpjax.inspect_matmuls(jax.jit(Outer().apply), variables, x)
+    inner = [m for m in fwd if "/inner/" in m.scope]
+    assert len(inner) == 8 and {m.operand_dtypes for m in inner} == {(BF16, BF16)}
+    assert fwd[-1].operand_dtypes == (F32, F32)  # Outer's own Dense, outside the policy
+
+
+def test_the_users_module_is_left_unchanged():
+    dense = nn.Dense(4)
+    model = mpl.apply_policy(dense, "bfloat16")
+    x = jnp.ones((1, 2))
+    jax.eval_shape(model.apply, _init(model, x), x)
+    assert dense.dtype is None and dense.param_dtype == jnp.float32
+    assert model.dtype is None  # the configured copies are Flax's bound ones
+    assert isinstance(model, nn.Dense) and type(model).__name__ == "Dense"
+
+
+def test_wrapping_again_replaces_the_rules():
+    model = mpl.apply_policy(mpl.apply_policy(nn.Dense(4), "float32"), "mixed_bfloat16")
+    x = jnp.ones((1, 2))
+    params = _init(model, x)["params"]
+    fwd = mpjax.inspect_matmuls(lambda p: model.apply({"params": p}, x), params)
+    assert [m.operand_dtypes for m in fwd] == [(BF16, BF16)]
+
+
+# --- Rule problems. ----------------------------------------------------------------------------
+
+def test_a_never_matching_rule_warns_exactly_once():
+    rules = Rules([("decoder/*", "float32"), ("up", None), (nn.Dense, None)],
+                  default="mixed_bfloat16")
+    model = mpl.apply_policy(Block(), rules)
+    x = jnp.ones((1, SEQ, DIM))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        variables = _init(model, x)
+        jax.eval_shape(model.apply, variables, x)
+        jax.jit(model.apply).lower(variables, x)
+    messages = [str(w.message) for w in caught if issubclass(w.category, mpjax.RuleWarning)]
+    assert messages == [
+        "rule 'decoder/*' matches no module.",
+        "rule 'flax.linen.linear.Dense' is ambiguous at 'up': rule 'up' comes first and wins "
+        "there.",
+    ]
+
+
+# --- The cost: no more converts than the same model written with dtype=jnp.bfloat16. -----------
+
+def _train_step_converts(model, x):
+    params = _init(model, x)["params"]
+    tx = optax.adam(1e-3)
+
+    def step(params, opt_state):
+        def loss(p):
+            return jnp.mean(jnp.square(model.apply({"params": p}, x).astype(jnp.float32)))
+        grads = jax.grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return mpjax.hlo_op_counts(step, params, jax.eval_shape(tx.init, params))["convert"]
+
+
+def test_wrapped_train_step_has_no_more_converts_than_hand_written_bf16():
+    class HandWritten(Block):  # what users write today: every layer with dtype=bf16
+        def __call__(self, x):
+            return super().__call__(x.astype(jnp.bfloat16))
+
+    x = jax.random.normal(jax.random.key(1), (2, SEQ, DIM))
+    # Flax's norms are not strict-promotion clean with dtype=bf16, nor is optax's adam: compare
+    # both models under standard promotion, on the same backend.
+    with jax.numpy_dtype_promotion("standard"):
+        wrapped = _train_step_converts(mpl.apply_policy(Block(), "mixed_bfloat16"), x)
+        by_hand = _train_step_converts(
+            HandWritten(dtype=jnp.bfloat16, attention_fn=mpl.f32_softmax_attention), x)
+    assert 0 < wrapped <= by_hand, (wrapped, by_hand)
+
+
+# --- describe(). -------------------------------------------------------------------------------
+
+class Tiny(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(4, name="proj")(x)
+        x = nn.LayerNorm(name="norm")(x)
+        return Scale(name="scale")(x)
+
+
+def test_describe_prints_the_table(capsys):
+    rules = Rules({"scale": "float32", "decoder": "float16"}, default="mixed_bfloat16")
+    with pytest.warns(mpjax.RuleWarning, match="'decoder' matches no module"):
+        report = mpl.describe(mpl.apply_policy(Tiny(), rules), jnp.ones((1, 3)))
+    expected = [
+        "path    type       params   compute   output    rule                             #params  bytes",
+        "------  ---------  -------  --------  --------  -------------------------------  -------  -----",
+        "<root>  Tiny       float32  bfloat16  float32   default                                0    0 B",
+        "proj    Dense      float32  bfloat16  float32   default                               16   64 B",
+        "norm    LayerNorm  float32  float32   bfloat16  builtin: linen.LayerNorm in f32        8   32 B",
+        "scale   Scale      float32  float32   float32   scale                                 20   80 B",
+        "------  ---------  -------  --------  --------  -------------------------------  -------  -----",
+        "total                                                                                 44  176 B",
+        "warning: rule 'decoder' matches no module.",
+    ]
+    assert str(report).splitlines() == expected
+    assert capsys.readouterr().out.splitlines() == expected
+    with pytest.warns(mpjax.RuleWarning):  # a new wrap warns again
+        again = mpjax.describe(mpl.apply_policy(Tiny(), rules), jnp.ones((1, 3)),
+                               print_table=False)  # the top-level dispatcher
+    assert again == report
+
+
+def test_describe_counts_given_variables_in_their_stored_dtype():
+    model = mpl.apply_policy(Tiny(), "bfloat16")
+    x = jax.ShapeDtypeStruct((1, 3), jnp.float32)
+    variables = jax.eval_shape(model.init, jax.random.key(0), x)
+    report = mpl.describe(model, x, variables=variables, print_table=False)
+    assert [(r.path, r.param_count, r.param_bytes) for r in report.rows] == [
+        ("", 0, 0), ("proj", 16, 32), ("norm", 8, 32), ("scale", 20, 40)]
+    unwrapped = mpl.describe(Tiny(), x, rules="bfloat16", print_table=False)
+    assert unwrapped.rows == report.rows
+
+
+# --- Bad input. --------------------------------------------------------------------------------
+
+def test_bad_input_raises_clear_errors():
+    with pytest.raises(TypeError, match=r"`module`; got 42"):
+        mpl.apply_policy(42, "mixed_bfloat16")
+    with pytest.raises(TypeError, match=r"mpjax\.nnx\.apply_policy"):
+        mpl.apply_policy(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "mixed_bfloat16")
+    with pytest.raises(ValueError, match=r"Unknown policy 'mixed_bf16'"):
+        mpl.apply_policy(nn.Dense(2), "mixed_bf16")
+    with pytest.raises(TypeError, match=r"Cannot make a policy from \[\]"):
+        mpl.apply_policy(nn.Dense(2), [])
+    bound = nn.Dense(2).bind({"params": {}})
+    with pytest.raises(ValueError, match=r"(?s)already bound.*apply_policy\(nn\.Dense, rules\)"):
+        mpl.apply_policy(bound, "mixed_bfloat16")
+    with pytest.raises(ValueError, match=r"unwrapped Dense: pass `rules=`"):
+        mpl.describe(nn.Dense(2), jnp.ones((1, 2)))
+    with pytest.raises(ValueError, match=r"already wrapped"):
+        mpl.describe(mpl.apply_policy(nn.Dense(2), "bf16"), jnp.ones((1, 2)), rules="f32")
+    with pytest.raises(TypeError, match=r"Module instance as `model`"):
+        mpl.describe(nn.Dense, jnp.ones((1, 2)), rules="f32")
+
+
+def test_readme_flax_linen_example_runs_and_prints_its_table(capsys):
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("\n## Flax\n", 1)[1].split("\n### NNX", 1)[0].split("\n## ", 1)[0]
+    code = "\n".join(re.findall(r"```python\n(.*?)```", section, re.S))
+    table = re.search(r"```text\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "float32 {dtype('float32')}"
+    assert printed[1] == "Counter({('bfloat16', 'bfloat16'): 21, ('float32', 'float32'): 3})"
+    assert printed[2:] == table.splitlines()
+
+
+def test_a_method_reaching_into_a_submodule_runs_under_the_rules():
+    class Net(nn.Module):
+        def setup(self):
+            self.encoder = nn.Dense(4)
+
+        def __call__(self, x):
+            return self.encoder(x)
+
+    model = mpl.apply_policy(Net(), "mixed_bfloat16")
+    x = jnp.ones((2, 3))
+    variables = _init(model, x)
+    fwd = mpjax.inspect_matmuls(
+        lambda v: model.apply(v, x, method=lambda m, x: m.encoder(x)), variables)
+    assert [m.operand_dtypes for m in fwd] == [(BF16, BF16)]
