@@ -3,6 +3,8 @@ statistics and softmax, f32 master params across optax steps, custom Param modul
 bf16 storage, rule warnings, convert counts against a hand-written bf16 model, the describe
 table and bad input."""
 
+import pathlib
+import re
 import warnings
 
 import flax.linen as nn
@@ -18,6 +20,7 @@ from mpjax import Policy, Rules, RuleWarning
 from mpjax import nnx as mpnnx
 from mpjax.inspection import iter_equations
 
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
 D = 8  # model width: tiny shapes keep compile times short
 
@@ -281,6 +284,50 @@ def test_params_in_a_list_are_cast_at_use():
     assert {v.dtype for v in jax.tree.leaves(nnx.state(model))} == {F32}
 
 
+class Layer(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = Dense(D, D, rngs)
+        self.ln = nnx.LayerNorm(D, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.drop(self.dense(self.ln(x)))
+
+
+class ScannedStack(nnx.Module):
+    """Three layers created with nnx.vmap and run with nnx.scan + nnx.remat, plus a root Param."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return Layer(rngs)
+
+        self.layers = make(rngs)
+        self.w = nnx.Param(jnp.ones((D, D)) / D)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        @nnx.remat
+        def body(x, layer):
+            return layer(x)
+
+        return body(x, self.layers) @ self.w[...]
+
+
+def test_scan_remat_vmap_stacks_and_rng_counters_work():
+    model = mpnnx.apply_policy(ScannedStack(nnx.Rngs(0, dropout=1)), "mixed_bfloat16")
+    x = normal(2, D)
+    report = mpjax.inspect_matmuls(grad_fn, model, x)
+    assert report.operand_dtypes() == {("bfloat16", "bfloat16"): 6}
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = nnx.jit(lambda m, o, x: o.update(m, nnx.grad(loss)(m, x)))
+    step(model, opt, x)
+    step(model, opt, x)
+    assert {leaf.dtype for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))} == {F32}
+    np.testing.assert_array_equal(model.layers.drop.rngs.count[...], [2, 2, 2])
+
+
 def test_batchnorm_keeps_f32_running_stats_and_updates_them_in_train_mode():
     model = mpnnx.apply_policy(ConvNet(nnx.Rngs(0)), "mixed_bfloat16")
     x = normal(2, 6, 6, 3, seed=2)
@@ -356,6 +403,7 @@ def test_wrapped_block_compiles_to_no_more_converts_than_the_hand_written_one():
 
     wrapped = converts(block())
     hand = converts(Block(nnx.Rngs(0), dtype=jnp.bfloat16))
+    print(f"converts: wrapped {wrapped}, hand-written {hand}")
     assert 0 < wrapped <= hand, (wrapped, hand)
 
 
@@ -406,3 +454,12 @@ def test_bad_input_raises_errors_naming_the_argument():
         mpnnx.describe(block(policy=None))
     with pytest.raises(TypeError, match="mpjax.linen.describe"):
         mpnnx.describe(nn.Dense(3))
+
+
+def test_readme_nnx_example_runs_and_prints_its_table(capsys):
+    section = README.read_text().split("### NNX\n", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    printed = re.search(r"```text\n(.*?)```", section, re.S).group(1)
+    with jax.numpy_dtype_promotion("standard"):  # optax's adam, as in adam_update
+        exec(compile(code, "README.md (NNX)", "exec"), {})
+    assert capsys.readouterr().out == printed
