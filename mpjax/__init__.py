@@ -1,6 +1,6 @@
 """mpjax: mixed-precision training for JAX, Flax and optax."""
 
-from mpjax import linen
+from mpjax import linen, nnx
 from mpjax.inspection import MatmulInfo, MatmulReport, hlo_op_counts, inspect_matmuls
 from mpjax.loss_scale import (
     DynamicLossScale,
@@ -34,6 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "linen",
+    "nnx",
     "DynamicLossScale",
     "LossScale",
     "LossScalingState",

@@ -124,6 +124,11 @@ def _builtin_rules() -> tuple[Rule, ...]:
     rules.append(Rule(nn.MultiHeadDotProductAttention, None,
                       attributes={"force_fp32_for_softmax": True},
                       name="builtin: linen attention softmax in f32", builtin=True))
+    from mpjax.nnx import f32_softmax_attention  # Deferred: mpjax.nnx imports this module.
+
+    rules.append(Rule(nnx.MultiHeadAttention, None,
+                      attributes={"attention_fn": f32_softmax_attention},
+                      name="builtin: nnx attention softmax in f32", builtin=True))
     return tuple(rules)
 
 
