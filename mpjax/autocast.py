@@ -84,10 +84,6 @@ def _cast_to(x: Any, dtype: Any) -> Any:
     return x
 
 
-def _sds(aval: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
-
-
 def _float0_zeros(aval: Any) -> np.ndarray:
     return np.zeros(aval.shape, dtype=jax.dtypes.float0)
 
@@ -211,9 +207,16 @@ class _Interpreter:
         def read(atom):
             return atom.val if compat.is_literal(atom) else env[atom]
 
+        # Constants written in the code (literals, and what is computed from them alone, such
+        # as jnp.full_like(x, -inf)) adapt to the other operand like weakly typed values: jnp
+        # has already made the 2.0 of ``x * 2.0`` an f32 literal, which must not widen a bf16 x.
+        constant: set[Any] = set()
+
         def aval(atom, value):
-            # A literal's own aval keeps its weak type (``2.0`` in ``x * 2.0``).
-            return atom.aval if compat.is_literal(atom) else jax.typeof(value)
+            aval = atom.aval if compat.is_literal(atom) else jax.typeof(value)
+            if compat.is_literal(atom) or atom in constant:
+                aval = aval.update(weak_type=True)
+            return aval
 
         env.update(zip(jaxpr.constvars, closed.consts))
         env.update(zip(jaxpr.invars, args))
@@ -227,9 +230,13 @@ class _Interpreter:
                 for name in names:
                     stack.enter_context(jax.named_scope(name))
                 outs = self.equation(eqn, invals, avals, path + names, casts)
+            from_constants = (eqn.primitive.name not in self.handlers
+                              and all(compat.is_literal(a) or a in constant for a in eqn.invars))
             for var, out in zip(eqn.outvars, outs):
                 if not compat.is_dropvar(var):
                     env[var] = out
+                    if from_constants:
+                        constant.add(var)
         return [read(a) for a in jaxpr.outvars]
 
     def equation(self, eqn: Any, invals: list, avals: list, path: tuple[str, ...],
@@ -426,26 +433,31 @@ class _Interpreter:
     def _custom_jvp(self, eqn, invals, path):
         """The primal runs autocast; the user's JVP rule stays the rule.
 
-        The rule is traced once at the traced dtypes (``jax.jvp`` of the original equation,
-        which calls the custom rule) and evaluated under autocast too, so a rule with matmuls
-        runs them in the compute dtype. Its outputs are cast to the primal's dtypes.
+        The rule is traced at the traced dtypes (``jax.jvp`` of the original equation, which
+        calls the custom rule) and evaluated under autocast too, so a rule with matmuls runs
+        them in the compute dtype. Its outputs are cast to the primal's dtypes. It is traced
+        where it runs, from the types of the values it gets, so shardings and the varying axes
+        of ``shard_map`` carry over.
         """
         call = compat.custom_call_jaxpr(eqn)
         in_avals = [v.aval for v in eqn.invars]
         out_avals = [v.aval for v in eqn.outvars]
         fidx = [i for i, a in enumerate(in_avals) if _is_float(a.dtype)]
         oidx = [i for i, a in enumerate(out_avals) if _is_float(a.dtype)]
+        n_out = len(out_avals)
 
         def primal(*args):
             return self.run(call, args, path)
 
         out_shapes = self.shapes(primal, invals)
-        rule_jaxpr = self._cached(("jvp", id(eqn)), eqn,
-                                  lambda: _trace_jvp_rule(eqn, in_avals, fidx, oidx))
-        n_out = len(out_avals)
 
         def rule(primals, tangents):
-            outs = self.run(rule_jaxpr, [*primals, *(tangents[i] for i in fidx)], path)
+            tangents = [tangents[i] for i in fidx]
+            avals = ([compat.retyped(x, a) for x, a in zip(primals, in_avals)]
+                     + [compat.retyped(t, in_avals[i]) for t, i in zip(tangents, fidx)])
+            rule_jaxpr = self._cached(("jvp", id(eqn), tuple(avals)), eqn,
+                                      lambda: _trace_jvp_rule(eqn, avals, fidx, oidx))
+            outs = self.run(rule_jaxpr, [*primals, *tangents], path)
             primals_out = [_cast_to(x, s.dtype) for x, s in zip(outs[:n_out], out_shapes)]
             tangents_out = [_float0_zeros(s) for s in out_shapes]
             for i, t in zip(oidx, outs[n_out:]):
@@ -459,9 +471,9 @@ class _Interpreter:
     def _custom_vjp(self, eqn, invals, path):
         """The primal, the user's fwd and the user's bwd all run autocast; bwd stays custom.
 
-        fwd and bwd are traced once at the traced dtypes (``jax.vjp`` of the original equation:
-        the returned VJP function is a pytree whose leaves are the residuals) and evaluated
-        under autocast. Cotangents are cast to the dtypes of the inputs they belong to.
+        fwd and bwd are traced at the traced dtypes (``jax.vjp`` of the original equation: the
+        VJP function it returns is a pytree whose leaves are the residuals), where they run, and
+        evaluated under autocast. Cotangents are cast to the dtypes of the inputs they belong to.
         """
         call = compat.custom_call_jaxpr(eqn)
         in_avals = [v.aval for v in eqn.invars]
@@ -475,15 +487,24 @@ class _Interpreter:
 
         out_shapes = self.shapes(primal, invals)
         in_dtypes = [jax.typeof(x).dtype for x in invals]
-        fwd_jaxpr, bwd_jaxpr = self._cached(
-            ("vjp", id(eqn)), eqn, lambda: _trace_vjp_rules(eqn, in_avals, out_avals, fidx, oidx))
+        traced_fwd = []
 
         def fwd(*args):
+            avals = tuple(compat.retyped(x, a) for x, a in zip(args, in_avals))
+            fwd_jaxpr, tree = self._cached(("vjp_fwd", id(eqn), avals), eqn,
+                                           lambda: _trace_vjp_fwd(eqn, avals, fidx))
+            traced_fwd.append((fwd_jaxpr, tree))
             outs = self.run(fwd_jaxpr, args, path)
             return [_cast_to(x, s.dtype) for x, s in zip(outs[:n_out], out_shapes)], outs[n_out:]
 
         def bwd(residuals, cts):
-            cts_in = self.run(bwd_jaxpr, [*residuals, *(cts[i] for i in oidx)], path)
+            fwd_jaxpr, tree = traced_fwd[-1]
+            cts = [cts[i] for i in oidx]
+            avals = (*fwd_jaxpr.out_avals[n_out:],
+                     *(compat.retyped(ct, out_avals[i]) for ct, i in zip(cts, oidx)))
+            bwd_jaxpr = self._cached(("vjp_bwd", id(eqn), avals), eqn,
+                                     lambda: _trace_vjp_bwd(tree, avals, out_avals, oidx))
+            cts_in = self.run(bwd_jaxpr, [*residuals, *cts], path)
             result: list[Any] = [None] * len(in_avals)
             for i, ct in zip(fidx, cts_in):
                 result[i] = _cast_to(ct, in_dtypes[i])
@@ -502,10 +523,10 @@ def _original(eqn: Any, args: Sequence[Any], fidx: Sequence[int], fargs: Sequenc
     return compat.bind_equation(eqn, args)
 
 
-def _trace_jvp_rule(eqn, in_avals, fidx, oidx):
+def _trace_jvp_rule(eqn, avals, fidx, oidx):
     """Jaxpr of ``(primals, float tangents) -> (primals out, float tangents out)`` at the traced
     dtypes, built by ``jax.jvp`` of the equation, which calls its custom rule."""
-    n_in = len(in_avals)
+    n_in = len(eqn.invars)
 
     def rule(*xs):
         primals, tangents = xs[:n_in], xs[n_in:]
@@ -513,12 +534,11 @@ def _trace_jvp_rule(eqn, in_avals, fidx, oidx):
                               [primals[i] for i in fidx], list(tangents))
         return [*outs, *(touts[i] for i in oidx)]
 
-    return jax.make_jaxpr(rule)(*map(_sds, in_avals), *(_sds(in_avals[i]) for i in fidx))
+    return compat.trace_at(rule, avals)
 
 
-def _trace_vjp_rules(eqn, in_avals, out_avals, fidx, oidx):
-    """Jaxprs of the custom fwd (``primals -> (outs, residuals)``) and bwd
-    (``(residuals, float cts) -> float input cts``) at the traced dtypes."""
+def _trace_vjp_fwd(eqn, avals, fidx):
+    """Jaxpr of the custom fwd, ``primals -> (outs, residuals)``, and the residuals' treedef."""
     tree = []
 
     def fwd(*primals):
@@ -528,17 +548,21 @@ def _trace_vjp_rules(eqn, in_avals, out_avals, fidx, oidx):
         tree.append(treedef)
         return [*outs, *residuals]
 
-    fwd_jaxpr = jax.make_jaxpr(fwd)(*map(_sds, in_avals))
-    res_avals = fwd_jaxpr.out_avals[len(out_avals):]
+    fwd_jaxpr = compat.trace_at(fwd, avals)
+    return fwd_jaxpr, tree[0]
+
+
+def _trace_vjp_bwd(tree, avals, out_avals, oidx):
+    """Jaxpr of the custom bwd, ``(residuals, float cts) -> float input cts``."""
+    n_res = len(avals) - len(oidx)
 
     def bwd(*xs):
-        vjp_fn = jax.tree.unflatten(tree[0], xs[:len(res_avals)])
-        cts = iter(xs[len(res_avals):])
+        vjp_fn = jax.tree.unflatten(tree, xs[:n_res])
+        cts = iter(xs[n_res:])
         full = [next(cts) if i in oidx else _float0_zeros(a) for i, a in enumerate(out_avals)]
         return list(vjp_fn(full))
 
-    bwd_jaxpr = jax.make_jaxpr(bwd)(*map(_sds, res_avals), *(_sds(out_avals[i]) for i in oidx))
-    return fwd_jaxpr, bwd_jaxpr
+    return compat.trace_at(bwd, avals)
 
 
 def _is_array(leaf: Any) -> bool:

@@ -17,6 +17,7 @@ import dataclasses
 import re
 from typing import Any, Sequence
 
+import jax
 from jax.extend import core as jex_core
 
 
@@ -170,3 +171,18 @@ def is_dropvar(atom: Any) -> bool:
 def sub_jaxprs(eqn: Any) -> list[Any]:
     """The jaxprs in ``eqn``'s params (non-empty for higher-order primitives)."""
     return list(jex_core.jaxprs_in_params(eqn.params))
+
+
+def retyped(x: Any, like: Any) -> Any:
+    """The abstract value of ``x`` with the dtype and weak type of the aval ``like``.
+
+    Unlike a ``jax.ShapeDtypeStruct``, it keeps what else the type of ``x`` carries (sharding,
+    the varying manual axes inside ``shard_map``), so a function traced at it (see
+    :func:`trace_at`) sees the same types as where ``x`` lives.
+    """
+    return jax.typeof(x).update(dtype=like.dtype, weak_type=getattr(like, "weak_type", False))
+
+
+def trace_at(fn: Any, avals: Sequence[Any]) -> jex_core.ClosedJaxpr:
+    """``jax.make_jaxpr(fn)`` at abstract values (``make_jaxpr`` accepts avals as arguments)."""
+    return jax.make_jaxpr(fn)(*avals)
