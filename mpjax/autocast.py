@@ -215,7 +215,7 @@ class _Interpreter:
         def aval(atom, value):
             aval = atom.aval if compat.is_literal(atom) else jax.typeof(value)
             if compat.is_literal(atom) or atom in constant:
-                aval = aval.update(weak_type=True)
+                aval = compat.weakly_typed(aval)
             return aval
 
         env.update(zip(jaxpr.constvars, closed.consts))
@@ -330,12 +330,6 @@ class _Interpreter:
             return jax.eval_shape(fn, *args)
         finally:
             self.record = record
-
-    def _fallback(self, eqn, invals, path):
-        """Runs a higher-order equation unchanged on its traced dtypes (autocast stops here)."""
-        self.settings.warn_unknown(eqn.primitive.name, True)
-        invals = [_cast_to(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)]
-        return compat.bind_equation(eqn, invals)
 
     def _cached(self, key: Any, anchor: Any, build: Callable[[], Any]) -> Any:
         # ``anchor`` (the object whose id is in ``key``) is kept alive so the id stays unique.

@@ -183,6 +183,11 @@ def retyped(x: Any, like: Any) -> Any:
     return jax.typeof(x).update(dtype=like.dtype, weak_type=getattr(like, "weak_type", False))
 
 
+def weakly_typed(aval: Any) -> Any:
+    """``aval`` marked weakly typed."""
+    return aval.update(weak_type=True)
+
+
 def trace_at(fn: Any, avals: Sequence[Any]) -> jex_core.ClosedJaxpr:
     """``jax.make_jaxpr(fn)`` at abstract values (``make_jaxpr`` accepts avals as arguments)."""
     return jax.make_jaxpr(fn)(*avals)
