@@ -1,6 +1,15 @@
 """mpjax: mixed-precision training for JAX, Flax and optax."""
 
 from mpjax import linen, nnx
+from mpjax.autocast import (
+    FULL_PRECISION_SCOPE,
+    AutocastReport,
+    AutocastRow,
+    AutocastWarning,
+    autocast,
+    autocast_report,
+    full_precision,
+)
 from mpjax.inspection import MatmulInfo, MatmulReport, hlo_op_counts, inspect_matmuls
 from mpjax.loss_scale import (
     DynamicLossScale,
@@ -19,6 +28,7 @@ from mpjax.loss_scaling import (
     scale_loss,
 )
 from mpjax.master_weights import MasterWeightsState, master_weights
+from mpjax.op_categories import DEFAULT_OP_CATEGORIES
 from mpjax.policy import (
     MIXED_BFLOAT16,
     MIXED_FLOAT16,
@@ -35,7 +45,12 @@ __version__ = "0.1.0"
 __all__ = [
     "linen",
     "nnx",
+    "AutocastReport",
+    "AutocastRow",
+    "AutocastWarning",
+    "DEFAULT_OP_CATEGORIES",
     "DynamicLossScale",
+    "FULL_PRECISION_SCOPE",
     "LossScale",
     "LossScalingState",
     "MIXED_BFLOAT16",
@@ -55,10 +70,13 @@ __all__ = [
     "Rules",
     "StaticLossScale",
     "as_rules",
+    "autocast",
+    "autocast_report",
     "cast_floating",
     "check_overflow",
     "describe",
     "find_loss_scaling_state",
+    "full_precision",
     "get_loss_scale",
     "get_policy",
     "hlo_op_counts",

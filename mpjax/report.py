@@ -92,12 +92,18 @@ class PrecisionReport:
         return "\n".join(lines)
 
 
-def describe(model: Any, *args, **kwargs) -> PrecisionReport:
-    """Returns (and prints) the precision report of a linen or NNX model wrapped by mpjax.
+def describe(model: Any, *args, **kwargs) -> Any:
+    """Returns (and prints) the precision report of a linen or NNX model wrapped by mpjax, or of
+    a function made by :func:`mpjax.autocast`.
 
-    Dispatches to :func:`mpjax.linen.describe` for linen modules and to
-    :func:`mpjax.nnx.describe` for NNX modules; see those for the arguments.
+    Dispatches to :func:`mpjax.linen.describe` for linen modules, to :func:`mpjax.nnx.describe`
+    for NNX modules and to :func:`mpjax.autocast_report` for autocast functions; see those for
+    the arguments.
     """
+    if hasattr(model, "__mpjax_autocast__"):
+        from mpjax.autocast import autocast_report
+
+        return autocast_report(model, *args, **kwargs)
     import flax.linen as nn  # Deferred: Flax is only needed for Flax models.
     from flax import nnx
 
@@ -110,5 +116,6 @@ def describe(model: Any, *args, **kwargs) -> PrecisionReport:
 
         return mp_linen.describe(model, *args, **kwargs)
     raise TypeError(
-        f"describe() takes a flax.linen or flax.nnx module; got {type(model).__name__}."
+        "describe() takes a flax.linen or flax.nnx module or a function made by mpjax.autocast; "
+        f"got {type(model).__name__}."
     )

@@ -1,0 +1,783 @@
+"""Autocast: automatic mixed precision for any JAX function, by jaxpr rewriting.
+
+``mpjax.autocast(fn)`` is PyTorch's ``torch.autocast`` as a JAX transformation. It traces ``fn``
+to a jaxpr and evaluates it equation by equation, binding each primitive again with its inputs
+cast by the primitive's category (:mod:`mpjax.op_categories`): matmuls and convolutions in the
+compute dtype, exp/log/reductions in f32, everything else in the dtype of its inputs. Because
+the equations are bound inside whatever trace is active, the result composes with ``jax.jit``,
+``jax.grad``, ``jax.vmap`` and the rest, and works on Flax, Equinox or plain ``jnp`` code
+without changing it.
+
+Higher-order primitives are re-expressed with public APIs around recursively autocast
+sub-jaxprs: ``jax.jit``, ``lax.scan``, ``lax.while_loop``, ``lax.switch``, ``jax.checkpoint``,
+``jax.custom_jvp``, ``jax.custom_vjp``, ``jax.shard_map``. What depends on JAX internals (params
+of equations, binding conventions, name stacks) lives in :mod:`mpjax.jaxpr_compat`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import warnings
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from mpjax import jaxpr_compat as compat
+from mpjax.op_categories import F32, KEEP, LOWER, ORIGINAL, merge_categories
+from mpjax.policy import Policy, PolicyLike, get_policy
+from mpjax.rules import Rule, Rules
+
+FULL_PRECISION_SCOPE = "mpjax_full_precision"
+"""The ``jax.named_scope`` name that :func:`full_precision` opens; autocast leaves it alone."""
+
+_F32 = np.dtype(jnp.float32)
+# PyTorch autocasts only these: float64 is never narrowed and fp8 is always deliberate.
+_ELIGIBLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
+_CACHE_SIZE = 32
+
+
+class AutocastWarning(UserWarning):
+    """Warned once per autocast function for each primitive it does not know."""
+
+
+def full_precision():
+    """A context manager (or decorator) whose computations :func:`autocast` leaves in their
+    traced dtypes.
+
+    It is ``jax.named_scope("mpjax_full_precision")``, so it can be written anywhere inside the
+    autocast function, in library code included, and also outside autocast (it then does
+    nothing but name a scope).
+
+    >>> import jax, jax.numpy as jnp, mpjax
+    >>> def f(x):
+    ...     with full_precision():
+    ...         y = x @ x
+    ...     return y + x @ x
+    >>> [m.lhs_dtype.name for m in mpjax.inspect_matmuls(autocast(f), jnp.ones((2, 2)))]
+    ['float32', 'bfloat16']
+    """
+    return jax.named_scope(FULL_PRECISION_SCOPE)
+
+
+def _is_float(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _widest(dtypes: Iterable[Any]) -> np.dtype:
+    dtypes = [np.dtype(d) for d in dtypes]
+    # Explicit promotion, whatever jax_numpy_dtype_promotion says (bf16 + f16 -> f32).
+    with jax.numpy_dtype_promotion("standard"):
+        return np.dtype(functools.reduce(jnp.promote_types, dtypes))
+
+
+def _cast_to(x: Any, dtype: Any) -> Any:
+    """Casts floating ``x`` to floating ``dtype``; anything else is returned unchanged."""
+    aval = jax.typeof(x)
+    if _is_float(aval.dtype) and _is_float(dtype) and aval.dtype != dtype:
+        return lax.convert_element_type(x, dtype)
+    return x
+
+
+def _float0_zeros(aval: Any) -> np.ndarray:
+    return np.zeros(aval.shape, dtype=jax.dtypes.float0)
+
+
+@dataclasses.dataclass
+class _Settings:
+    """What one ``autocast(fn, ...)`` call decided; shared by all its traces."""
+
+    policy: Policy
+    categories: Mapping[str, str]
+    rules: tuple[Rule, ...]
+    warned: set = dataclasses.field(default_factory=set)
+    regions: dict = dataclasses.field(default_factory=dict)
+
+    def region(self, path: tuple[str, ...]) -> Policy | None:
+        """The policy of the scope ``path``, or None inside :func:`full_precision`.
+
+        A rule applies where its key matches the path or one of its ancestors (``"head"``
+        covers ``"head/dense"``); the first rule in order wins.
+        """
+        if path not in self.regions:
+            self.regions[path] = self._resolve(path)
+        return self.regions[path]
+
+    def _resolve(self, path: tuple[str, ...]) -> Policy | None:
+        if FULL_PRECISION_SCOPE in path:
+            return None
+        prefixes = ["/".join(path[:k]) for k in range(len(path) + 1)]
+        for rule in self.rules:
+            if any(rule.matches(p, object) for p in prefixes):
+                return rule.policy_for(self.policy)
+        return self.policy
+
+    def warn_unknown(self, name: str, higher_order: bool) -> None:
+        if name in self.warned:
+            return
+        self.warned.add(name)
+        what = "higher-order primitive" if higher_order else "primitive"
+        inside = " Its inner computations are not autocast either." if higher_order else ""
+        warnings.warn(
+            f"mpjax.autocast does not know the {what} {name!r}: it runs in the dtypes the "
+            f"function was traced with.{inside} To choose its precision, pass "
+            f"categories={{{name!r}: 'promote'}} (or 'lower', 'f32', 'keep', 'original').",
+            AutocastWarning,
+            stacklevel=5,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastRow:
+    """One kind of equation autocast evaluated: where, what, and in which dtypes.
+
+    Attributes:
+      scope: the ``/``-joined named scopes around it (Flax module paths, ``jax.named_scope``).
+      primitive: the primitive's name.
+      category: the category it ran under (``"full_precision"`` inside :func:`full_precision`,
+        ``"unknown"`` for primitives autocast does not know).
+      traced: the dtypes of its inputs as ``fn`` was traced.
+      ran: the dtypes of its inputs as autocast ran it.
+      count: how many such equations there are.
+    """
+
+    scope: str
+    primitive: str
+    category: str
+    traced: tuple[str, ...]
+    ran: tuple[str, ...]
+    count: int
+
+
+class AutocastReport(tuple):
+    """A tuple of :class:`AutocastRow`; ``str`` prints a table in which ``*`` marks the rows
+    that run in other dtypes than traced."""
+
+    def __str__(self) -> str:
+        header = ("scope", "primitive", "category", "traced inputs", "ran in", "count")
+        rows = [(r.scope or "-", r.primitive, r.category, ",".join(r.traced) or "-",
+                 ("* " if r.traced != r.ran else "") + (",".join(r.ran) or "-"), str(r.count))
+                for r in self]
+        if not rows:
+            return "no equations"
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+                 for row in [header, *rows]]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
+
+
+def _dtype_names(avals: Sequence[Any]) -> tuple[str, ...]:
+    return tuple(_SHORT.get(str(a.dtype), str(a.dtype)) for a in avals)
+
+
+class _Interpreter:
+    """Evaluates jaxprs under autocast, binding every equation into the current trace.
+
+    ``cache`` maps sub-jaxprs to the functions built around them (the jitted function of a
+    ``jit`` equation, the traced rules of a custom derivative), so a jaxpr cached by
+    :func:`autocast` reuses them and JAX's own caches hit on the next call.
+    """
+
+    def __init__(self, settings: _Settings, cache: dict, record: collections.Counter | None = None):
+        self.settings = settings
+        self.cache = cache
+        self.record = record
+        self.handlers: dict[str, Callable[..., list]] = {
+            "jit": self._jit, "pjit": self._jit, "scan": self._scan, "while": self._while,
+            "cond": self._cond, "remat2": self._remat, "checkpoint": self._remat,
+            "custom_jvp_call": self._custom_jvp, "custom_vjp_call": self._custom_vjp,
+            "shard_map": self._shard_map, "closed_call": self._inline, "core_call": self._inline,
+        }
+
+    # --- Evaluation -----------------------------------------------------------------------
+
+    def run(self, closed: Any, args: Sequence[Any], path: tuple[str, ...]) -> list[Any]:
+        jaxpr = closed.jaxpr
+        env: dict[Any, Any] = {}
+
+        def read(atom):
+            return atom.val if compat.is_literal(atom) else env[atom]
+
+        # Constants written in the code (literals, and what is computed from them alone, such
+        # as jnp.full_like(x, -inf)) adapt to the other operand like weakly typed values: jnp
+        # has already made the 2.0 of ``x * 2.0`` an f32 literal, which must not widen a bf16 x.
+        constant: set[Any] = set()
+
+        def aval(atom, value):
+            aval = atom.aval if compat.is_literal(atom) else jax.typeof(value)
+            if compat.is_literal(atom) or atom in constant:
+                aval = compat.weakly_typed(aval)
+            return aval
+
+        env.update(zip(jaxpr.constvars, closed.consts))
+        env.update(zip(jaxpr.invars, args))
+        casts: dict[tuple[Any, Any], Any] = {}  # a value cast once serves all its uses
+        for eqn in jaxpr.eqns:
+            invals = [read(a) for a in eqn.invars]
+            avals = [aval(a, x) for a, x in zip(eqn.invars, invals)]
+            names = compat.scope_names(eqn)
+            # Re-open the equation's scopes so reports and nested autocasts see the same names.
+            with contextlib.ExitStack() as stack:
+                for name in names:
+                    stack.enter_context(jax.named_scope(name))
+                outs = self.equation(eqn, invals, avals, path + names, casts)
+            from_constants = (eqn.primitive.name not in self.handlers
+                              and all(compat.is_literal(a) or a in constant for a in eqn.invars))
+            for var, out in zip(eqn.outvars, outs):
+                if not compat.is_dropvar(var):
+                    env[var] = out
+                    if from_constants:
+                        constant.add(var)
+        return [read(a) for a in jaxpr.outvars]
+
+    def equation(self, eqn: Any, invals: list, avals: list, path: tuple[str, ...],
+                 casts: dict) -> list:
+        name = eqn.primitive.name
+        handler = self.handlers.get(name)
+        if handler is not None:
+            return handler(eqn, invals, path)
+        region = self.settings.region(path)
+        category = self.settings.categories.get(name)
+        if category is None:
+            self.settings.warn_unknown(name, bool(compat.sub_jaxprs(eqn)))
+            category, label = ORIGINAL, "unknown"
+        elif region is None:
+            category, label = ORIGINAL, "full_precision"
+        else:
+            label = category
+        compute = region.compute_dtype if region is not None else None
+        invals, params, ran = self._cast_inputs(eqn, invals, avals, category, compute, casts)
+        if self.record is not None:
+            traced = [v.aval for v in eqn.invars]
+            key = ("/".join(path), name, label, _dtype_names(traced), _dtype_names(ran))
+            self.record[key] += 1
+        return compat.bind_equation(eqn, invals, params)
+
+    def _cast_inputs(self, eqn, invals, avals, category, compute, casts):
+        """Casts the floating inputs of a first-order equation by its category.
+
+        Returns the new inputs, the params to bind with, and the avals they run in.
+        """
+        floats = [i for i, a in enumerate(avals) if _is_float(a.dtype)]
+        targets: dict[int, np.dtype] = {}
+        lowered = False
+        if floats and category == ORIGINAL:
+            targets = {i: eqn.invars[i].aval.dtype for i in floats
+                       if _is_float(eqn.invars[i].aval.dtype)}
+        elif floats and category != KEEP:
+            lowered = category == LOWER and all(avals[i].dtype in _ELIGIBLE for i in floats)
+            if lowered:
+                target = np.dtype(compute)
+            else:
+                strong = [avals[i].dtype for i in floats if not avals[i].weak_type]
+                # Weakly typed inputs adapt to the others; alone, they decide nothing.
+                target = _widest(strong) if strong else None
+                if target is not None and category == F32:
+                    target = _widest([target, _F32])
+            if target is not None:
+                targets = {i: target for i in floats}
+        new = list(invals)
+        for i, dtype in targets.items():
+            if avals[i].dtype != dtype or avals[i].weak_type:
+                atom = eqn.invars[i]
+                if compat.is_literal(atom):
+                    new[i] = lax.convert_element_type(invals[i], dtype)
+                    continue
+                if (atom, dtype) not in casts:
+                    casts[atom, dtype] = lax.convert_element_type(invals[i], dtype)
+                new[i] = casts[atom, dtype]
+        params = self._params(eqn, category, lowered, compute, targets)
+        ran = [jax.ShapeDtypeStruct(a.shape, targets.get(i, a.dtype)) for i, a in enumerate(avals)]
+        return new, params, ran
+
+    @staticmethod
+    def _params(eqn, category, lowered, compute, targets):
+        """Params with ``preferred_element_type`` (matmuls, convolutions) matching the inputs.
+
+        Lowered ops take the compute dtype, not f32: with an f32 result JAX's transpose would
+        feed f32 cotangents into the backward matmuls, which XLA then runs as f32 GEMMs.
+        Elsewhere JAX's default (the operand dtype) follows the new operands, and a
+        deliberately wider accumulator written in the function is kept.
+        """
+        preferred = eqn.params.get("preferred_element_type")
+        if preferred is None or not _is_float(preferred) or category in (ORIGINAL, KEEP):
+            return None
+        if lowered:
+            new = np.dtype(compute)
+        elif not targets:
+            return None
+        else:
+            operand = next(iter(targets.values()))
+            traced = _widest(v.aval.dtype for v in eqn.invars[:2])
+            new = operand if np.dtype(preferred) == traced else _widest([operand, preferred])
+        if new == preferred:
+            return None
+        return {**eqn.params, "preferred_element_type": new}
+
+    def shapes(self, fn: Callable, args: Sequence[Any]) -> list[Any]:
+        """The output avals of ``fn(*args)``, found without recording it in a report."""
+        record, self.record = self.record, None
+        try:
+            return jax.eval_shape(fn, *args)
+        finally:
+            self.record = record
+
+    def _cached(self, key: Any, anchor: Any, build: Callable[[], Any]) -> Any:
+        # ``anchor`` (the object whose id is in ``key``) is kept alive so the id stays unique.
+        if key not in self.cache:
+            self.cache[key] = (build(), anchor)
+        return self.cache[key][0]
+
+    # --- Higher-order primitives ------------------------------------------------------------
+
+    def _inline(self, eqn, invals, path):
+        return self.run(compat.closed(eqn.params["call_jaxpr"]), invals, path)
+
+    def _jit(self, eqn, invals, path):
+        p = compat.jit_params(eqn)
+
+        def build():
+            def body(*args):
+                return self.run(p.jaxpr, args, path)
+
+            body.__name__ = body.__qualname__ = p.name  # the nested jit keeps its name
+            return jax.jit(body, donate_argnums=p.donate_argnums, keep_unused=p.keep_unused,
+                           inline=p.inline)
+
+        fn = self._cached(("jit", id(p.jaxpr), path), p.jaxpr, build)
+        return list(fn(*invals))
+
+    def _scan(self, eqn, invals, path):
+        """Loop carries keep the dtypes they were traced with, cast at entry and after each
+        step, so the loop has a fixed type and its state the precision the code chose."""
+        p = compat.scan_params(eqn)
+        n_c, n_carry = p.num_consts, p.num_carry
+        consts, init, xs = invals[:n_c], invals[n_c:n_c + n_carry], invals[n_c + n_carry:]
+        carry_dtypes = [v.aval.dtype for v in eqn.invars[n_c:n_c + n_carry]]
+
+        def fix(carry):
+            return [_cast_to(c, d) for c, d in zip(carry, carry_dtypes)]
+
+        def body(carry, x):
+            outs = self.run(p.jaxpr, [*consts, *carry, *x], path)
+            return fix(outs[:n_carry]), outs[n_carry:]
+
+        carry, ys = lax.scan(body, fix(init), list(xs), length=p.length, reverse=p.reverse,
+                             unroll=p.unroll)
+        return [*carry, *ys]
+
+    def _while(self, eqn, invals, path):
+        """Like scan: the carries keep their traced dtypes."""
+        p = compat.while_params(eqn)
+        cond_consts = invals[:p.cond_nconsts]
+        body_consts = invals[p.cond_nconsts:p.cond_nconsts + p.body_nconsts]
+        init = invals[p.cond_nconsts + p.body_nconsts:]
+        carry_dtypes = [v.aval.dtype for v in eqn.invars[p.cond_nconsts + p.body_nconsts:]]
+
+        def fix(carry):
+            return [_cast_to(c, d) for c, d in zip(carry, carry_dtypes)]
+
+        def cond(carry):
+            return self.run(p.cond_jaxpr, [*cond_consts, *carry], path)[0]
+
+        def body(carry):
+            return fix(self.run(p.body_jaxpr, [*body_consts, *carry], path))
+
+        return list(lax.while_loop(cond, body, fix(init)))
+
+    def _cond(self, eqn, invals, path):
+        """Branches run autocast; each output takes the widest dtype the branches give it."""
+        branches = compat.cond_branches(eqn)
+        index, operands = invals[0], invals[1:]
+
+        def branch_fn(branch):
+            return lambda *ops: self.run(branch, ops, path)
+
+        shapes = [self.shapes(branch_fn(b), operands) for b in branches]
+        targets = [_widest(s.dtype for s in outs) if _is_float(outs[0].dtype) else None
+                   for outs in zip(*shapes)]
+
+        def fixed(branch):
+            fn = branch_fn(branch)
+            return lambda *ops: [x if t is None else _cast_to(x, t)
+                                 for x, t in zip(fn(*ops), targets)]
+
+        return list(lax.switch(index, [fixed(b) for b in branches], *operands))
+
+    def _remat(self, eqn, invals, path):
+        p = compat.remat_params(eqn)
+        fn = jax.checkpoint(lambda *args: self.run(p.jaxpr, args, path),
+                            prevent_cse=p.prevent_cse, policy=p.policy)
+        return list(fn(*invals))
+
+    def _shard_map(self, eqn, invals, path):
+        p = compat.shard_map_params(eqn)
+        fn = jax.shard_map(lambda *args: tuple(self.run(p.jaxpr, args, path)), **p.kwargs)
+        return list(fn(*invals))
+
+    def _custom_jvp(self, eqn, invals, path):
+        """The primal runs autocast; the user's JVP rule stays the rule.
+
+        The rule is traced at the traced dtypes (``jax.jvp`` of the original equation, which
+        calls the custom rule) and evaluated under autocast too, so a rule with matmuls runs
+        them in the compute dtype. Its outputs are cast to the primal's dtypes. It is traced
+        where it runs, from the types of the values it gets, so shardings and the varying axes
+        of ``shard_map`` carry over.
+        """
+        call = compat.custom_call_jaxpr(eqn)
+        in_avals = [v.aval for v in eqn.invars]
+        out_avals = [v.aval for v in eqn.outvars]
+        fidx = [i for i, a in enumerate(in_avals) if _is_float(a.dtype)]
+        oidx = [i for i, a in enumerate(out_avals) if _is_float(a.dtype)]
+        n_out = len(out_avals)
+
+        def primal(*args):
+            return self.run(call, args, path)
+
+        out_shapes = self.shapes(primal, invals)
+
+        def rule(primals, tangents):
+            tangents = [tangents[i] for i in fidx]
+            avals = ([compat.retyped(x, a) for x, a in zip(primals, in_avals)]
+                     + [compat.retyped(t, in_avals[i]) for t, i in zip(tangents, fidx)])
+            rule_jaxpr = self._cached(("jvp", id(eqn), tuple(avals)), eqn,
+                                      lambda: _trace_jvp_rule(eqn, avals, fidx, oidx))
+            outs = self.run(rule_jaxpr, [*primals, *tangents], path)
+            primals_out = [_cast_to(x, s.dtype) for x, s in zip(outs[:n_out], out_shapes)]
+            tangents_out = [_float0_zeros(s) for s in out_shapes]
+            for i, t in zip(oidx, outs[n_out:]):
+                tangents_out[i] = _cast_to(t, out_shapes[i].dtype)
+            return primals_out, tangents_out
+
+        fn = jax.custom_jvp(primal)
+        fn.defjvp(rule)
+        return list(fn(*invals))
+
+    def _custom_vjp(self, eqn, invals, path):
+        """The primal, the user's fwd and the user's bwd all run autocast; bwd stays custom.
+
+        fwd and bwd are traced at the traced dtypes (``jax.vjp`` of the original equation: the
+        VJP function it returns is a pytree whose leaves are the residuals), where they run, and
+        evaluated under autocast. Cotangents are cast to the dtypes of the inputs they belong to.
+        """
+        call = compat.custom_call_jaxpr(eqn)
+        in_avals = [v.aval for v in eqn.invars]
+        out_avals = [v.aval for v in eqn.outvars]
+        fidx = [i for i, a in enumerate(in_avals) if _is_float(a.dtype)]
+        oidx = [i for i, a in enumerate(out_avals) if _is_float(a.dtype)]
+        n_out = len(out_avals)
+
+        def primal(*args):
+            return self.run(call, args, path)
+
+        out_shapes = self.shapes(primal, invals)
+        in_dtypes = [jax.typeof(x).dtype for x in invals]
+        traced_fwd = []
+
+        def fwd(*args):
+            avals = tuple(compat.retyped(x, a) for x, a in zip(args, in_avals))
+            fwd_jaxpr, tree = self._cached(("vjp_fwd", id(eqn), avals), eqn,
+                                           lambda: _trace_vjp_fwd(eqn, avals, fidx))
+            traced_fwd.append((fwd_jaxpr, tree))
+            outs = self.run(fwd_jaxpr, args, path)
+            return [_cast_to(x, s.dtype) for x, s in zip(outs[:n_out], out_shapes)], outs[n_out:]
+
+        def bwd(residuals, cts):
+            fwd_jaxpr, tree = traced_fwd[-1]
+            cts = [cts[i] for i in oidx]
+            avals = (*fwd_jaxpr.out_avals[n_out:],
+                     *(compat.retyped(ct, out_avals[i]) for ct, i in zip(cts, oidx)))
+            bwd_jaxpr = self._cached(("vjp_bwd", id(eqn), avals), eqn,
+                                     lambda: _trace_vjp_bwd(tree, avals, out_avals, oidx))
+            cts_in = self.run(bwd_jaxpr, [*residuals, *cts], path)
+            result: list[Any] = [None] * len(in_avals)
+            for i, ct in zip(fidx, cts_in):
+                result[i] = _cast_to(ct, in_dtypes[i])
+            return tuple(result)
+
+        fn = jax.custom_vjp(primal)
+        fn.defvjp(fwd, bwd)
+        return list(fn(*invals))
+
+
+def _original(eqn: Any, args: Sequence[Any], fidx: Sequence[int], fargs: Sequence[Any]) -> list:
+    """Evaluates ``eqn`` unchanged with the floating inputs at ``fidx`` replaced by ``fargs``."""
+    args = list(args)
+    for i, x in zip(fidx, fargs):
+        args[i] = x
+    return compat.bind_equation(eqn, args)
+
+
+def _trace_jvp_rule(eqn, avals, fidx, oidx):
+    """Jaxpr of ``(primals, float tangents) -> (primals out, float tangents out)`` at the traced
+    dtypes, built by ``jax.jvp`` of the equation, which calls its custom rule."""
+    n_in = len(eqn.invars)
+
+    def rule(*xs):
+        primals, tangents = xs[:n_in], xs[n_in:]
+        outs, touts = jax.jvp(lambda *f: _original(eqn, primals, fidx, f),
+                              [primals[i] for i in fidx], list(tangents))
+        return [*outs, *(touts[i] for i in oidx)]
+
+    return compat.trace_at(rule, avals)
+
+
+def _trace_vjp_fwd(eqn, avals, fidx):
+    """Jaxpr of the custom fwd, ``primals -> (outs, residuals)``, and the residuals' treedef."""
+    tree = []
+
+    def fwd(*primals):
+        outs, vjp_fn = jax.vjp(lambda *f: _original(eqn, primals, fidx, f),
+                               *(primals[i] for i in fidx))
+        residuals, treedef = jax.tree.flatten(vjp_fn)
+        tree.append(treedef)
+        return [*outs, *residuals]
+
+    fwd_jaxpr = compat.trace_at(fwd, avals)
+    return fwd_jaxpr, tree[0]
+
+
+def _trace_vjp_bwd(tree, avals, out_avals, oidx):
+    """Jaxpr of the custom bwd, ``(residuals, float cts) -> float input cts``."""
+    n_res = len(avals) - len(oidx)
+
+    def bwd(*xs):
+        vjp_fn = jax.tree.unflatten(tree, xs[:n_res])
+        cts = iter(xs[n_res:])
+        full = [next(cts) if i in oidx else _float0_zeros(a) for i, a in enumerate(out_avals)]
+        return list(vjp_fn(full))
+
+    return compat.trace_at(bwd, avals)
+
+
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+@dataclasses.dataclass
+class _Traced:
+    closed: Any
+    out_tree: Any
+    cache: dict
+
+
+class _TraceCache:
+    """The traced jaxprs of one autocast function, by argument structure, avals and static
+    values (least recently used first out)."""
+
+    def __init__(self, size: int = _CACHE_SIZE):
+        self.size = size
+        self.entries: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key):
+        if key is None or key not in self.entries:
+            return None
+        self.entries.move_to_end(key)
+        return self.entries[key]
+
+    def put(self, key, value):
+        self.entries[key] = value
+        if len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+
+def _settings(fn, policy, rules, categories) -> _Settings:
+    if not callable(fn):
+        raise TypeError(
+            f"autocast(fn) needs a callable fn, got {fn!r} of type {type(fn).__name__}. Pass the "
+            "function itself: mpjax.autocast(loss_fn), not mpjax.autocast(loss_fn(x))."
+        )
+    if policy is None:
+        policy = rules.default if isinstance(rules, Rules) else "mixed_bfloat16"
+    try:
+        policy = get_policy(policy)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"autocast(policy={policy!r}): {error}") from None
+    if rules is None:
+        user_rules: tuple[Rule, ...] = ()
+    else:
+        if not isinstance(rules, Rules):
+            if not isinstance(rules, (Mapping, list, tuple)):
+                raise TypeError(
+                    "autocast(rules=...) takes mpjax.Rules, a mapping {scope glob: policy} or a "
+                    f"list of rules; got {rules!r} of type {type(rules).__name__}."
+                )
+            rules = Rules(rules, builtins=False)
+        user_rules = tuple(r for r in rules.rules if not r.builtin)
+        for rule in user_rules:
+            if isinstance(rule.key, type):
+                raise ValueError(
+                    f"autocast(rules=...): rule {rule.name!r} is keyed by a class, but autocast "
+                    "matches named scopes (jax.named_scope, Flax module paths such as "
+                    "'Model/head'). Key it by a path glob or a regular expression."
+                )
+    return _Settings(policy, merge_categories(categories), user_rules)
+
+
+def autocast(
+    fn: Callable[..., Any],
+    policy: PolicyLike | None = None,
+    *,
+    rules: Rules | Mapping[str, Any] | Sequence[Any] | None = None,
+    categories: Mapping[str, str] | None = None,
+) -> Callable[..., Any]:
+    """Returns ``fn`` running in mixed precision, with the same signature: ``torch.autocast``
+    for JAX.
+
+    ``fn`` is traced to a jaxpr (once per argument structure, shapes, dtypes and static
+    values) and evaluated primitive by primitive with inputs cast by category
+    (:mod:`mpjax.op_categories`): matmuls, convolutions and attention in the policy's compute
+    dtype, forward and backward; exp, log, pow, rsqrt, sums, max, cumulative ops (so softmax,
+    log-softmax, logsumexp, norm statistics and losses) in f32; everything else in the dtype of
+    its inputs, the widest where they differ. Only floating-point values are cast: integers,
+    booleans and PRNG keys are never touched, float64 is never narrowed.
+
+    It recurses into ``jit``, ``scan``, ``while``, ``cond``, ``remat``, ``custom_jvp``,
+    ``custom_vjp`` and ``shard_map``; custom derivative rules stay the rules (evaluated under
+    autocast as well). Loop carries keep the dtypes they were traced with. A primitive it does
+    not know runs in its traced dtypes and is reported once with an :class:`AutocastWarning`.
+
+    Floating outputs (f16/bf16/f32, not weakly typed) are cast to ``policy.output_dtype``, so
+    with the presets ``fn`` returns f32 as before; gradients with respect to f32 inputs come
+    back in f32. The intended use is under ``jax.jit`` (``jax.jit(autocast(f))`` or autocast
+    inside a jitted train step): eagerly, every call re-evaluates the jaxpr op by op.
+
+    Arguments that are arrays are traced; any other leaf (a Python number, a string, a flag
+    such as ``deterministic=True``) is a static value, as if closed over.
+
+    Args:
+      fn: the function: plain ``jnp`` code, a Flax ``model.apply``, an NNX module call, an
+        Equinox model...
+      policy: anything :func:`mpjax.get_policy` accepts; its compute dtype is the lower
+        precision and its output dtype the dtype of floating outputs. Defaults to
+        ``"mixed_bfloat16"`` (or the default of ``rules`` if that is a :class:`mpjax.Rules`).
+      rules: regions with their own policy, matched against the named scopes around each
+        operation (``jax.named_scope`` names, Flax module paths such as ``"Model/head"``): an
+        :class:`mpjax.Rules`, a mapping ``{glob or compiled regex: policy}`` or a list of
+        rules. A rule applies where its key matches the scope path or one of its ancestors;
+        the first matching rule wins. Only a region's compute dtype matters.
+      categories: ``{primitive name: category}`` overrides of the category table, with
+        categories ``"lower"``, ``"f32"``, ``"promote"``, ``"keep"``, ``"original"``.
+
+    Returns:
+      A function with ``fn``'s signature.
+
+    Raises:
+      TypeError: if ``fn`` is not callable, or ``rules``/``categories`` have the wrong type.
+      ValueError: for an unknown policy, category name, or a rule keyed by a class.
+
+    >>> import jax, jax.numpy as jnp, mpjax
+    >>> def mlp(w, x):
+    ...     return jax.nn.softmax(jnp.tanh(x @ w) @ w)
+    >>> w, x = jnp.ones((3, 3)), jnp.ones((2, 3))
+    >>> autocast(mlp)(w, x).dtype
+    dtype('float32')
+    >>> mpjax.inspect_matmuls(jax.grad(lambda w: autocast(mlp)(w, x).sum()), w).operand_dtypes()
+    Counter({('bfloat16', 'bfloat16'): 5})
+    """
+    settings = _settings(fn, policy, rules, categories)
+    traces = _TraceCache()
+
+    @functools.wraps(fn)
+    def autocast_fn(*args, **kwargs):
+        traced, dynamic = _trace(fn, traces, args, kwargs)
+        outs = _Interpreter(settings, traced.cache).run(traced.closed, dynamic, ())
+        outs = [_to_output(x, a, settings.policy) for x, a in zip(outs, traced.closed.out_avals)]
+        return jax.tree.unflatten(traced.out_tree, outs)
+
+    autocast_fn.__mpjax_autocast__ = (fn, settings, traces)
+    return autocast_fn
+
+
+def _to_output(x: Any, traced_aval: Any, policy: Policy) -> Any:
+    aval = jax.typeof(x)
+    if (aval.dtype in _ELIGIBLE and traced_aval.dtype in _ELIGIBLE and not aval.weak_type
+            and aval.dtype != policy.output_dtype):
+        return lax.convert_element_type(x, policy.output_dtype)
+    return x
+
+
+def _trace(fn, traces: _TraceCache, args, kwargs) -> tuple[_Traced, list]:
+    """The jaxpr of ``fn`` for these arguments (cached), and the arguments it takes."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    dynamic_idx = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+    dynamic = [leaves[i] for i in dynamic_idx]
+    static = tuple((i, leaf) for i, leaf in enumerate(leaves) if not _is_array(leaf))
+    key: Any = (treedef, static, tuple(jax.typeof(x) for x in dynamic))
+    try:
+        hash(key)
+    except TypeError:
+        key = None  # an unhashable static value: trace every call
+    traced = traces.get(key)
+    if traced is not None:
+        return traced, dynamic
+    out_trees = []
+
+    def flat_fn(*values):
+        full = list(leaves)
+        for i, value in zip(dynamic_idx, values):
+            full[i] = value
+        call_args, call_kwargs = jax.tree.unflatten(treedef, full)
+        out_leaves, out_tree = jax.tree.flatten(fn(*call_args, **call_kwargs))
+        out_trees.append(out_tree)
+        return out_leaves
+
+    closed = jax.make_jaxpr(flat_fn)(*dynamic)
+    traced = _Traced(closed, out_trees[0], {})
+    # A jaxpr that closed over tracers of an enclosing trace is only valid inside that trace.
+    if key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
+        traces.put(key, traced)
+    return traced, dynamic
+
+
+def autocast_report(fn: Callable[..., Any], *args, print_table: bool = True, **kwargs
+                    ) -> AutocastReport:
+    """Returns, and prints, what :func:`autocast` does to each kind of equation of ``fn``.
+
+    One row per (scope, primitive, category, traced input dtypes, run input dtypes), with a
+    count; rows where autocast cast an input are marked ``*`` in the printed table. Use
+    :func:`mpjax.inspect_matmuls` on the autocast function for the matmuls' dtypes, forward and
+    backward.
+
+    Args:
+      fn: a function returned by :func:`autocast`.
+      *args, **kwargs: example arguments (arrays or ``jax.ShapeDtypeStruct``); nothing is
+        computed, the function is traced abstractly.
+      print_table: print the report (the default) as well as returning it.
+
+    Raises:
+      TypeError: if ``fn`` was not made by :func:`autocast`.
+
+    >>> import jax.numpy as jnp
+    >>> f = autocast(lambda w, x: jnp.exp(x @ w))
+    >>> report = autocast_report(f, jnp.ones((2, 2)), jnp.ones((2, 2)), print_table=False)
+    >>> [(r.primitive, r.category, r.ran) for r in report]
+    [('dot_general', 'lower', ('bf16', 'bf16')), ('exp', 'f32', ('f32',))]
+    """
+    info = getattr(fn, "__mpjax_autocast__", None)
+    if info is None:
+        raise TypeError(
+            f"autocast_report takes a function made by mpjax.autocast; got {fn!r}. Wrap it "
+            "first: mpjax.autocast_report(mpjax.autocast(fn), *args)."
+        )
+    inner, settings, traces = info
+    record: collections.Counter = collections.Counter()
+
+    def recorded(*a, **k):
+        traced, dynamic = _trace(inner, traces, a, k)
+        return _Interpreter(settings, {}, record).run(traced.closed, dynamic, ())
+
+    jax.eval_shape(recorded, *args, **kwargs)
+    report = AutocastReport(AutocastRow(*key, count) for key, count in record.items())
+    if print_table:
+        print(report)
+    return report

@@ -1,0 +1,551 @@
+"""mpjax.autocast: dtypes read back from the transformed jaxpr/HLO, numerics against f32."""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax import lax
+from jax.extend.core import Primitive
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import mpjax
+import mpjax.linen as mpl
+from mpjax.inspection import iter_equations
+
+F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
+K1, K2, K3 = jax.random.split(jax.random.key(0), 3)
+W = jax.random.normal(K1, (8, 8)) / 3
+X = jax.random.normal(K2, (4, 8))
+BF16_RTOL = 0.05  # a few bf16 roundings (8 mantissa bits) through a small network
+
+
+def _inputs(fn, *args, primitive):
+    """Input dtypes of every ``primitive`` equation of ``fn`` (nested jaxprs included)."""
+    return [tuple(np.dtype(v.aval.dtype) for v in eqn.invars)
+            for eqn, _ in iter_equations(fn, *args) if eqn.primitive.name == primitive]
+
+
+def _assert_bf16_matmuls(report, count=None):
+    assert report, "no matmuls found"
+    assert report.operand_dtypes() == {("bfloat16", "bfloat16"): len(report)}, str(report)
+    assert all(m.out_dtype == BF16 for m in report), str(report)
+    # JAX's default (None) or the compute dtype, never f32: see REFERENCE.md's trap.
+    assert all(m.preferred_element_type in (None, BF16) for m in report), str(report)
+    if count is not None:
+        assert len(report) == count, str(report)
+
+
+def _close(a, b, rtol=BF16_RTOL):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * np.abs(b).max())
+
+
+# --- Matmuls in bf16, forward and backward, in every higher-order primitive. ------------------
+
+@jax.custom_jvp
+def _sin_matmul(a, w):
+    return jnp.sin(a @ w)
+
+
+@_sin_matmul.defjvp
+def _sin_matmul_jvp(primals, tangents):
+    (a, w), (da, dw) = primals, tangents
+    return _sin_matmul(a, w), jnp.cos(a @ w) * (da @ w + a @ dw)
+
+
+@jax.custom_vjp
+def _tanh_matmul(a, w):
+    return jnp.tanh(a @ w)
+
+
+def _tanh_matmul_fwd(a, w):
+    y = jnp.tanh(a @ w)
+    return y, (a, w, 1 - y * y)
+
+
+def _tanh_matmul_bwd(res, g):
+    a, w, dy = res
+    g = g * dy
+    return g @ w.T, a.T @ g
+
+
+_tanh_matmul.defvjp(_tanh_matmul_fwd, _tanh_matmul_bwd)
+
+_MESH = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+
+CASES = {
+    "jit": (lambda w, x: jax.jit(lambda a: jnp.sin(a @ w))(x), "jit"),
+    "scan": (lambda w, x: lax.scan(lambda c, xi: (jnp.tanh(c @ w) + xi, c.sum()),
+                                   x, jnp.stack([x, x]))[0], "scan"),
+    "fori_loop": (lambda w, x: lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c @ w), x), "scan"),
+    "remat": (jax.checkpoint(lambda w, x: jnp.sin(x @ w)), "checkpoint"),
+    "cond": (lambda w, x: lax.cond(x.sum() > 0, lambda a: jnp.sin(a @ w), lambda a: a @ w.T, x),
+             "cond"),
+    "custom_jvp": (lambda w, x: _sin_matmul(x, w), "custom_jvp_call"),
+    "custom_vjp": (lambda w, x: _tanh_matmul(x, w), "custom_vjp_call"),
+    "shard_map": (lambda w, x: jax.shard_map(lambda a: jax.nn.relu(a @ w), mesh=_MESH,
+                                             in_specs=P("d"), out_specs=P("d"))(
+                                                 jnp.concatenate([x, x])), "shard_map"),
+    "nested": (lambda w, x: jax.jit(lambda x: lax.scan(
+        lambda c, _: (jax.checkpoint(lambda c: jax.nn.relu(_tanh_matmul(c, w)))(c), None),
+        x, None, length=2)[0])(x), "custom_vjp_call"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matmuls_run_in_bf16_forward_and_backward_inside_higher_order_primitives(case):
+    fn, context = CASES[case]
+    auto = mpjax.autocast(fn)
+    forward = mpjax.inspect_matmuls(auto, W, X)
+    _assert_bf16_matmuls(forward)
+    assert all(context in "/".join(m.context) or context == "checkpoint" for m in forward)
+
+    loss = lambda w: jnp.sum(auto(w, X) ** 2)  # noqa: E731
+    backward = mpjax.inspect_matmuls(jax.grad(loss), W)
+    # Forward and backward matmuls alike: bf16 operands, never an f32 x bf16 dot.
+    _assert_bf16_matmuls(backward)
+    assert len(backward) > len(forward)
+
+    out, grad = auto(W, X), jax.grad(loss)(W)
+    assert out.dtype == F32 and grad.dtype == F32
+    _close(out, fn(W, X))
+    _close(grad, jax.grad(lambda w: jnp.sum(fn(w, X) ** 2))(W), rtol=0.1)
+
+
+def test_remat_keeps_its_policy_and_prevent_cse():
+    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    fn = jax.checkpoint(lambda w, x: jnp.sin(x @ w), policy=policy, prevent_cse=False)
+    eqns = [e for e, _ in iter_equations(mpjax.autocast(fn), W, X)
+            if e.primitive.name in ("remat2", "checkpoint")]
+    assert len(eqns) == 1
+    assert eqns[0].params["policy"] is policy and eqns[0].params["prevent_cse"] is False
+
+
+def test_while_loop_matmuls_run_in_bf16_and_carries_keep_their_dtype():
+    def fn(w, x):
+        return lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)),
+                              (0, x))
+
+    auto = mpjax.autocast(fn)
+    report = mpjax.inspect_matmuls(auto, W, X)
+    _assert_bf16_matmuls(report, count=1)
+    assert report[0].context == ("while",)
+    (loop,) = [e for e, _ in iter_equations(auto, W, X) if e.primitive.name == "while"]
+    assert [np.dtype(v.aval.dtype) for v in loop.outvars] == [np.dtype(jnp.int32), F32]
+    count, out = auto(W, X)
+    assert int(count) == 3 and count.dtype == jnp.int32
+    _close(out, fn(W, X)[1])
+    # Forward-mode differentiation goes through the loop (reverse mode is JAX's limit).
+    tangent = jax.jvp(lambda w: auto(w, X)[1], (W,), (jnp.ones_like(W),))[1]
+    _close(tangent, jax.jvp(lambda w: fn(w, X)[1], (W,), (jnp.ones_like(W),))[1], rtol=0.1)
+
+
+def test_custom_rules_stay_custom():
+    calls = []
+
+    @jax.custom_vjp
+    def clip_gradient(x):
+        return x
+
+    def fwd(x):
+        return x, None
+
+    def bwd(_, g):
+        calls.append(g.dtype)
+        return (jnp.clip(g, -1e-3, 1e-3),)
+
+    clip_gradient.defvjp(fwd, bwd)
+    grad = jax.grad(lambda w: mpjax.autocast(lambda w: clip_gradient(X @ w).sum())(w))(W)
+    assert calls and grad.dtype == F32
+    # The custom bwd clipped the cotangent of ones to 1e-3: the gradient is X.T @ 1e-3.
+    _close(grad, X.T @ jnp.full((4, 8), 1e-3))
+
+
+# --- f32 pieces: softmax, log-softmax, logsumexp, norms, losses. -----------------------------
+
+@pytest.mark.parametrize("fn", [jax.nn.softmax, jax.nn.log_softmax,
+                                jax.scipy.special.logsumexp],
+                         ids=["softmax", "log_softmax", "logsumexp"])
+def test_softmax_logsoftmax_and_logsumexp_run_in_f32_on_bf16_logits(fn):
+    auto = mpjax.autocast(lambda w, x: fn(x @ w))
+    for name in ("reduce_max", "exp", "reduce_sum"):
+        found = _inputs(auto, W, X, primitive=name)
+        assert found and all(d == F32 for dts in found for d in dts), (name, found)
+    if fn is not jax.nn.softmax:
+        assert all(d == F32 for dts in _inputs(auto, W, X, primitive="log") for d in dts)
+    _close(auto(W, X), fn(X @ W), rtol=0.02)
+    grads = _inputs(jax.grad(lambda w: auto(w, X).sum()), W, primitive="exp")
+    assert grads and all(d == F32 for dts in grads for d in dts)
+
+
+def test_cross_entropy_pieces_run_in_f32_and_integer_labels_are_untouched():
+    labels = jnp.array([1, 0, 3, 7])
+
+    def loss(w, x, labels):
+        return optax.softmax_cross_entropy_with_integer_labels(x @ w, labels).mean()
+
+    auto = mpjax.autocast(loss)
+    for name in ("exp", "log", "reduce_sum", "reduce_max"):
+        found = _inputs(auto, W, X, labels, primitive=name)
+        assert found and all(d == F32 for dts in found for d in dts), (name, found)
+    assert not any(
+        np.dtype(v.aval.dtype) != np.dtype(jnp.int32)
+        for e, _ in iter_equations(auto, W, X, labels) if e.primitive.name == "convert_element_type"
+        for v in e.invars if not jnp.issubdtype(v.aval.dtype, jnp.floating))
+    _close(auto(W, X, labels), loss(W, X, labels), rtol=0.02)
+
+
+def test_layer_norm_statistics_run_in_f32_flax_and_hand_written():
+    def layer_norm(x):
+        mean = x.mean(-1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+        return (x - mean) * lax.rsqrt(var + 1e-6)
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.LayerNorm(name="ln")(nn.Dense(8, name="proj")(x))
+
+    variables = Net().init(K3, X)
+    flax_fn = mpjax.autocast(Net().apply)
+    jnp_fn = mpjax.autocast(lambda w, x: layer_norm(x @ w))
+    for fn, args in ((flax_fn, (variables, X)), (jnp_fn, (W, X))):
+        for name in ("reduce_sum", "rsqrt"):
+            found = _inputs(fn, *args, primitive=name)
+            assert found and all(d == F32 for dts in found for d in dts), (name, found)
+    _close(flax_fn(variables, X), Net().apply(variables, X))
+    _close(jnp_fn(W, X), layer_norm(X @ W))
+
+
+# --- Integers, booleans, PRNG keys; weak scalars; outputs. ------------------------------------
+
+def test_integers_booleans_and_prng_keys_are_untouched():
+    def fn(w, x, key, idx):
+        noise = jax.random.normal(key, x.shape)
+        h = (x + noise) @ w
+        best = jnp.argmax(h, axis=-1)
+        mask = h > 0
+        return h[idx], best, mask.sum(), jax.random.split(key), noise
+
+    args = (W, X, K3, jnp.array([2, 0]))
+    auto = mpjax.autocast(fn)
+    # Autocast adds float casts only: the converts from or to integers, bools and keys are the
+    # function's own.
+    def non_float_converts(fn):
+        return sorted(
+            (str(e.invars[0].aval.dtype), str(e.params["new_dtype"]))
+            for e, _ in iter_equations(fn, *args) if e.primitive.name == "convert_element_type"
+            and not (jnp.issubdtype(e.invars[0].aval.dtype, jnp.floating)
+                     and jnp.issubdtype(e.params["new_dtype"], jnp.floating)))
+
+    assert non_float_converts(auto) == non_float_converts(fn)
+    keys = [v.aval.dtype for e, _ in iter_equations(auto, *args) for v in e.invars
+            if jnp.issubdtype(v.aval.dtype, jax.dtypes.prng_key)]
+    assert keys and all(str(k) == str(K3.dtype) for k in keys)
+    out, ref = auto(*args), fn(*args)
+    assert [o.dtype for o in jax.tree.leaves(out)] == [r.dtype for r in jax.tree.leaves(ref)]
+    np.testing.assert_array_equal(jax.random.key_data(out[3]), jax.random.key_data(ref[3]))
+    np.testing.assert_array_equal(out[4], ref[4])  # random numbers: generated as traced, in f32
+    _close(out[0], ref[0])
+
+
+def test_weak_scalars_adapt_to_bf16_instead_of_widening_it():
+    auto = mpjax.autocast(lambda w, x: jnp.tanh(jnp.maximum(x @ w * 2.0 + 1, jnp.full_like(x, -3))))
+    assert _inputs(auto, W, X, primitive="mul") == [(BF16, BF16)]
+    assert _inputs(auto, W, X, primitive="max") == [(BF16, BF16)]  # full_like: a constant
+    assert _inputs(auto, W, X, primitive="tanh") == [(BF16,)]
+
+
+@pytest.mark.parametrize("policy, dtype", [("mixed_bfloat16", F32), ("c=bf16", BF16),
+                                           ("mixed_float16", F32), ("float32", F32)])
+def test_floating_outputs_take_the_output_dtype_and_matmuls_the_compute_dtype(policy, dtype):
+    auto = mpjax.autocast(lambda w, x: (x @ w, jnp.argmax(x, -1)), policy)
+    out, idx = auto(W, X)
+    assert out.dtype == dtype and idx.dtype == jnp.int32
+    compute = mpjax.get_policy(policy).compute_dtype
+    assert {m.lhs_dtype for m in mpjax.inspect_matmuls(auto, W, X)} == {compute}
+
+
+# --- Composition. ------------------------------------------------------------------------------
+
+def _mlp(params, x):
+    h = jax.nn.gelu(x @ params["w1"] + params["b1"])
+    return h @ params["w2"] + params["b2"]
+
+
+MLP_PARAMS = {"w1": W, "b1": jnp.zeros(8), "w2": W.T, "b2": jnp.ones(8)}
+
+
+def test_jit_grad_vmap_of_autocast_and_no_retrace():
+    traces = []
+
+    def mlp(params, x):
+        traces.append(1)
+        return _mlp(params, x)
+
+    auto = mpjax.autocast(mlp)
+    step = jax.jit(jax.value_and_grad(lambda p, x: jnp.mean(auto(p, x) ** 2)))
+    (loss, grads), _ = step(MLP_PARAMS, X), step(MLP_PARAMS, X + 1)
+    assert len(traces) == 1  # one trace of mlp for the jitted step, none on the second call
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {F32}  # grads in the param dtype
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: jnp.mean(_mlp(p, X) ** 2))(MLP_PARAMS)
+    _close(loss, ref_loss)
+    jax.tree.map(lambda a, b: _close(a, b, rtol=0.1), grads, ref_grads)
+    assert step._cache_size() == 1
+
+    batched = jax.vmap(auto, in_axes=(None, 0))(MLP_PARAMS, X[:, None])
+    assert batched.shape == (4, 1, 8) and batched.dtype == F32
+    _close(batched[:, 0], _mlp(MLP_PARAMS, X))
+    _assert_bf16_matmuls(mpjax.inspect_matmuls(
+        jax.grad(lambda p: jax.vmap(auto, in_axes=(None, 0))(p, X[:, None]).sum()), MLP_PARAMS))
+
+
+def test_gradients_match_finite_differences():
+    fn = mpjax.autocast(lambda p, x: jnp.mean(jax.nn.softmax(_mlp(p, x)) ** 2))
+    grad = jax.grad(fn)(MLP_PARAMS, X)["b2"]
+    eps = 1e-2
+    for i in (0, 3):
+        up = dict(MLP_PARAMS, b2=MLP_PARAMS["b2"].at[i].add(eps))
+        down = dict(MLP_PARAMS, b2=MLP_PARAMS["b2"].at[i].add(-eps))
+        fd = (fn(up, X) - fn(down, X)) / (2 * eps)  # f32 is enough: the output is f32
+        np.testing.assert_allclose(grad[i], fd, rtol=0.2, atol=2e-4)
+
+
+def test_flax_linen_apply_needs_no_change():
+    class Classifier(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.LayerNorm()(x)
+            x = x + nn.MultiHeadDotProductAttention(num_heads=2)(x)
+            return nn.Dense(4)(nn.gelu(nn.Dense(16)(x)).mean(1))
+
+    model, x = Classifier(), jax.random.normal(K2, (2, 4, 8))
+    variables = model.init(K3, x)
+    auto = mpjax.autocast(model.apply)
+    loss = lambda v: jnp.sum(auto(v, x) ** 2)  # noqa: E731
+    # q, k, v, scores, weights x values, out, two Dense: 8 forward, 2 backward each.
+    _assert_bf16_matmuls(mpjax.inspect_matmuls(jax.grad(loss), variables), count=8 * 3)
+    grads = jax.grad(loss)(variables)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {F32}
+    _close(auto(variables, x), model.apply(variables, x))
+
+
+def test_nnx_module_call_and_split_merge_need_no_change():
+    model = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.gelu,
+                           nnx.LayerNorm(16, rngs=nnx.Rngs(1)), nnx.Linear(16, 8, rngs=nnx.Rngs(2)))
+    out = mpjax.autocast(model)(X)  # the module itself: its params are read as constants
+    assert out.dtype == F32
+    _close(out, model(X))
+    _assert_bf16_matmuls(mpjax.inspect_matmuls(mpjax.autocast(model), X), count=2)
+
+    graphdef, state = nnx.split(model)
+    auto = mpjax.autocast(lambda state, x: nnx.merge(graphdef, state)(x))
+    loss = lambda s: jnp.mean(auto(s, X) ** 2)  # noqa: E731
+    # 2 forward; backward 2 for the last layer, 1 for the first (x needs no gradient).
+    _assert_bf16_matmuls(mpjax.inspect_matmuls(jax.grad(loss), state), count=2 + 3)
+    assert {g.dtype for g in jax.tree.leaves(jax.grad(loss)(state))} == {F32}
+
+
+def test_jitted_train_step_with_loss_scaling_and_mixed_float16():
+    policy = mpjax.get_policy("mixed_float16")
+    auto = mpjax.autocast(_mlp, policy)
+    tx = mpjax.loss_scaling(optax.adam(1e-2), mpjax.loss_scale_for(policy))
+    y = jnp.sin(X)
+
+    def loss_fn(params):
+        return jnp.mean((auto(params, X) - y) ** 2)
+
+    @jax.jit
+    def step(params, opt_state):
+        loss, grads = jax.value_and_grad(lambda p: mpjax.scale_loss(loss_fn(p), opt_state))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    report = mpjax.inspect_matmuls(jax.grad(lambda p: mpjax.scale_loss(loss_fn(p), tx.init(p))),
+                                   MLP_PARAMS)
+    assert report.operand_dtypes() == {("float16", "float16"): len(report)} and len(report) == 5
+    params, opt_state = MLP_PARAMS, tx.init(MLP_PARAMS)
+    first = loss_fn(params)
+    with jax.numpy_dtype_promotion("standard"):  # optax's adam is not strict-promotion clean
+        for _ in range(20):
+            params, opt_state, _ = step(params, opt_state)
+    assert {p.dtype for p in jax.tree.leaves(params)} == {F32}
+    assert int(opt_state.applied) == 1 and float(loss_fn(params)) < 0.5 * float(first)
+
+
+# --- Unknown primitives, regions, categories, errors. --------------------------------------
+
+def _double_primitive():
+    prim = Primitive("mpjax_test_double")
+    prim.def_impl(lambda x: np.asarray(x) * 2)
+    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+    return prim
+
+
+def test_unknown_primitive_runs_in_its_traced_dtype_and_warns_once():
+    double = _double_primitive()
+    auto = mpjax.autocast(lambda w, x: double.bind(x @ w) @ w)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = _inputs(auto, W, X, primitive="mpjax_test_double")
+        out = auto(W, X)
+        auto(W, X[:2])
+    assert found == [(F32,)]  # the bf16 matmul result is cast back to the traced f32
+    messages = [str(w.message) for w in caught if issubclass(w.category, mpjax.AutocastWarning)]
+    assert len(messages) == 1 and "mpjax_test_double" in messages[0], messages
+    _close(out, 2 * (X @ W) @ W)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a category silences it and applies
+        quiet = mpjax.autocast(lambda w, x: double.bind(x @ w), categories={
+            "mpjax_test_double": "keep"})
+        assert _inputs(quiet, W, X, primitive="mpjax_test_double") == [(BF16,)]
+
+
+def test_full_precision_region_keeps_its_matmuls_f32_even_in_nested_jit():
+    def fn(w, x):
+        h = jnp.tanh(x @ w)
+        with mpjax.full_precision():
+            h = jax.jit(lambda h: jax.nn.relu(h @ w))(h)
+        return h @ w
+
+    report = mpjax.inspect_matmuls(mpjax.autocast(fn), W, X)
+    assert [(m.lhs_dtype, m.rhs_dtype, m.out_dtype) for m in report] == [
+        (BF16, BF16, BF16), (F32, F32, F32), (BF16, BF16, BF16)]
+    backward = mpjax.inspect_matmuls(jax.grad(lambda w: mpjax.autocast(fn)(w, X).sum()), W)
+    # bf16: 2 forward, 2 + 1 backward (the first matmul's x needs no gradient); f32: 1 + 2.
+    assert backward.operand_dtypes() == {("bfloat16", "bfloat16"): 5, ("float32", "float32"): 3}
+
+
+def test_scope_rules_give_regions_their_own_policy():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8, name="head")(nn.Dense(8, name="body")(x))
+
+    variables = Net().init(K3, X)
+    auto = mpjax.autocast(Net().apply, rules={"*/head": "float32"})
+    report = mpjax.inspect_matmuls(auto, variables, X)
+    assert {m.scope: m.lhs_dtype for m in report} == {"Net/body": BF16, "Net/head": F32}
+
+    def fn(w, x):
+        with jax.named_scope("attn"):
+            x = jax.jit(lambda x: x @ w)(x)  # a region covers what it calls
+        return x @ w
+
+    rules = mpjax.Rules({"attn": "float32"}, default="mixed_float16")
+    found = [m.lhs_dtype for m in mpjax.inspect_matmuls(mpjax.autocast(fn, rules=rules), W, X)]
+    assert found == [F32, F16]
+
+
+def test_category_overrides_apply_per_primitive():
+    fn = lambda w, x: jnp.tanh(x @ w)  # noqa: E731
+    assert _inputs(mpjax.autocast(fn), W, X, primitive="tanh") == [(BF16,)]
+    assert _inputs(mpjax.autocast(fn, categories={"tanh": "f32"}), W, X, primitive="tanh") == [
+        (F32,)]
+    promoted = mpjax.autocast(fn, categories={"dot_general": "promote"})
+    assert {m.lhs_dtype for m in mpjax.inspect_matmuls(promoted, W, X)} == {F32}
+    assert mpjax.DEFAULT_OP_CATEGORIES["dot_general"] == "lower"
+    assert mpjax.DEFAULT_OP_CATEGORIES["exp"] == "f32"
+
+
+def test_bad_arguments_raise_errors_naming_them():
+    with pytest.raises(TypeError, match="fn"):
+        mpjax.autocast(3)
+    with pytest.raises(ValueError, match="policy"):
+        mpjax.autocast(jnp.sin, "mixed_bfloat17")
+    with pytest.raises(ValueError, match="categories.*lower, f32, promote, keep, original"):
+        mpjax.autocast(jnp.sin, categories={"tanh": "f64"})
+    with pytest.raises(TypeError, match="categories"):
+        mpjax.autocast(jnp.sin, categories=["tanh"])
+    with pytest.raises(ValueError, match="named scopes"):
+        mpjax.autocast(jnp.sin, rules=mpjax.Rules({nn.Dense: "float32"}))
+    with pytest.raises(TypeError, match="rules"):
+        mpjax.autocast(jnp.sin, rules="head")
+
+
+def test_report_shows_what_autocast_did(capsys):
+    auto = mpjax.autocast(lambda w, x: jax.nn.softmax(x @ w))
+    report = mpjax.describe(auto, W, X)
+    printed = capsys.readouterr().out
+    rows = {(r.primitive, r.category): r for r in report}
+    assert rows["dot_general", "lower"].ran == ("bf16", "bf16")
+    assert rows["exp", "f32"].ran == ("f32",)
+    assert "* bf16,bf16" in printed and "reduce_max" in printed
+    with pytest.raises(TypeError, match="autocast"):
+        mpjax.autocast_report(jnp.sin, X)
+
+
+# --- The cost: no more converts than a transformer block written with dtype=jnp.bfloat16. ----
+
+class Block(nn.Module):
+    """A pre-norm transformer block from Flax's stock layers."""
+
+    dtype: object = None
+    attention_fn: object = nn.dot_product_attention
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.LayerNorm(dtype=self.dtype, name="ln1")(x)
+        y = nn.MultiHeadDotProductAttention(num_heads=2, dtype=self.dtype,
+                                            attention_fn=self.attention_fn, name="attn")(y)
+        x = x + y
+        y = nn.LayerNorm(dtype=self.dtype, name="ln2")(x)
+        y = nn.Dense(32, dtype=self.dtype, name="up")(y)
+        y = nn.Dense(16, dtype=self.dtype, name="down")(nn.gelu(y))
+        return x + y
+
+
+class HandWritten(Block):
+    def __call__(self, x):
+        return super().__call__(x.astype(jnp.bfloat16))
+
+
+def _train_step(apply, x):
+    tx = optax.adam(1e-3)
+
+    def loss(p):
+        return jnp.mean(jnp.square(apply({"params": p}, x).astype(jnp.float32)))
+
+    def step(params, opt_state):
+        grads = jax.grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step, tx, loss
+
+
+def test_train_step_has_no_more_converts_than_hand_written_bf16_and_same_matmuls():
+    x = jax.random.normal(K2, (2, 4, 16))
+    params = jax.eval_shape(Block().init, K3, x)["params"]
+    found = {}
+    # optax's adam and Flax's bf16 norms are not strict-promotion clean: compare both models
+    # under standard promotion, on the same backend.
+    with jax.numpy_dtype_promotion("standard"):
+        for name, apply in (("autocast", mpjax.autocast(Block().apply)),
+                            ("by_hand", HandWritten(dtype=jnp.bfloat16,
+                                                    attention_fn=mpl.f32_softmax_attention).apply)):
+            step, tx, loss = _train_step(apply, x)
+            converts = mpjax.hlo_op_counts(step, params, jax.eval_shape(tx.init, params))
+            matmuls = mpjax.inspect_matmuls(jax.grad(loss), params).operand_dtypes()
+            found[name] = converts["convert"], matmuls
+    (auto_converts, auto_matmuls), (hand_converts, hand_matmuls) = found.values()
+    assert 0 < auto_converts <= hand_converts, found
+    assert auto_matmuls == hand_matmuls == {("bfloat16", "bfloat16"): 24}, found
+
+
+def test_readme_autocast_example_runs(capsys):
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.search(r"## Autocast\n.*?```python\n(.*?)```", text, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "Counter({('bfloat16', 'bfloat16'): 5})" in printed
+    assert "dot_general       lower" in printed
