@@ -365,7 +365,10 @@ def make_train_step(model: GPT, tx: optax.GradientTransformation):
             # Average in f32, then store in each param's dtype, as a single batch would give.
             grads = jax.tree.map(lambda a, p: (a / n_micro).astype(p.dtype), acc, state.params)
             loss = loss_sum / n_micro
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        # optax's Adam computes b1 ** count with an int32 count, which
+        # jax_numpy_dtype_promotion="strict" rejects; the model above is strict-clean.
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, **_loss_scale_metrics(opt_state)}
         return TrainState(state.step + 1, params, opt_state), metrics
@@ -374,8 +377,14 @@ def make_train_step(model: GPT, tx: optax.GradientTransformation):
 
 
 def init_state(model: GPT, tx: optax.GradientTransformation, seed: int, seq_len: int) -> TrainState:
-    params = model.init(jax.random.key(seed), jnp.zeros((1, seq_len), jnp.int32))["params"]
-    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+    """Initial params (in the model's param dtype) and optimizer state, built in one jit:
+    eager initialization dispatches and compiles every small op separately, which is slower."""
+
+    def init(key):
+        params = model.init(key, jnp.zeros((1, seq_len), jnp.int32))["params"]
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+    return jax.jit(init)(jax.random.key(seed))
 
 
 def make_generate(model: GPT, length: int):
@@ -433,24 +442,18 @@ def save_checkpoint(manager, state: TrainState, rng: np.random.Generator, cfg: T
     )
 
 
-def restore_checkpoint(manager, state: TrainState, rng: np.random.Generator, cfg: TrainConfig):
-    """Restores the latest checkpoint into ``state``'s structure, dtypes and shardings.
+def read_checkpoint_meta(manager, cfg: TrainConfig) -> dict | None:
+    """Reads the latest checkpoint's metadata (step, sampler state, settings), or None.
 
-    Returns the restored state, or None when there is no checkpoint; sets ``rng``'s state.
+    Raises:
+      ValueError: if the checkpoint was made with settings that change the trajectory.
     """
     import orbax.checkpoint as ocp
 
     step = manager.latest_step()
     if step is None:
         return None
-    target = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state
-    )
-    restored = manager.restore(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
-    )
-    meta = restored["meta"]
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     saved = meta["config"]
     differ = [k for k in _TRAJECTORY_FIELDS if saved.get(k) != getattr(cfg, k)]
     if differ:
@@ -459,7 +462,15 @@ def restore_checkpoint(manager, state: TrainState, rng: np.random.Generator, cfg
             f"--resume: the checkpoint in {manager.directory} was made with different settings "
             f"({details}). Resume with the same flags, or use another --out."
         )
-    rng.bit_generator.state = json.loads(meta["rng_state"])
+    return meta
+
+
+def restore_state(manager, step: int, like: TrainState) -> TrainState:
+    """Restores the train state saved at ``step`` with ``like``'s structure, dtypes, shardings."""
+    import orbax.checkpoint as ocp
+
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), like)
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
     return TrainState(*restored["state"])
 
 
@@ -548,28 +559,32 @@ def train(cfg: TrainConfig) -> dict:
     ]
     rng = np.random.default_rng(cfg.seed)
 
+    # Checkpoints: refuse to mix runs before spending time on the model.
+    manager = None
+    if cfg.ckpt_interval > 0 or cfg.resume:
+        manager = _checkpoint_manager(out_dir / "checkpoints")
+    resume_meta = None
+    if cfg.resume:
+        resume_meta = read_checkpoint_meta(manager, cfg)
+        if resume_meta is None:
+            print(f"--resume: no checkpoint in {out_dir / 'checkpoints'}, starting from step 0")
+    elif manager is not None and manager.latest_step() is not None:
+        raise ValueError(
+            f"{out_dir} already has checkpoints: pass --resume to continue that run, or "
+            "choose another --out."
+        )
+
     # Model, optimizer, state.
     model = build_model(mcfg, policy)
     tx = make_optimizer(cfg, policy)
     state = jax.device_put(init_state(model, tx, cfg.seed, seq_len), replicated)
     n_params = sum(p.size for p in jax.tree.leaves(state.params))
-
-    manager = _checkpoint_manager(out_dir / "checkpoints") if cfg.ckpt_interval > 0 or cfg.resume else None
-    if not cfg.resume:
-        if manager is not None and manager.latest_step() is not None:
-            raise ValueError(
-                f"{out_dir} already has checkpoints: pass --resume to continue that run, or "
-                "choose another --out."
-            )
+    if resume_meta is None:
         log_path.unlink(missing_ok=True)
     else:
-        restored = restore_checkpoint(manager, state, rng, cfg)
-        if restored is None:
-            print(f"--resume: no checkpoint in {out_dir / 'checkpoints'}, starting from step 0")
-            log_path.unlink(missing_ok=True)
-        else:
-            state = restored
-            _keep_log_until(log_path, int(state.step))
+        state = restore_state(manager, resume_meta["step"], state)
+        rng.bit_generator.state = json.loads(resume_meta["rng_state"])
+        _keep_log_until(log_path, int(state.step))
     start_step = int(state.step)
 
     tokens_per_step = cfg.grad_accum * cfg.batch_size * seq_len
