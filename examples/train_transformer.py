@@ -44,7 +44,8 @@ import mpjax  # noqa: E402
 # Default configuration. Every value is a command-line flag (see --help).
 PRESET = "tiny"  # model size: tiny (CPU, minutes), small (86M params), medium (303M params)
 POLICY = "mixed_bfloat16"  # any mpjax policy: float32, mixed_bfloat16, bfloat16, "p=f32,c=bf16,o=f32"
-LOSS_SCALE = "none"  # none (bf16 and f32 need none)
+LOSS_SCALE = "auto"  # auto (dynamic for float16, none otherwise), dynamic, static:N or none
+MASTER_WEIGHTS = True  # keep an f32 master copy when the policy stores params in bf16/f16
 STEPS = 800  # optimizer steps
 BATCH_SIZE = 16  # sequences per micro-batch (split over the devices)
 GRAD_ACCUM = 1  # micro-batches per optimizer step, accumulated inside the jitted step
@@ -85,6 +86,7 @@ class TrainConfig:
     untied: bool = False
     policy: str = POLICY
     loss_scale: str = LOSS_SCALE
+    master_weights: bool = MASTER_WEIGHTS
     steps: int = STEPS
     batch_size: int = BATCH_SIZE
     grad_accum: int = GRAD_ACCUM
@@ -133,7 +135,8 @@ class TrainConfig:
 
 # Fields that decide the trajectory: a resumed run must match the checkpoint on all of them.
 _TRAJECTORY_FIELDS = (
-    "preset", "n_layer", "n_head", "d_model", "untied", "policy", "loss_scale", "steps",
+    "preset", "n_layer", "n_head", "d_model", "untied", "policy", "loss_scale", "master_weights",
+    "steps",
     "batch_size", "grad_accum", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
     "weight_decay", "beta1", "beta2", "grad_clip", "data", "max_bytes", "val_fraction", "seed",
 )
@@ -260,20 +263,20 @@ def build_model(config: GPTConfig, policy: mpjax.Policy, mode: str = "hand") -> 
     raise ValueError(f"mode must be one of {MODEL_MODES}, got {mode!r}.")
 
 
-def parse_loss_scale(text: str) -> str:
-    """Validates ``--loss-scale``: ``none``, ``dynamic`` or ``static:N`` with N > 0."""
-    if text in ("none", "dynamic"):
-        return text
-    if text.startswith("static:"):
-        try:
-            value = float(text.split(":", 1)[1])
-        except ValueError:
-            value = -1.0
-        if value > 0 and math.isfinite(value):
-            return text
-    raise ValueError(
-        f"--loss-scale must be 'none', 'dynamic' or 'static:N' with N > 0, got {text!r}."
-    )
+def resolve_loss_scale(text: str, policy: mpjax.Policy) -> mpjax.LossScale:
+    """The loss scale ``--loss-scale`` names; ``auto`` is ``mpjax.loss_scale_for(policy)``.
+
+    Raises:
+      ValueError: naming the flag, for anything but auto, none, dynamic or static:N (N > 0).
+    """
+    if text == "auto":
+        return mpjax.loss_scale_for(policy)
+    try:
+        return mpjax.get_loss_scale(text)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"--loss-scale must be auto, none, dynamic or static:N with N > 0, got {text!r} ({e})"
+        ) from None
 
 
 def make_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -284,22 +287,43 @@ def make_schedule(cfg: TrainConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: TrainConfig, policy: mpjax.Policy) -> optax.GradientTransformation:
-    """Gradient clipping then AdamW with the warmup + cosine schedule.
+    """Gradient clipping then AdamW, inside mpjax's loss scaling and master weights as needed.
 
+    The order of a step is scale -> grad -> unscale -> clip -> update (PyTorch's too): the
+    clipping threshold applies to the true gradients. Loss scaling wraps the optimizer unless
+    the loss scale is none (so f32 and bf16 runs pay nothing for it); a non-finite step then
+    leaves params and optimizer state untouched. Master weights wrap outside it, as
+    ``mpjax.master_weights`` recommends, when params are stored narrower than f32 (unless
+    --no-master-weights): the optimizer then updates an f32 copy, with f32 Adam moments.
     Weight decay applies to matrices (kernels, embeddings) only, as in GPT-2 and nanoGPT.
     """
-    del policy  # the optimizer does not depend on the policy until loss scaling is wired in
-    if cfg.loss_scale != "none":
-        raise ValueError(
-            f"--loss-scale {cfg.loss_scale!r} needs mpjax's loss scaling, which this version "
-            "of mpjax does not have yet; use --loss-scale none."
-        )
     adamw = optax.adamw(
         make_schedule(cfg), b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay,
         mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
     )
     clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
-    return optax.chain(clip, adamw)
+    tx = optax.chain(clip, adamw)
+    loss_scale = resolve_loss_scale(cfg.loss_scale, policy)
+    if not isinstance(loss_scale, mpjax.NoOpLossScale):
+        tx = mpjax.loss_scaling(tx, loss_scale)
+    if uses_master_weights(cfg, policy):
+        tx = mpjax.master_weights(tx)
+    return tx
+
+
+def uses_master_weights(cfg: TrainConfig, policy: mpjax.Policy) -> bool:
+    return cfg.master_weights and jnp.finfo(policy.param_dtype).bits < 32
+
+
+def describe_optimizer(cfg: TrainConfig, policy: mpjax.Policy) -> str:
+    scale = resolve_loss_scale(cfg.loss_scale, policy)
+    if isinstance(scale, mpjax.NoOpLossScale):
+        scaling = "no loss scaling"
+    else:
+        kind = "dynamic" if isinstance(scale, mpjax.DynamicLossScale) else "static"
+        scaling = f"{kind} loss scaling from {float(scale.loss_scale):g}"
+    master = "f32 master weights" if uses_master_weights(cfg, policy) else "no master weights"
+    return f"AdamW, {scaling}, {master}"
 
 
 class TrainState(NamedTuple):
@@ -316,19 +340,27 @@ def loss_fn(model: GPT, params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
+def loss_scaling_state(opt_state: Any) -> mpjax.LossScalingState | None:
+    """The optimizer's loss-scaling state, or None when it runs without loss scaling."""
+    is_state = lambda x: isinstance(x, mpjax.LossScalingState)  # noqa: E731
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+    return found[0] if found else None
+
+
 def _loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
-    """Loss scale, total and consecutive skipped steps; 1, 0, 0 without loss scaling."""
-    del opt_state
+    """Loss scale and skipped-step counters; 1, 0 and 0 without loss scaling."""
+    ls = loss_scaling_state(opt_state)
+    if ls is None:
+        return {
+            "loss_scale": jnp.ones((), jnp.float32),
+            "skipped_steps": jnp.zeros((), jnp.int32),
+            "consecutive_skipped": jnp.zeros((), jnp.int32),
+        }
     return {
-        "loss_scale": jnp.ones((), jnp.float32),
-        "skipped_steps": jnp.zeros((), jnp.int32),
-        "consecutive_skipped": jnp.zeros((), jnp.int32),
+        "loss_scale": ls.scale,
+        "skipped_steps": ls.skipped_steps,
+        "consecutive_skipped": ls.consecutive_skipped,
     }
-
-
-def _scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
-    del opt_state
-    return loss
 
 
 def make_train_step(model: GPT, tx: optax.GradientTransformation):
@@ -344,7 +376,9 @@ def make_train_step(model: GPT, tx: optax.GradientTransformation):
     def micro_grads(params, opt_state, x, y):
         def scaled_loss(p):
             loss = loss_fn(model, p, x, y)
-            return _scale_loss(loss, opt_state), loss
+            # The scale that the loss-scaling transform will divide by in this step's update.
+            scaled = loss if loss_scaling_state(opt_state) is None else mpjax.scale_loss(loss, opt_state)
+            return scaled, loss
 
         grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
         return grads, loss
@@ -505,8 +539,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"--lr must be positive, got {cfg.lr}.")
     if cfg.temperature <= 0:
         raise ValueError(f"--temperature must be positive, got {cfg.temperature}.")
-    parse_loss_scale(cfg.loss_scale)
-    mpjax.get_policy(cfg.policy)
+    resolve_loss_scale(cfg.loss_scale, mpjax.get_policy(cfg.policy))
 
 
 def _write_jsonl(path: pathlib.Path, records: list[dict]) -> None:
@@ -592,7 +625,8 @@ def train(cfg: TrainConfig) -> dict:
         f"model: {cfg.preset} ({n_params / 1e6:.2f}M params, {mcfg.n_layer} layers, d_model "
         f"{mcfg.d_model}, {mcfg.n_head} heads, seq {seq_len}, "
         f"{'tied' if mcfg.tie_embeddings else 'untied'} head)\n"
-        f"policy: {cfg.policy} -> {policy!r}; loss scale: {cfg.loss_scale}\n"
+        f"policy: {cfg.policy} -> {policy!r}\n"
+        f"optimizer: {describe_optimizer(cfg, policy)}\n"
         f"data: {'stdlib .py sources' if cfg.data is None else cfg.data}: {len(train_data):,} train "
         f"/ {len(val_data):,} val bytes; unigram baseline {baseline:.3f} nats/byte\n"
         f"devices: {len(devices)} x {devices[0].device_kind}; {tokens_per_step:,} tokens/step "
@@ -647,7 +681,7 @@ def train(cfg: TrainConfig) -> dict:
                 "tokens_per_s": (done - last_logged) * tokens_per_step / (now - t_last),
                 "elapsed_s": now - t_start,
             }
-            _check_health(cfg, policy, record, m)
+            _check_health(cfg, policy, state, done, m["loss"])
             if done % cfg.eval_interval == 0 or done == cfg.steps:
                 val_loss = evaluate(state.params)
                 record["val_loss"] = val_loss
@@ -712,20 +746,24 @@ def sample_text(model: GPT, params: Any, cfg: TrainConfig, key: jax.Array) -> st
     return bytes(np.asarray(out, dtype=np.uint8)).decode("utf-8", errors="replace")
 
 
-def _check_health(cfg: TrainConfig, policy: mpjax.Policy, record: dict, m: dict) -> None:
-    if m["consecutive_skipped"] >= cfg.max_consecutive_skips:
+def _check_health(cfg: TrainConfig, policy: mpjax.Policy, state: TrainState, step: int,
+                  loss: float) -> None:
+    """Stops a run that can no longer learn, with a message saying why and what to try."""
+    if loss_scaling_state(state.opt_state) is not None:
+        # Skipped steps leave the params alone, so a non-finite loss is survivable; a long run
+        # of them means nothing is being learned any more.
+        try:
+            mpjax.check_overflow(state.opt_state, cfg.max_consecutive_skips)
+        except mpjax.PersistentOverflowError as e:
+            raise TrainingStopped(
+                f"Stopped at step {step} (policy {policy}, --loss-scale {cfg.loss_scale}, "
+                f"--max-consecutive-skips {cfg.max_consecutive_skips}): {e}"
+            ) from e
+    elif not math.isfinite(loss):
         raise TrainingStopped(
-            f"Stopped at step {record['step']}: the last {m['consecutive_skipped']} steps all "
-            f"overflowed (loss scale now {m['loss_scale']:g}). The gradients are not finite even "
-            f"at a small loss scale, so the model itself overflows in {policy.compute_dtype.name}. "
-            "Try: 1. --policy mixed_bfloat16 (bf16 has f32's range); 2. a lower --lr or "
-            "--grad-clip; 3. a larger --max-consecutive-skips if the scale is still falling."
-        )
-    if not math.isfinite(m["loss"]) and cfg.loss_scale == "none":
-        raise TrainingStopped(
-            f"Stopped at step {record['step']}: the loss is {m['loss']} under policy {policy} "
-            "without loss scaling, so the parameters are no longer finite. Try: 1. --lr lower; "
-            f"2. --loss-scale dynamic for float16 compute; 3. --policy float32 to compare."
+            f"Stopped at step {step}: the loss is {loss} under policy {policy} without loss "
+            "scaling, so the parameters are no longer finite. Try: 1. a lower --lr; "
+            "2. --loss-scale dynamic (it skips non-finite steps); 3. --policy float32 to compare."
         )
 
 
@@ -763,7 +801,10 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--policy", default=POLICY,
                    help="mpjax policy: float32, mixed_bfloat16, mixed_float16, bfloat16, "
                         "'p=f32,c=bf16,o=f32', ...")
-    g.add_argument("--loss-scale", default=LOSS_SCALE, help="none, dynamic or static:N")
+    g.add_argument("--loss-scale", default=LOSS_SCALE,
+                   help="auto (dynamic for float16, else none), none, dynamic or static:N")
+    g.add_argument("--no-master-weights", dest="master_weights", action="store_false",
+                   help="update bf16/f16-stored params directly, without an f32 master copy")
     g.add_argument("--max-consecutive-skips", type=_positive_int, default=MAX_CONSECUTIVE_SKIPS,
                    help="stop after this many overflowed steps in a row")
     g = p.add_argument_group("optimization")

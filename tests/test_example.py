@@ -112,25 +112,24 @@ def test_unigram_baseline_is_the_byte_entropy():
 # ----------------------------------------------------------------------------- train steps
 
 
-@functools.lru_cache(maxsize=None)  # each policy's model is built and initialized once
+@functools.lru_cache(maxsize=None)  # each policy is built, initialized and jitted once
 def _setup(policy_name):
     cfg = tt.TrainConfig(policy=policy_name, steps=10, warmup_steps=2, lr=1e-2)
     policy = mpjax.get_policy(policy_name)
     model = tt.build_model(SMALL, policy)
     tx = tt.make_optimizer(cfg, policy)
     state = tt.init_state(model, tx, seed=0, seq_len=SMALL.block_size)
-    return policy, model, tx, state
+    return policy, model, tx, state, jax.jit(tt.make_train_step(model, tx))
 
 
 def _batch(corpus, accum, batch, seed=0):
     return tt.sample_batch(corpus, np.random.default_rng(seed), (accum, batch), SMALL.block_size)
 
 
-@pytest.mark.parametrize("policy_name", ["float32", "mixed_bfloat16", "bfloat16"])
+@pytest.mark.parametrize("policy_name", ["float32", "mixed_bfloat16", "bfloat16", "mixed_float16"])
 def test_train_steps_under_each_policy(policy_name, corpus):
-    policy, model, tx, state = _setup(policy_name)
-    step = jax.jit(tt.make_train_step(model, tx))
-    x, y = _batch(corpus, 1, 4)
+    policy, model, tx, state, step = _setup(policy_name)
+    x, y = _batch(corpus, 1, 8)
     losses = []
     for _ in range(3):
         state, metrics = step(state, x, y)
@@ -150,10 +149,43 @@ def test_train_steps_under_each_policy(policy_name, corpus):
     loss = jax.eval_shape(lambda p: tt.loss_fn(model, p, x[0], y[0]), state.params)
     assert loss.dtype == jnp.float32
 
+    # Loss scaling where the policy computes in float16 (auto), nowhere else.
+    ls = tt.loss_scaling_state(state.opt_state)
+    if policy_name == "mixed_float16":
+        assert isinstance(ls.loss_scale, mpjax.DynamicLossScale)
+        assert ls.scale.dtype == jnp.float32 and float(ls.scale) == 2.0**15
+        assert int(ls.skipped_steps) == 0 and float(metrics["loss_scale"]) == 2.0**15
+    else:
+        assert ls is None and float(metrics["loss_scale"]) == 1.0
+    # An f32 master copy (and so f32 Adam moments) exactly where params are stored narrower.
+    masters = [x for x in jax.tree.leaves(state.opt_state, is_leaf=_is_master) if _is_master(x)]
+    moments = {a.dtype for a in jax.tree.leaves(state.opt_state) if a.ndim >= 1}
+    if policy_name == "bfloat16":
+        assert len(masters) == 1
+        assert {a.dtype for a in jax.tree.leaves(masters[0].master)} == {np.dtype(jnp.float32)}
+        assert moments == {np.dtype(jnp.float32)}
+    else:
+        assert masters == [] and moments == {policy.param_dtype}
+
+
+def test_pure_bfloat16_without_master_weights_keeps_bfloat16_adam_moments():
+    cfg = tt.TrainConfig(policy="bfloat16", master_weights=False)
+    policy = mpjax.get_policy(cfg.policy)
+    params = jax.eval_shape(
+        lambda: tt.build_model(SMALL, policy).init(
+            jax.random.key(0), jnp.zeros((1, SMALL.block_size), jnp.int32))["params"])
+    opt_state = jax.eval_shape(tt.make_optimizer(cfg, policy).init, params)
+    assert not any(_is_master(x) for x in jax.tree.leaves(opt_state, is_leaf=_is_master))
+    moments = {a.dtype for a in jax.tree.leaves(opt_state) if a.ndim >= 1}
+    assert moments == {np.dtype(jnp.bfloat16)}
+
+
+def _is_master(x):
+    return isinstance(x, mpjax.MasterWeightsState)
+
 
 def test_gradient_accumulation_matches_one_big_batch(corpus):
-    _, model, tx, state = _setup("float32")
-    step = jax.jit(tt.make_train_step(model, tx))
+    _, _, _, state, step = _setup("float32")
     x, y = _batch(corpus, 2, 4)
     s_acc, m_acc = step(state, x, y)
     s_big, m_big = step(state, x.reshape(1, 8, -1), y.reshape(1, 8, -1))
@@ -163,7 +195,7 @@ def test_gradient_accumulation_matches_one_big_batch(corpus):
 
 
 def test_sampling_returns_the_prompt_then_the_requested_bytes():
-    _, model, _, state = _setup("float32")
+    _, model, _, state, _ = _setup("float32")
     generate = tt.make_generate(model, 40)  # longer than block_size: the window slides
     prompt = jnp.asarray(np.frombuffer(b"def ", np.uint8).astype(np.int32))
     out = generate(state.params, prompt, jax.random.key(0), jnp.float32(0.8))
@@ -191,7 +223,9 @@ def test_training_run_writes_a_log_line_per_logged_step_and_a_summary(text_file,
 
 
 def test_resume_continues_bit_identically(text_file, tmp_path):
-    cfg = _cfg(text_file, tmp_path, steps=6, ckpt_interval=3, policy="mixed_bfloat16")
+    # mixed_float16: the dynamic loss scale's growth counter moves every step, so the
+    # loss-scale state must round-trip through the checkpoint too.
+    cfg = _cfg(text_file, tmp_path, steps=6, ckpt_interval=3, policy="mixed_float16")
     straight = tt.train(cfg)
     ckpt_dir = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in ckpt_dir.iterdir() if p.name.isdigit()) == ["3", "6"]
@@ -234,10 +268,23 @@ def test_diverging_run_stops_with_a_clear_message(text_file, tmp_path):
         tt.train(_cfg(text_file, tmp_path, lr=1e30, warmup_steps=0, grad_clip=0.0))
 
 
+def test_persistent_overflow_stops_the_run(text_file, tmp_path):
+    # A static scale of 1e30 overflows float16 in every backward pass: every step is skipped.
+    cfg = _cfg(text_file, tmp_path, policy="mixed_float16", loss_scale="static:1e30",
+               max_consecutive_skips=3, steps=10)
+    with pytest.raises(tt.TrainingStopped, match="Stopped at step 3") as info:
+        tt.train(cfg)
+    assert isinstance(info.value.__cause__, mpjax.PersistentOverflowError)
+    log = [json.loads(l) for l in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in log] == [1, 2]
+    assert all(r["loss_scale"] == float(np.float32(1e30)) for r in log)
+
+
 def test_bad_flags_are_rejected_naming_the_flag(capsys):
     for argv, flag in [
         (["--loss-scale", "sometimes"], "--loss-scale"),
         (["--loss-scale", "static:-2"], "--loss-scale"),
+        (["--loss-scale", "static:big"], "--loss-scale"),
         (["--policy", "float13"], "float13"),
         (["--warmup-steps", "900", "--steps", "100"], "--warmup-steps"),
         (["--preset", "huge"], "--preset"),
