@@ -204,23 +204,30 @@ def markdown_table(report: dict) -> str:
         f"{report['device']['count']} x {report['device']['kind']} ({report['device']['platform']}); "
         f"median of {report['config']['steps']} steps after {report['config']['warmup']} warmup.",
         "",
-        "| variant | compile s | step ms | tokens/s | TFLOP/s | MFU | vs f32 | XLA memory | peak memory |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| variant | compile s | step ms (median) | step ms (min) | tokens/s | TFLOP/s | MFU | vs f32 | XLA memory | peak memory |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for v in VARIANTS:
         r = results.get(v.key)
         if r is None:
             continue
         if "skipped" in r:
-            lines.append(f"| {v.name} | skipped: {r['skipped']} | | | | | | | |")
+            lines.append(f"| {v.name} | skipped: {r['skipped']} | | | | | | | | |")
             continue
         speedup = f"{base / r['step_s_median']:.2f}x" if base else "-"
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}% ({r['matmul_kind']})"
         lines.append(
             f"| {v.name} | {r['compile_s']:.1f} | {1e3 * r['step_s_median']:.1f} | "
+            f"{1e3 * r['step_s_min']:.1f} | "
             f"{r['tokens_per_s']:,.0f} | {r['achieved_flops_per_s'] / 1e12:.3f} | {mfu} | {speedup} | "
             f"{_fmt_bytes(r['compiled_memory_bytes'])} | {_fmt_bytes(r['peak_bytes_in_use'])} |"
         )
+    load = report["device"].get("load_average_1min")
+    if report["device"]["platform"] == "cpu":
+        lines += ["", "On CPU only the ratios between rows mean anything: XLA's CPU backend has no "
+                  "bf16/f16 GEMM and converts to f32, and no MFU is given (no peak table)."
+                  + (f" Host load average at the start: {load:.1f} on {report['device']['cpu_count']} "
+                     "cores; background load moves step times, the min column less so." if load else "")]
     return "\n".join(lines) + "\n"
 
 
@@ -256,7 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": {"kind": device.device_kind, "platform": device.platform,
-                   "count": 1, "host": platform.machine(), "cpu_count": os.cpu_count()},
+                   "count": 1, "host": platform.machine(), "cpu_count": os.cpu_count(),
+                   "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None},
         "versions": _versions(),
         "config": {"preset": args.preset, "n_params": cfg.num_params(), "batch_size": batch_size,
                    "seq_len": cfg.block_size, "steps": args.steps, "warmup": args.warmup,
