@@ -7,7 +7,7 @@ discussion around it stays), docs/precision_study.json (every logged
 step), docs/precision_study_loss.png (validation and training loss curves) and
 docs/precision_study_loss_scale.png (the loss scale and skipped steps of the float16 runs).
 
-    python examples/precision_study.py               # 6 runs x 300 steps, ~10 min on 2 CPU cores
+    python examples/precision_study.py               # 7 runs x 300 steps, ~12 min on 2 CPU cores
     python examples/precision_study.py --steps 100 --runs f32 mixed_bf16
 """
 
@@ -20,6 +20,8 @@ import os
 import pathlib
 import sys
 import time
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_transformer as tt  # noqa: E402
@@ -36,6 +38,7 @@ class Run:
     policy: str
     loss_scale: str = "auto"
     master_weights: bool = True
+    seed: int = 0
 
 
 RUNS = [
@@ -45,6 +48,9 @@ RUNS = [
     Run("mixed_f16_none", "mixed f16, no loss scaling", "mixed_float16", "none"),
     Run("pure_bf16_master", "pure bf16 params + f32 master weights", "bfloat16"),
     Run("pure_bf16", "pure bf16 params, no master weights", "bfloat16", master_weights=False),
+    # Another seed (init and batches) in f32: how far apart two equally good runs end up, the
+    # yardstick for every difference above.
+    Run("f32_seed1", "float32, seed 1 (noise reference)", "float32", seed=1),
 ]
 
 
@@ -56,7 +62,7 @@ def run_all(runs: list[Run], steps: int, out_root: pathlib.Path) -> dict:
             policy=run.policy, loss_scale=run.loss_scale, master_weights=run.master_weights,
             steps=steps, warmup_steps=max(1, steps // 16), log_interval=5,
             eval_interval=max(5, steps // 10), ckpt_interval=0, sample_bytes=0, progress=False,
-            out=str(out_root / run.key), num_devices=1,
+            out=str(out_root / run.key), num_devices=1, seed=run.seed,
         )
         t0 = time.perf_counter()
         try:
@@ -99,7 +105,7 @@ def table(results: dict, steps: int) -> str:
         )
     head = (
         f"Tiny GPT (0.84M params), {steps} steps of 16 x 128 bytes of Python stdlib source, "
-        "same seed, batches and schedule for every run; validation loss on the same 8 held-out "
+        "same seed, batches and schedule for every run but the noise reference; validation loss on the same 8 held-out "
         "batches, in nats per byte"
         + (f" (unigram baseline {baseline:.4f})" if baseline else "")
         + ". Run on CPU: params, activations and matmul outputs are rounded to bf16/f16 as on a "
@@ -152,7 +158,8 @@ def plot(results: dict, out_dir: pathlib.Path) -> None:
     fig.savefig(out_dir / "precision_study_loss.png", dpi=110)
     plt.close(fig)
 
-    f16 = {k: r for k, r in results.items() if "float16" in r["policy"]}
+    f16 = {k: r for k, r in results.items()
+           if mpjax.get_policy(r["policy"]).compute_dtype == np.dtype(np.float16)}
     fig, (ax_scale, ax_skip) = plt.subplots(1, 2, figsize=(12, 4))
     for key, r in f16.items():
         steps = [e["step"] for e in r["log"]]

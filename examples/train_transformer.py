@@ -23,7 +23,6 @@ import json
 import math
 import os
 import pathlib
-import shutil
 import sys
 import sysconfig
 import time
@@ -134,10 +133,10 @@ class TrainConfig:
 
 
 # Fields that decide the trajectory: a resumed run must match the checkpoint on all of them.
+# The device count is not one: it changes the reduction order, not the run.
 _TRAJECTORY_FIELDS = (
     "preset", "n_layer", "n_head", "d_model", "untied", "policy", "loss_scale", "master_weights",
-    "steps",
-    "batch_size", "grad_accum", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
+    "steps", "batch_size", "grad_accum", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
     "weight_decay", "beta1", "beta2", "grad_clip", "data", "max_bytes", "val_fraction", "seed",
 )
 
@@ -709,6 +708,8 @@ def train(cfg: TrainConfig) -> dict:
 
     final_step = int(state.step)
     trained = final_step - start_step
+    if not history:  # resumed a finished run: nothing trained, but report where it stands
+        val_loss = evaluate(state.params)
     summary = {
         "config": dataclasses.asdict(cfg),
         "policy": str(policy),
@@ -819,6 +820,8 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-lr-ratio", type=float, default=MIN_LR_RATIO)
     g.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS)
     g.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY)
+    g.add_argument("--beta1", type=float, default=BETA1)
+    g.add_argument("--beta2", type=float, default=BETA2)
     g.add_argument("--grad-clip", type=float, default=GRAD_CLIP, help="0 disables clipping")
     g.add_argument("--seed", type=int, default=SEED)
     g = p.add_argument_group("data")
@@ -860,7 +863,7 @@ def main(argv: list[str] | None = None) -> None:
     except TrainingStopped as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
-        sys.exit(130)
+        sys.exit(f"\ninterrupted: continue from the last checkpoint with --resume --out {cfg.out_dir()}")
     val, base = summary["final_val_loss"], summary["unigram_baseline"]
     ln2 = math.log(2)
     print(

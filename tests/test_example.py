@@ -3,8 +3,10 @@
 import dataclasses
 import functools
 import json
+import os
 import pathlib
 import shutil
+import subprocess
 import sys
 
 import jax
@@ -211,14 +213,16 @@ def test_sampling_returns_the_prompt_then_the_requested_bytes():
 
 
 def test_training_run_writes_a_log_line_per_logged_step_and_a_summary(text_file, tmp_path):
-    summary = tt.train(_cfg(text_file, tmp_path, steps=6))
+    summary = tt.train(_cfg(text_file, tmp_path, steps=6, log_interval=2, eval_interval=3))
     out = tmp_path / "run"
     log = [json.loads(l) for l in (out / "log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
+    # Logged: every log_interval-th step, every evaluation, and the last step.
+    assert [r["step"] for r in log] == [2, 3, 4, 6]
+    assert [("val_loss" in r) for r in log] == [False, True, False, True]
     assert all(np.isfinite(r["loss"]) and r["loss_scale"] == 1.0 for r in log)
-    assert "val_loss" in log[2] and "val_loss" in log[5]
+    assert summary["history"] == log
     saved = json.loads((out / "summary.json").read_text())
-    assert saved["steps"] == 6 and saved["final_val_loss"] == log[5]["val_loss"]
+    assert saved["steps"] == 6 and saved["final_val_loss"] == log[-1]["val_loss"]
     assert saved["unigram_baseline"] > 2.0  # bytes of Python source: several nats
 
 
@@ -278,6 +282,23 @@ def test_persistent_overflow_stops_the_run(text_file, tmp_path):
     log = [json.loads(l) for l in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in log] == [1, 2]
     assert all(r["loss_scale"] == float(np.float32(1e30)) for r in log)
+
+
+def test_command_line_runs_end_to_end(text_file, tmp_path):
+    argv = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
+            "--batch-size", "8", "--steps", "4", "--warmup-steps", "1", "--eval-interval", "2",
+            "--num-devices", "1", "--data", str(text_file), "--out", str(tmp_path / "cli"),
+            "--sample-bytes", "12", "--no-progress"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_transformer.py"), *argv],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "final val loss" in out and "unigram baseline" in out and "nats/byte" in out
+    assert "--- sample (temperature 0.8) ---\ndef " in out
+    assert (tmp_path / "cli" / "checkpoints").is_dir()
 
 
 def test_bad_flags_are_rejected_naming_the_flag(capsys):
