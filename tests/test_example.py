@@ -212,20 +212,6 @@ def test_sampling_returns_the_prompt_then_the_requested_bytes():
 # ----------------------------------------------------------------------------- the train loop
 
 
-def test_training_run_writes_a_log_line_per_logged_step_and_a_summary(text_file, tmp_path):
-    summary = tt.train(_cfg(text_file, tmp_path, steps=6, log_interval=2, eval_interval=3))
-    out = tmp_path / "run"
-    log = [json.loads(l) for l in (out / "log.jsonl").read_text().splitlines()]
-    # Logged: every log_interval-th step, every evaluation, and the last step.
-    assert [r["step"] for r in log] == [2, 3, 4, 6]
-    assert [("val_loss" in r) for r in log] == [False, True, False, True]
-    assert all(np.isfinite(r["loss"]) and r["loss_scale"] == 1.0 for r in log)
-    assert summary["history"] == log
-    saved = json.loads((out / "summary.json").read_text())
-    assert saved["steps"] == 6 and saved["final_val_loss"] == log[-1]["val_loss"]
-    assert saved["unigram_baseline"] > 2.0  # bytes of Python source: several nats
-
-
 def test_resume_continues_bit_identically(text_file, tmp_path):
     # mixed_float16: the dynamic loss scale's growth counter moves every step, so the
     # loss-scale state must round-trip through the checkpoint too.
@@ -284,11 +270,11 @@ def test_persistent_overflow_stops_the_run(text_file, tmp_path):
     assert all(r["loss_scale"] == float(np.float32(1e30)) for r in log)
 
 
-def test_command_line_runs_end_to_end(text_file, tmp_path):
+def test_command_line_runs_end_to_end_and_logs_each_logged_step(text_file, tmp_path):
     argv = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
-            "--batch-size", "8", "--steps", "4", "--warmup-steps", "1", "--eval-interval", "2",
-            "--num-devices", "1", "--data", str(text_file), "--out", str(tmp_path / "cli"),
-            "--sample-bytes", "12", "--no-progress"]
+            "--batch-size", "8", "--steps", "6", "--warmup-steps", "1", "--log-interval", "2",
+            "--eval-interval", "3", "--num-devices", "1", "--data", str(text_file),
+            "--out", str(tmp_path / "cli"), "--sample-bytes", "12", "--no-progress"]
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train_transformer.py"), *argv],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
@@ -298,7 +284,17 @@ def test_command_line_runs_end_to_end(text_file, tmp_path):
     out = result.stdout
     assert "final val loss" in out and "unigram baseline" in out and "nats/byte" in out
     assert "--- sample (temperature 0.8) ---\ndef " in out
-    assert (tmp_path / "cli" / "checkpoints").is_dir()
+    run = tmp_path / "cli"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["6"]
+    log = [json.loads(l) for l in (run / "log.jsonl").read_text().splitlines()]
+    # Logged: every log_interval-th step, every evaluation, and the last step.
+    assert [r["step"] for r in log] == [2, 3, 4, 6]
+    assert [("val_loss" in r) for r in log] == [False, True, False, True]
+    assert all(np.isfinite(r["loss"]) and r["loss_scale"] == 1.0 for r in log)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["final_val_loss"] == log[-1]["val_loss"]
+    assert summary["unigram_baseline"] > 2.0  # bytes of Python source: several nats
+    assert f"final val loss {summary['final_val_loss']:.4f} nats/byte" in out
 
 
 def test_bad_flags_are_rejected_naming_the_flag(capsys):
