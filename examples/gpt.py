@@ -1,0 +1,222 @@
+"""A decoder-only transformer (GPT-2 shape) written with Flax linen, for byte-level modelling.
+
+Token + learned position embeddings, pre-norm blocks of causal self-attention and a GELU MLP,
+a final LayerNorm and an output head tied to the token embedding (or untied, by config).
+
+The model takes Flax's usual ``dtype`` (compute) and ``param_dtype`` (storage) fields and
+passes them to every layer. Left at their defaults (``None`` / float32) the model is plain
+f32 Flax: that is what a policy-aware wrapper receives. Setting them by hand
+(``GPT(config, dtype=jnp.bfloat16)``) is the honest hand-written mixed-precision baseline.
+Whatever the compute dtype, LayerNorm statistics and the attention softmax run in f32, and the model returns f32 logits, so the loss is computed in f32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the model.
+
+    Attributes:
+      vocab_size: number of token ids; 256 for bytes.
+      block_size: maximum sequence length (number of learned positions).
+      n_layer: number of transformer blocks.
+      n_head: attention heads per block; must divide ``d_model``.
+      d_model: width of the residual stream.
+      mlp_ratio: hidden width of the MLP as a multiple of ``d_model``.
+      tie_embeddings: use the token embedding matrix as the output head (GPT-2 does).
+    """
+
+    vocab_size: int = 256
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    mlp_ratio: int = 4
+    tie_embeddings: bool = True
+
+    def __post_init__(self):
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"n_head={self.n_head} must divide d_model={self.d_model}."
+            )
+
+    def num_params(self) -> int:
+        """Parameter count, position embeddings included (nanoGPT leaves them out)."""
+        d, f = self.d_model, self.mlp_ratio * self.d_model
+        per_block = (
+            2 * 2 * d  # two LayerNorms (scale, bias)
+            + d * 3 * d + 3 * d  # qkv projection
+            + d * d + d  # attention output projection
+            + d * f + f + f * d + d  # MLP
+        )
+        head = 0 if self.tie_embeddings else d * self.vocab_size
+        return (
+            self.vocab_size * d + self.block_size * d + self.n_layer * per_block + 2 * d + head
+        )
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs (forward + backward) per token, the PaLM/nanoGPT estimate.
+
+        ``6 * N`` for the weight matmuls (2 forward, 4 backward, per parameter) plus
+        ``12 * n_layer * d_model * T`` for the attention score and value matmuls, where ``N``
+        leaves out the position embedding (a lookup, not a matmul) and ``T`` is the sequence
+        length. A tied token embedding counts once: its lookup is free and its use as the
+        output head is a matmul.
+        """
+        t = self.block_size if seq_len is None else seq_len
+        n = self.num_params() - self.block_size * self.d_model
+        return 6 * n + 12 * self.n_layer * self.d_model * t
+
+
+# Presets. `tiny` trains on two CPU cores in a few minutes; `small` and `medium` are GPT-2
+# small/medium shapes with a 256-byte vocabulary (86M and 303M parameters; GPT-2's 124M and
+# 350M include a 50257-token embedding).
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(block_size=128, n_layer=4, n_head=4, d_model=128),
+    "small": GPTConfig(block_size=1024, n_layer=12, n_head=12, d_model=768),
+    "medium": GPTConfig(block_size=1024, n_layer=24, n_head=16, d_model=1024),
+}
+
+
+def _normal(std: float) -> nn.initializers.Initializer:
+    return nn.initializers.normal(stddev=std)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm whose statistics and affine transform run in f32; returns the compute dtype.
+
+    Flax's ``nn.LayerNorm`` also computes statistics in f32, but it calls
+    ``jnp.promote_types(bfloat16, float32)``, which ``jax_numpy_dtype_promotion="strict"``
+    rejects; this one casts explicitly and so runs under strict promotion.
+    """
+
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    epsilon: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (d,), self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (d,), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon)
+        y = y * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+        # dtype=None follows the input, like Flax layers do.
+        return y.astype(x.dtype if self.dtype is None else self.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention; the softmax runs in f32 whatever the compute dtype."""
+
+    config: GPTConfig
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        b, t, d = x.shape
+        h = cfg.n_head
+        qkv = nn.Dense(
+            3 * d, dtype=self.dtype, param_dtype=self.param_dtype,
+            kernel_init=_normal(0.02), name="qkv",
+        )(x)
+        q, k, v = (a.reshape(b, t, h, d // h) for a in jnp.split(qkv, 3, axis=-1))
+        # Scores in the compute dtype (the matmul), softmax in f32: exp of bf16/f16 scores loses
+        # the small probabilities and f16 overflows on large logits (PyTorch autocast does the
+        # same).
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // h)
+        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+        scores = jnp.where(causal, scores.astype(jnp.float32), -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
+        # GPT-2 scales the init of projections into the residual stream by 1/sqrt(2 * n_layer).
+        return nn.Dense(
+            d, dtype=self.dtype, param_dtype=self.param_dtype,
+            kernel_init=_normal(0.02 / math.sqrt(2 * cfg.n_layer)), name="proj",
+        )(y)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network with a GELU (tanh approximation, as GPT-2)."""
+
+    config: GPTConfig
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        x = nn.Dense(
+            cfg.mlp_ratio * cfg.d_model, dtype=self.dtype, param_dtype=self.param_dtype,
+            kernel_init=_normal(0.02), name="fc",
+        )(x)
+        x = nn.gelu(x)
+        return nn.Dense(
+            cfg.d_model, dtype=self.dtype, param_dtype=self.param_dtype,
+            kernel_init=_normal(0.02 / math.sqrt(2 * cfg.n_layer)), name="proj",
+        )(x)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    config: GPTConfig
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        x = x + CausalSelfAttention(self.config, name="attn", **kw)(LayerNorm(name="ln1", **kw)(x))
+        return x + MLP(self.config, name="mlp", **kw)(LayerNorm(name="ln2", **kw)(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer: int tokens ``[batch, time]`` -> f32 logits ``[batch, time, vocab]``.
+
+    >>> import jax, jax.numpy as jnp
+    >>> model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=2, d_model=16))
+    >>> tokens = jnp.zeros((2, 8), jnp.int32)
+    >>> params = model.init(jax.random.key(0), tokens)["params"]
+    >>> model.apply({"params": params}, tokens).shape
+    (2, 8, 256)
+    """
+
+    config: GPTConfig
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.config
+        t = tokens.shape[-1]
+        if t > cfg.block_size:
+            raise ValueError(f"Sequence length {t} exceeds block_size={cfg.block_size}.")
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_normal(0.02), name="wte", **kw)
+        wpe = nn.Embed(cfg.block_size, cfg.d_model, embedding_init=_normal(0.01), name="wpe", **kw)
+        x = wte(tokens) + wpe(jnp.arange(t))
+        for i in range(cfg.n_layer):
+            x = Block(cfg, name=f"h{i}", **kw)(x)
+        x = LayerNorm(name="ln_f", **kw)(x)
+        if cfg.tie_embeddings:
+            logits = wte.attend(x)
+        else:
+            logits = nn.Dense(
+                cfg.vocab_size, use_bias=False, kernel_init=_normal(0.02), name="head", **kw
+            )(x)
+        # The cross-entropy's log-sum-exp over the vocabulary needs f32.
+        return logits.astype(jnp.float32)

@@ -1,0 +1,883 @@
+"""Train a GPT-style byte-level language model under an mpjax precision policy.
+
+The default run trains the `tiny` model on the Python standard library's own `.py` sources
+(every machine with Python has them) in a few minutes on two CPU cores:
+
+    python examples/train_transformer.py
+    python examples/train_transformer.py --policy float32 --steps 400
+    python examples/train_transformer.py --preset small --policy mixed_bfloat16 --batch-size 32  # GPU
+    python examples/train_transformer.py --data path/to/text_or_folder --out runs/mine
+    python examples/train_transformer.py --out runs/mine --resume   # continue where it stopped
+
+One jitted train step does the forward and backward passes (over `--grad-accum` micro-batches),
+the optimizer update and, with several devices, data parallelism over a `jax.sharding.Mesh`.
+Every logged step goes to `<out>/log.jsonl`, the run's summary to `<out>/summary.json`, and
+checkpoints (params, optimizer state, data-sampler state and step) to `<out>/checkpoints`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import sys
+import sysconfig
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt import GPT, PRESETS, GPTConfig  # noqa: E402
+
+import mpjax  # noqa: E402
+
+# -----------------------------------------------------------------------------
+# Default configuration. Every value is a command-line flag (see --help).
+PRESET = "tiny"  # model size: tiny (CPU, minutes), small (86M params), medium (303M params)
+POLICY = "mixed_bfloat16"  # any mpjax policy: float32, mixed_bfloat16, bfloat16, "p=f32,c=bf16,o=f32"
+LOSS_SCALE = "auto"  # auto (dynamic for float16, none otherwise), dynamic, static:N or none
+MASTER_WEIGHTS = True  # keep an f32 master copy when the policy stores params in bf16/f16
+STEPS = 800  # optimizer steps
+BATCH_SIZE = 16  # sequences per micro-batch (split over the devices)
+GRAD_ACCUM = 1  # micro-batches per optimizer step, accumulated inside the jitted step
+SEQ_LEN = None  # tokens (bytes) per sequence; None means the preset's block_size
+LR = 3e-3  # peak learning rate, reached after the warmup
+MIN_LR_RATIO = 0.1  # cosine decay ends at LR * MIN_LR_RATIO at the last step
+WARMUP_STEPS = 50  # linear warmup from 0
+WEIGHT_DECAY = 0.1  # AdamW decoupled weight decay, on matrices only (not norms or biases)
+BETA1, BETA2 = 0.9, 0.95  # Adam moments (GPT-3 / nanoGPT values)
+GRAD_CLIP = 1.0  # clip the global gradient norm; 0 disables clipping
+EVAL_INTERVAL = 100  # steps between validation losses
+EVAL_BATCHES = 8  # validation batches per evaluation (always the same ones)
+LOG_INTERVAL = 10  # steps between logged lines; metrics are fetched from the device only here
+CKPT_INTERVAL = 200  # steps between checkpoints (and one at the end); 0 disables checkpoints
+DATA = None  # text file or folder; None means the standard library's .py sources
+MAX_BYTES = 8_000_000  # cap on the corpus size, so loading stays fast
+VAL_FRACTION = 0.1  # the last 10% of the (file-shuffled) corpus is the validation split
+SEED = 0  # model init and the batch sampler
+MAX_CONSECUTIVE_SKIPS = 25  # stop when this many steps in a row overflowed
+SAMPLE_BYTES = 300  # bytes of text sampled from the trained model at the end; 0 disables
+SAMPLE_PROMPT = "def "
+TEMPERATURE = 0.8
+# -----------------------------------------------------------------------------
+
+MODEL_MODES = ("hand",)
+CORPUS_SHUFFLE_SEED = 1234  # fixed, so the corpus and its split do not depend on --seed
+VAL_SAMPLER_SEED = 4321  # fixed, so every run is evaluated on the same validation windows
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a run; built from the command line by :func:`parse_args`."""
+
+    preset: str = PRESET
+    n_layer: int | None = None
+    n_head: int | None = None
+    d_model: int | None = None
+    untied: bool = False
+    policy: str = POLICY
+    loss_scale: str = LOSS_SCALE
+    master_weights: bool = MASTER_WEIGHTS
+    steps: int = STEPS
+    batch_size: int = BATCH_SIZE
+    grad_accum: int = GRAD_ACCUM
+    seq_len: int | None = SEQ_LEN
+    lr: float = LR
+    min_lr_ratio: float = MIN_LR_RATIO
+    warmup_steps: int = WARMUP_STEPS
+    weight_decay: float = WEIGHT_DECAY
+    beta1: float = BETA1
+    beta2: float = BETA2
+    grad_clip: float = GRAD_CLIP
+    eval_interval: int = EVAL_INTERVAL
+    eval_batches: int = EVAL_BATCHES
+    log_interval: int = LOG_INTERVAL
+    ckpt_interval: int = CKPT_INTERVAL
+    data: str | None = DATA
+    max_bytes: int = MAX_BYTES
+    val_fraction: float = VAL_FRACTION
+    seed: int = SEED
+    max_consecutive_skips: int = MAX_CONSECUTIVE_SKIPS
+    num_devices: int = 0
+    out: str | None = None
+    resume: bool = False
+    sample_bytes: int = SAMPLE_BYTES
+    sample_prompt: str = SAMPLE_PROMPT
+    temperature: float = TEMPERATURE
+    progress: bool = True
+
+    def model_config(self) -> GPTConfig:
+        base = PRESETS[self.preset]
+        return dataclasses.replace(
+            base,
+            n_layer=self.n_layer or base.n_layer,
+            n_head=self.n_head or base.n_head,
+            d_model=self.d_model or base.d_model,
+            block_size=self.seq_len or base.block_size,
+            tie_embeddings=not self.untied,
+        )
+
+    def run_name(self) -> str:
+        return f"{self.preset}_{self.policy}".replace("=", "").replace(",", "_").replace(" ", "")
+
+    def out_dir(self) -> pathlib.Path:
+        return pathlib.Path(self.out or os.path.join("runs", self.run_name()))
+
+
+# Fields that decide the trajectory: a resumed run must match the checkpoint on all of them.
+# The device count is not one: it changes the reduction order, not the run.
+_TRAJECTORY_FIELDS = (
+    "preset", "n_layer", "n_head", "d_model", "untied", "policy", "loss_scale", "master_weights",
+    "steps", "batch_size", "grad_accum", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
+    "weight_decay", "beta1", "beta2", "grad_clip", "data", "max_bytes", "val_fraction", "seed",
+)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def default_corpus_files() -> list[pathlib.Path]:
+    """The standard library's ``.py`` files, sorted, third-party packages left out."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    return sorted(
+        p for p in root.rglob("*.py")
+        if p.is_file() and not skip.intersection(p.relative_to(root).parts)
+    )
+
+
+def _folder_files(folder: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(
+        p for p in folder.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
+
+
+def load_corpus(path: str | None = None, max_bytes: int = MAX_BYTES) -> np.ndarray:
+    """Reads the training text as a ``uint8`` array of bytes.
+
+    Args:
+      path: a text file, a folder (every non-hidden file under it that is not binary), or
+        None for the standard library's ``.py`` sources.
+      max_bytes: keep at most this many bytes.
+
+    Files are shuffled with a fixed seed before they are concatenated, so the cap and the
+    validation split (the tail) draw from the whole corpus rather than from the first and last
+    packages in alphabetical order. The result depends only on the files, never on ``--seed``.
+
+    Raises:
+      ValueError: if ``path`` does not exist or holds no text.
+    """
+    if max_bytes <= 0:
+        raise ValueError(f"--max-bytes must be positive, got {max_bytes}.")
+    if path is None:
+        files = default_corpus_files()
+    else:
+        p = pathlib.Path(path)
+        if p.is_file():
+            files = [p]
+        elif p.is_dir():
+            files = _folder_files(p)
+        else:
+            raise ValueError(f"--data {path!r}: no such file or folder.")
+    order = np.random.default_rng(CORPUS_SHUFFLE_SEED).permutation(len(files))
+    chunks, total = [], 0
+    for i in order:
+        raw = files[i].read_bytes()
+        if b"\0" in raw:  # binary file (image, archive, compiled code): not text
+            continue
+        chunks.append(raw)
+        total += len(raw)
+        if total >= max_bytes:
+            break
+    data = np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
+    if data.size == 0:
+        raise ValueError(f"--data {path!r}: found no text to train on.")
+    return data
+
+
+def split_corpus(data: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Splits the corpus into disjoint train (head) and validation (tail) byte ranges."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"--val-fraction must be in (0, 1), got {val_fraction}.")
+    n_val = int(round(len(data) * val_fraction))
+    return data[: len(data) - n_val], data[len(data) - n_val:]
+
+
+def sample_batch(
+    data: np.ndarray, rng: np.random.Generator, shape: tuple[int, ...], seq_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Draws random windows: inputs ``x`` and next-byte targets ``y``, int32 ``[*shape, seq_len]``.
+
+    The windows come from ``rng`` only, so the generator's state is the data position that a
+    checkpoint must save.
+    """
+    if len(data) <= seq_len + 1:
+        raise ValueError(
+            f"The data split has {len(data)} bytes, too few for --seq-len {seq_len}: use more "
+            "data or a shorter sequence."
+        )
+    starts = rng.integers(0, len(data) - seq_len, size=shape)
+    idx = starts[..., None] + np.arange(seq_len + 1)
+    window = data[idx].astype(np.int32)
+    return window[..., :-1], window[..., 1:]
+
+
+def unigram_cross_entropy(train: np.ndarray, val: np.ndarray) -> float:
+    """Nats per byte of the validation split under the train split's byte frequencies.
+
+    The baseline a language model must beat: a model that ignores context can do no better.
+    Add-one smoothing keeps bytes unseen in training finite.
+    """
+    counts = np.bincount(train, minlength=256).astype(np.float64) + 1.0
+    log_p = np.log(counts / counts.sum())
+    return float(-log_p[val].mean())
+
+
+# ----------------------------------------------------------------------------- model and optimizer
+
+
+def build_model(config: GPTConfig, policy: mpjax.Policy, mode: str = "hand") -> GPT:
+    """The model a policy trains.
+
+    Args:
+      config: the model's shape.
+      policy: the precision policy.
+      mode: ``"hand"``: the policy's dtypes written into the model by hand
+        (``GPT(config, dtype=compute, param_dtype=param)``), the way Flax users do it today.
+
+    Raises:
+      ValueError: for an unknown ``mode``.
+    """
+    if mode == "hand":
+        return GPT(config, dtype=policy.compute_dtype, param_dtype=policy.param_dtype)
+    raise ValueError(f"mode must be one of {MODEL_MODES}, got {mode!r}.")
+
+
+def resolve_loss_scale(text: str, policy: mpjax.Policy) -> mpjax.LossScale:
+    """The loss scale ``--loss-scale`` names; ``auto`` is ``mpjax.loss_scale_for(policy)``.
+
+    Raises:
+      ValueError: naming the flag, for anything but auto, none, dynamic or static:N (N > 0).
+    """
+    if text == "auto":
+        return mpjax.loss_scale_for(policy)
+    try:
+        return mpjax.get_loss_scale(text)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"--loss-scale must be auto, none, dynamic or static:N with N > 0, got {text!r} ({e})"
+        ) from None
+
+
+def make_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """Linear warmup from 0 to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at the end."""
+    return optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, cfg.warmup_steps, cfg.steps, cfg.lr * cfg.min_lr_ratio
+    )
+
+
+def make_optimizer(cfg: TrainConfig, policy: mpjax.Policy) -> optax.GradientTransformation:
+    """Gradient clipping then AdamW, inside mpjax's loss scaling and master weights as needed.
+
+    The order of a step is scale -> grad -> unscale -> clip -> update (PyTorch's too): the
+    clipping threshold applies to the true gradients. Loss scaling wraps the optimizer unless
+    the loss scale is none (so f32 and bf16 runs pay nothing for it); a non-finite step then
+    leaves params and optimizer state untouched. Master weights wrap outside it, as
+    ``mpjax.master_weights`` recommends, when params are stored narrower than f32 (unless
+    --no-master-weights): the optimizer then updates an f32 copy, with f32 Adam moments.
+    Weight decay applies to matrices (kernels, embeddings) only, as in GPT-2 and nanoGPT.
+    """
+    adamw = optax.adamw(
+        make_schedule(cfg), b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay,
+        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+    )
+    clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
+    tx = optax.chain(clip, adamw)
+    loss_scale = resolve_loss_scale(cfg.loss_scale, policy)
+    if not isinstance(loss_scale, mpjax.NoOpLossScale):
+        tx = mpjax.loss_scaling(tx, loss_scale)
+    if uses_master_weights(cfg, policy):
+        tx = mpjax.master_weights(tx)
+    return tx
+
+
+def uses_master_weights(cfg: TrainConfig, policy: mpjax.Policy) -> bool:
+    return cfg.master_weights and jnp.finfo(policy.param_dtype).bits < 32
+
+
+def describe_optimizer(cfg: TrainConfig, policy: mpjax.Policy) -> str:
+    scale = resolve_loss_scale(cfg.loss_scale, policy)
+    if isinstance(scale, mpjax.NoOpLossScale):
+        scaling = "no loss scaling"
+    else:
+        kind = "dynamic" if isinstance(scale, mpjax.DynamicLossScale) else "static"
+        scaling = f"{kind} loss scaling from {float(scale.loss_scale):g}"
+    master = "f32 master weights" if uses_master_weights(cfg, policy) else "no master weights"
+    return f"AdamW, {scaling}, {master}"
+
+
+class TrainState(NamedTuple):
+    """What a train step reads and returns; checkpointed as is."""
+
+    step: jax.Array  # int32 scalar: optimizer steps taken (skipped ones included)
+    params: Any
+    opt_state: Any
+
+
+def loss_fn(model: GPT, params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+    """Mean next-byte cross-entropy in nats (the model returns f32 logits)."""
+    logits = model.apply({"params": params}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def loss_scaling_state(opt_state: Any) -> mpjax.LossScalingState | None:
+    """The optimizer's loss-scaling state, or None when it runs without loss scaling."""
+    is_state = lambda x: isinstance(x, mpjax.LossScalingState)  # noqa: E731
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+    return found[0] if found else None
+
+
+def _loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
+    """Loss scale and skipped-step counters; 1, 0 and 0 without loss scaling."""
+    ls = loss_scaling_state(opt_state)
+    if ls is None:
+        return {
+            "loss_scale": jnp.ones((), jnp.float32),
+            "skipped_steps": jnp.zeros((), jnp.int32),
+            "consecutive_skipped": jnp.zeros((), jnp.int32),
+        }
+    return {
+        "loss_scale": ls.scale,
+        "skipped_steps": ls.skipped_steps,
+        "consecutive_skipped": ls.consecutive_skipped,
+    }
+
+
+def make_train_step(model: GPT, tx: optax.GradientTransformation):
+    """Returns ``train_step(state, x, y) -> (state, metrics)`` with ``x, y`` of shape
+    ``[grad_accum, batch, seq_len]``.
+
+    Gradient accumulation happens inside the step (a ``lax.scan`` over micro-batches, summing
+    f32 gradients) so that one call is one optimizer step: the optimizer, the LR schedule and
+    a loss-scaling transform each see exactly one update per step, and the loss scale is the
+    same for every micro-batch of a step, as with PyTorch's GradScaler.
+    """
+
+    def micro_grads(params, opt_state, x, y):
+        def scaled_loss(p):
+            loss = loss_fn(model, p, x, y)
+            # The scale that the loss-scaling transform will divide by in this step's update.
+            scaled = loss if loss_scaling_state(opt_state) is None else mpjax.scale_loss(loss, opt_state)
+            return scaled, loss
+
+        grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
+        return grads, loss
+
+    def train_step(state: TrainState, x: jax.Array, y: jax.Array):
+        n_micro = x.shape[0]
+        if n_micro == 1:
+            grads, loss = micro_grads(state.params, state.opt_state, x[0], y[0])
+        else:
+            def body(carry, xy):
+                acc, loss_sum = carry
+                g, loss = micro_grads(state.params, state.opt_state, *xy)
+                acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
+                return (acc, loss_sum + loss), None
+
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+            (acc, loss_sum), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), (x, y))
+            # Average in f32, then store in each param's dtype, as a single batch would give.
+            grads = jax.tree.map(lambda a, p: (a / n_micro).astype(p.dtype), acc, state.params)
+            loss = loss_sum / n_micro
+        # optax's Adam computes b1 ** count with an int32 count, which
+        # jax_numpy_dtype_promotion="strict" rejects; the model above is strict-clean.
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, **_loss_scale_metrics(opt_state)}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    return train_step
+
+
+def init_state(model: GPT, tx: optax.GradientTransformation, seed: int, seq_len: int) -> TrainState:
+    """Initial params (in the model's param dtype) and optimizer state, built in one jit:
+    eager initialization dispatches and compiles every small op separately, which is slower."""
+
+    def init(key):
+        params = model.init(key, jnp.zeros((1, seq_len), jnp.int32))["params"]
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+    return jax.jit(init)(jax.random.key(seed))
+
+
+def make_generate(model: GPT, length: int):
+    """Returns a jitted ``generate(params, prompt, key, temperature)`` sampling ``length`` bytes.
+
+    The context is the last ``block_size`` bytes (a sliding window), recomputed for every new
+    byte: slow for long outputs but simple, and plenty for a few hundred bytes.
+    """
+    block = model.config.block_size
+
+    @jax.jit
+    def generate(params, prompt: jax.Array, key: jax.Array, temperature: jax.Array):
+        n_prompt = prompt.shape[0]
+        buf = jnp.zeros((n_prompt + length,), jnp.int32).at[:n_prompt].set(prompt)
+
+        def body(i, carry):
+            buf, key = carry
+            cur = n_prompt + i  # position of the byte to sample
+            start = jnp.maximum(cur - block, 0)
+            window = jax.lax.dynamic_slice(jnp.pad(buf, (0, block)), (start,), (block,))
+            logits = model.apply({"params": params}, window[None])[0, cur - start - 1]
+            key, sub = jax.random.split(key)
+            nxt = jax.random.categorical(sub, logits / temperature).astype(jnp.int32)
+            return buf.at[cur].set(nxt), key
+
+        buf, _ = jax.lax.fori_loop(0, length, body, (buf, key))
+        return buf
+
+    return generate
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _checkpoint_manager(directory: pathlib.Path):
+    import orbax.checkpoint as ocp  # Deferred: only runs that checkpoint need orbax.
+
+    return ocp.CheckpointManager(
+        directory.resolve(), options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+    )
+
+
+def save_checkpoint(manager, state: TrainState, rng: np.random.Generator, cfg: TrainConfig):
+    import orbax.checkpoint as ocp
+
+    step = int(state.step)
+    meta = {
+        "step": step,
+        # PCG64's 128-bit state as strings: JSON readers differ on integers above 2**53.
+        "rng_state": json.dumps(rng.bit_generator.state),
+        "config": {k: getattr(cfg, k) for k in _TRAJECTORY_FIELDS},
+    }
+    manager.save(
+        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+    )
+
+
+def read_checkpoint_meta(manager, cfg: TrainConfig) -> dict | None:
+    """Reads the latest checkpoint's metadata (step, sampler state, settings), or None.
+
+    Raises:
+      ValueError: if the checkpoint was made with settings that change the trajectory.
+    """
+    import orbax.checkpoint as ocp
+
+    step = manager.latest_step()
+    if step is None:
+        return None
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    saved = meta["config"]
+    differ = [k for k in _TRAJECTORY_FIELDS if saved.get(k) != getattr(cfg, k)]
+    if differ:
+        details = ", ".join(f"{k}: checkpoint {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in differ)
+        raise ValueError(
+            f"--resume: the checkpoint in {manager.directory} was made with different settings "
+            f"({details}). Resume with the same flags, or use another --out."
+        )
+    return meta
+
+
+def restore_state(manager, step: int, like: TrainState) -> TrainState:
+    """Restores the train state saved at ``step`` with ``like``'s structure, dtypes, shardings."""
+    import orbax.checkpoint as ocp
+
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), like)
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+    return TrainState(*restored["state"])
+
+
+# ----------------------------------------------------------------------------- training
+
+
+class TrainingStopped(RuntimeError):
+    """Training stopped early: persistent overflow, or a non-finite loss without loss scaling."""
+
+
+def _devices(n: int) -> list:
+    available = jax.devices()
+    if n < 0 or n > len(available):
+        raise ValueError(f"--num-devices must be between 0 (all) and {len(available)}, got {n}.")
+    return available[: n or len(available)]
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks flag values that argparse cannot, with messages naming the flag."""
+    if cfg.preset not in PRESETS:
+        raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {cfg.preset!r}.")
+    positive = ("steps", "batch_size", "grad_accum", "eval_interval", "eval_batches", "log_interval",
+                "max_consecutive_skips")
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}.")
+    if not 0 <= cfg.warmup_steps < cfg.steps:
+        raise ValueError(
+            f"--warmup-steps must be in [0, --steps), got {cfg.warmup_steps} with --steps {cfg.steps}."
+        )
+    if cfg.lr <= 0:
+        raise ValueError(f"--lr must be positive, got {cfg.lr}.")
+    if cfg.temperature <= 0:
+        raise ValueError(f"--temperature must be positive, got {cfg.temperature}.")
+    resolve_loss_scale(cfg.loss_scale, mpjax.get_policy(cfg.policy))
+
+
+def _write_jsonl(path: pathlib.Path, records: list[dict]) -> None:
+    with open(path, "a") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def _keep_log_until(path: pathlib.Path, step: int) -> None:
+    """On resume, drops log lines written after the checkpoint the run resumes from."""
+    if not path.exists():
+        return
+    lines = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] <= step]
+    path.write_text("".join(l + "\n" for l in lines))
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Runs (or resumes) training; returns the summary that is also written to summary.json.
+
+    Raises:
+      TrainingStopped: on persistent overflow or a non-finite loss that no loss scale covers.
+      ValueError: for bad settings.
+    """
+    validate(cfg)
+    policy = mpjax.get_policy(cfg.policy)
+    mcfg = cfg.model_config()
+    seq_len = mcfg.block_size
+    out_dir = cfg.out_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / "log.jsonl"
+
+    devices = _devices(cfg.num_devices)
+    if cfg.batch_size % len(devices):
+        raise ValueError(
+            f"--batch-size {cfg.batch_size} must be a multiple of the number of devices "
+            f"({len(devices)}), since each device takes an equal share."
+        )
+    mesh = Mesh(np.array(devices), ("data",))
+    replicated = NamedSharding(mesh, P())
+    batch_sharding = NamedSharding(mesh, P(None, "data"))  # [grad_accum, batch, seq]
+    eval_sharding = NamedSharding(mesh, P("data"))  # [batch, seq]
+
+    # Data.
+    corpus = load_corpus(cfg.data, cfg.max_bytes)
+    train_data, val_data = split_corpus(corpus, cfg.val_fraction)
+    baseline = unigram_cross_entropy(train_data, val_data)
+    val_rng = np.random.default_rng(VAL_SAMPLER_SEED)
+    val_batches = [
+        sample_batch(val_data, val_rng, (cfg.batch_size,), seq_len) for _ in range(cfg.eval_batches)
+    ]
+    rng = np.random.default_rng(cfg.seed)
+
+    # Checkpoints: refuse to mix runs before spending time on the model.
+    manager = None
+    if cfg.ckpt_interval > 0 or cfg.resume:
+        manager = _checkpoint_manager(out_dir / "checkpoints")
+    resume_meta = None
+    if cfg.resume:
+        resume_meta = read_checkpoint_meta(manager, cfg)
+        if resume_meta is None:
+            print(f"--resume: no checkpoint in {out_dir / 'checkpoints'}, starting from step 0")
+    elif manager is not None and manager.latest_step() is not None:
+        raise ValueError(
+            f"{out_dir} already has checkpoints: pass --resume to continue that run, or "
+            "choose another --out."
+        )
+
+    # Model, optimizer, state.
+    model = build_model(mcfg, policy)
+    tx = make_optimizer(cfg, policy)
+    state = jax.device_put(init_state(model, tx, cfg.seed, seq_len), replicated)
+    n_params = sum(p.size for p in jax.tree.leaves(state.params))
+    if resume_meta is None:
+        log_path.unlink(missing_ok=True)
+    else:
+        state = restore_state(manager, resume_meta["step"], state)
+        rng.bit_generator.state = json.loads(resume_meta["rng_state"])
+        _keep_log_until(log_path, int(state.step))
+    start_step = int(state.step)
+
+    tokens_per_step = cfg.grad_accum * cfg.batch_size * seq_len
+    print(
+        f"model: {cfg.preset} ({n_params / 1e6:.2f}M params, {mcfg.n_layer} layers, d_model "
+        f"{mcfg.d_model}, {mcfg.n_head} heads, seq {seq_len}, "
+        f"{'tied' if mcfg.tie_embeddings else 'untied'} head)\n"
+        f"policy: {cfg.policy} -> {policy!r}\n"
+        f"optimizer: {describe_optimizer(cfg, policy)}\n"
+        f"data: {'stdlib .py sources' if cfg.data is None else cfg.data}: {len(train_data):,} train "
+        f"/ {len(val_data):,} val bytes; unigram baseline {baseline:.3f} nats/byte\n"
+        f"devices: {len(devices)} x {devices[0].device_kind}; {tokens_per_step:,} tokens/step "
+        f"({cfg.grad_accum} x {cfg.batch_size} x {seq_len}); out: {out_dir}"
+        + (f"\nresuming at step {start_step}" if start_step else "")
+    )
+
+    # Compile ahead of time, so that the progress bar's tokens/s leaves compilation out.
+    x_spec = jax.ShapeDtypeStruct((cfg.grad_accum, cfg.batch_size, seq_len), jnp.int32,
+                                  sharding=batch_sharding)
+    t0 = time.perf_counter()
+    step_fn = jax.jit(
+        make_train_step(model, tx), out_shardings=(replicated, replicated), donate_argnums=0
+    ).lower(state, x_spec, x_spec).compile()
+    eval_fn = jax.jit(lambda p, x, y: loss_fn(model, p, x, y))
+    compile_s = time.perf_counter() - t0
+    print(f"compiled the train step in {compile_s:.1f} s")
+
+    def evaluate(params) -> float:
+        losses = [
+            eval_fn(params, jax.device_put(x, eval_sharding), jax.device_put(y, eval_sharding))
+            for x, y in val_batches
+        ]
+        return float(np.mean(jax.device_get(losses)))
+
+    schedule = make_schedule(cfg)
+    history: list[dict] = []
+    val_loss = float("nan")
+    pbar = _progress(cfg, start_step)
+    t_start = t_last = time.perf_counter()
+    last_logged = start_step
+    train_time = 0.0
+    try:
+        for step in range(start_step, cfg.steps):
+            x, y = sample_batch(train_data, rng, (cfg.grad_accum, cfg.batch_size), seq_len)
+            state, metrics = step_fn(
+                state, jax.device_put(x, batch_sharding), jax.device_put(y, batch_sharding)
+            )
+            done = step + 1
+            if done % cfg.log_interval and done % cfg.eval_interval and done != cfg.steps:
+                continue
+            m = {k: v.item() for k, v in jax.device_get(metrics).items()}
+            now = time.perf_counter()
+            train_time += now - t_last
+            record = {
+                "step": done,
+                "loss": m["loss"],
+                # Skipped steps do not advance the optimizer's schedule.
+                "lr": float(schedule(done - 1 - m["skipped_steps"])),
+                "loss_scale": m["loss_scale"],
+                "skipped_steps": m["skipped_steps"],
+                "tokens_per_s": (done - last_logged) * tokens_per_step / (now - t_last),
+                "elapsed_s": now - t_start,
+            }
+            _check_health(cfg, policy, state, done, m["loss"])
+            if done % cfg.eval_interval == 0 or done == cfg.steps:
+                val_loss = evaluate(state.params)
+                record["val_loss"] = val_loss
+                pbar.write(
+                    f"step {done:5d}  train {m['loss']:.4f}  val {val_loss:.4f} nats/byte "
+                    f"({val_loss / math.log(2):.3f} bits)"
+                )
+            history.append(record)
+            _write_jsonl(log_path, [record])
+            pbar.update(done - last_logged)
+            pbar.set_postfix({
+                "loss": f"{m['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}",
+                "scale": f"{m['loss_scale']:g}", "skipped": m["skipped_steps"],
+            })
+            if manager is not None and cfg.ckpt_interval > 0 and (
+                done % cfg.ckpt_interval == 0 or done == cfg.steps
+            ):
+                save_checkpoint(manager, state, rng, cfg)
+            last_logged = done
+            t_last = time.perf_counter()  # leaves evaluation and checkpointing out of tokens/s
+    finally:
+        if manager is not None:
+            manager.wait_until_finished()
+    pbar.close()
+
+    final_step = int(state.step)
+    trained = final_step - start_step
+    if not history:  # resumed a finished run: nothing trained, but report where it stands
+        val_loss = evaluate(state.params)
+    summary = {
+        "config": dataclasses.asdict(cfg),
+        "policy": str(policy),
+        "n_params": n_params,
+        "steps": final_step,
+        "tokens": final_step * tokens_per_step,
+        "train_time_s": train_time,
+        "compile_time_s": compile_s,
+        "tokens_per_s": trained * tokens_per_step / train_time if train_time > 0 else None,
+        "final_train_loss": history[-1]["loss"] if history else None,
+        "final_val_loss": val_loss,
+        "unigram_baseline": baseline,
+        "skipped_steps": history[-1]["skipped_steps"] if history else 0,
+        "final_loss_scale": history[-1]["loss_scale"] if history else None,
+        "devices": len(devices),
+        "device_kind": devices[0].device_kind,
+    }
+    if cfg.sample_bytes > 0:
+        summary["sample"] = sample_text(model, state.params, cfg, jax.random.key(cfg.seed))
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary["state"] = state
+    summary["history"] = history
+    return summary
+
+
+def sample_text(model: GPT, params: Any, cfg: TrainConfig, key: jax.Array) -> str:
+    """Samples ``cfg.sample_bytes`` bytes after ``cfg.sample_prompt``; decodes as UTF-8."""
+    prompt = np.frombuffer(cfg.sample_prompt.encode(), dtype=np.uint8).astype(np.int32)
+    if prompt.size == 0:
+        prompt = np.array([ord("\n")], np.int32)
+    params = jax.device_put(params, jax.devices()[0])
+    out = make_generate(model, cfg.sample_bytes)(
+        params, jnp.asarray(prompt), key, jnp.asarray(cfg.temperature, jnp.float32)
+    )
+    return bytes(np.asarray(out, dtype=np.uint8)).decode("utf-8", errors="replace")
+
+
+def _check_health(cfg: TrainConfig, policy: mpjax.Policy, state: TrainState, step: int,
+                  loss: float) -> None:
+    """Stops a run that can no longer learn, with a message saying why and what to try."""
+    if loss_scaling_state(state.opt_state) is not None:
+        # Skipped steps leave the params alone, so a non-finite loss is survivable; a long run
+        # of them means nothing is being learned any more.
+        try:
+            mpjax.check_overflow(state.opt_state, cfg.max_consecutive_skips)
+        except mpjax.PersistentOverflowError as e:
+            raise TrainingStopped(
+                f"Stopped at step {step} (policy {policy}, --loss-scale {cfg.loss_scale}, "
+                f"--max-consecutive-skips {cfg.max_consecutive_skips}): {e}"
+            ) from e
+    elif not math.isfinite(loss):
+        raise TrainingStopped(
+            f"Stopped at step {step}: the loss is {loss} under policy {policy} without loss "
+            "scaling, so the parameters are no longer finite. Try: 1. a lower --lr; "
+            "2. --loss-scale dynamic (it skips non-finite steps); 3. --policy float32 to compare."
+        )
+
+
+def _progress(cfg: TrainConfig, start_step: int):
+    from tqdm.auto import tqdm  # Deferred: only the script needs tqdm.
+
+    return tqdm(
+        total=cfg.steps, initial=start_step, disable=not cfg.progress, unit="step",
+        dynamic_ncols=True, file=sys.stdout,
+    )
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Train a GPT-style byte-level language model under an mpjax policy.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", choices=list(PRESETS), default=PRESET, help="model size")
+    g.add_argument("--n-layer", type=_positive_int, help="override the preset's layers")
+    g.add_argument("--n-head", type=_positive_int, help="override the preset's heads")
+    g.add_argument("--d-model", type=_positive_int, help="override the preset's width")
+    g.add_argument("--untied", action="store_true", help="separate output head (default: tied)")
+    g = p.add_argument_group("precision")
+    g.add_argument("--policy", default=POLICY,
+                   help="mpjax policy: float32, mixed_bfloat16, mixed_float16, bfloat16, "
+                        "'p=f32,c=bf16,o=f32', ...")
+    g.add_argument("--loss-scale", default=LOSS_SCALE,
+                   help="auto (dynamic for float16, else none), none, dynamic or static:N")
+    g.add_argument("--no-master-weights", dest="master_weights", action="store_false",
+                   help="update bf16/f16-stored params directly, without an f32 master copy")
+    g.add_argument("--max-consecutive-skips", type=_positive_int, default=MAX_CONSECUTIVE_SKIPS,
+                   help="stop after this many overflowed steps in a row")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--steps", type=_positive_int, default=STEPS)
+    g.add_argument("--batch-size", type=_positive_int, default=BATCH_SIZE,
+                   help="sequences per micro-batch")
+    g.add_argument("--grad-accum", type=_positive_int, default=GRAD_ACCUM,
+                   help="micro-batches per optimizer step")
+    g.add_argument("--seq-len", type=_positive_int, default=SEQ_LEN,
+                   help="bytes per sequence (default: the preset's block size)")
+    g.add_argument("--lr", type=float, default=LR, help="peak learning rate")
+    g.add_argument("--min-lr-ratio", type=float, default=MIN_LR_RATIO)
+    g.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS)
+    g.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY)
+    g.add_argument("--beta1", type=float, default=BETA1)
+    g.add_argument("--beta2", type=float, default=BETA2)
+    g.add_argument("--grad-clip", type=float, default=GRAD_CLIP, help="0 disables clipping")
+    g.add_argument("--seed", type=int, default=SEED)
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=DATA, help="text file or folder (default: stdlib .py files)")
+    g.add_argument("--max-bytes", type=_positive_int, default=MAX_BYTES)
+    g.add_argument("--val-fraction", type=float, default=VAL_FRACTION)
+    g = p.add_argument_group("logging, checkpoints, devices")
+    g.add_argument("--out", help="output folder (default: runs/<preset>_<policy>)")
+    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    g.add_argument("--eval-interval", type=_positive_int, default=EVAL_INTERVAL)
+    g.add_argument("--eval-batches", type=_positive_int, default=EVAL_BATCHES)
+    g.add_argument("--log-interval", type=_positive_int, default=LOG_INTERVAL)
+    g.add_argument("--ckpt-interval", type=int, default=CKPT_INTERVAL, help="0 disables checkpoints")
+    g.add_argument("--num-devices", type=int, default=0, help="devices to use; 0 means all")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--sample-bytes", type=int, default=SAMPLE_BYTES, help="0 disables sampling")
+    g.add_argument("--sample-prompt", default=SAMPLE_PROMPT)
+    g.add_argument("--temperature", type=float, default=TEMPERATURE)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Parses the command line into a :class:`TrainConfig` and validates it."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    cfg = TrainConfig(**vars(args))
+    try:
+        validate(cfg)
+    except ValueError as e:
+        parser.error(str(e))
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    try:
+        summary = train(cfg)
+    except TrainingStopped as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit(f"\ninterrupted: continue from the last checkpoint with --resume --out {cfg.out_dir()}")
+    val, base = summary["final_val_loss"], summary["unigram_baseline"]
+    ln2 = math.log(2)
+    print(
+        f"\ndone: {summary['steps']} steps, {summary['tokens']:,} tokens, "
+        f"{summary['train_time_s']:.1f} s training + {summary['compile_time_s']:.1f} s compile"
+        + (f", {summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else "")
+        + f"\nfinal val loss {val:.4f} nats/byte ({val / ln2:.3f} bits/byte); unigram baseline "
+        f"{base:.4f} nats/byte ({base / ln2:.3f} bits/byte): {base - val:+.4f} nats better"
+        f"\nskipped steps {summary['skipped_steps']}, final loss scale {summary['final_loss_scale']}"
+        f"\nlog: {cfg.out_dir() / 'log.jsonl'}, summary: {cfg.out_dir() / 'summary.json'}"
+    )
+    if "sample" in summary:
+        print(f"\n--- sample (temperature {cfg.temperature}) ---\n{summary['sample']}\n---")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""The GPT training example: data pipeline, train steps per policy, resume, data parallelism."""
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+import gpt  # noqa: E402
+import train_transformer as tt  # noqa: E402
+
+import mpjax  # noqa: E402
+
+# A model small enough that each compile takes a second or two on a shared CPU.
+SMALL = gpt.GPTConfig(block_size=16, n_layer=1, n_head=2, d_model=32)
+
+
+@pytest.fixture(scope="module")
+def corpus() -> np.ndarray:
+    """60 kB of real Python source (the default corpus, capped)."""
+    return tt.load_corpus(None, max_bytes=60_000)
+
+
+@pytest.fixture(scope="module")
+def text_file(corpus, tmp_path_factory) -> pathlib.Path:
+    """The same bytes as a file, for --data, so runs do not walk the whole stdlib."""
+    path = tmp_path_factory.mktemp("data") / "corpus.py"
+    path.write_bytes(corpus.tobytes())
+    return path
+
+
+def _cfg(text_file, tmp_path, **overrides) -> tt.TrainConfig:
+    base = dict(
+        n_layer=SMALL.n_layer, n_head=SMALL.n_head, d_model=SMALL.d_model,
+        seq_len=SMALL.block_size, batch_size=8, steps=6, warmup_steps=2, lr=1e-2,
+        eval_interval=3, eval_batches=2, log_interval=1, ckpt_interval=0,
+        data=str(text_file), sample_bytes=0, progress=False, out=str(tmp_path / "run"),
+        policy="float32", num_devices=1,
+    )
+    base.update(overrides)
+    return tt.TrainConfig(**base)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def test_default_corpus_is_the_stdlib_sources_and_deterministic():
+    a = tt.load_corpus(None, max_bytes=200_000)
+    b = tt.load_corpus(None, max_bytes=200_000)
+    assert a.dtype == np.uint8 and a.shape == (200_000,)
+    np.testing.assert_array_equal(a, b)
+    assert b"import " in a.tobytes() and b"def " in a.tobytes()
+    files = tt.default_corpus_files()
+    assert files == sorted(files) and len(files) > 100
+    assert all(p.suffix == ".py" and "site-packages" not in p.parts for p in files)
+
+
+def test_split_is_disjoint_and_covers_the_corpus():
+    data = np.arange(1000, dtype=np.int64).astype(np.uint8)
+    train, val = tt.split_corpus(data, 0.1)
+    assert len(train) == 900 and len(val) == 100
+    np.testing.assert_array_equal(np.concatenate([train, val]), data)
+    with pytest.raises(ValueError, match="--val-fraction"):
+        tt.split_corpus(data, 1.5)
+
+
+def test_batches_are_seeded_windows_with_shifted_targets():
+    data = np.frombuffer(bytes(range(256)) * 8, dtype=np.uint8)
+    x, y = tt.sample_batch(data, np.random.default_rng(3), (2, 4), 16)
+    assert x.shape == y.shape == (2, 4, 16) and x.dtype == y.dtype == np.int32
+    np.testing.assert_array_equal(x[..., 1:], y[..., :-1])
+    # Each window is a contiguous run of the corpus: here, consecutive byte values.
+    np.testing.assert_array_equal(y, (x + 1) % 256)
+    x2, _ = tt.sample_batch(data, np.random.default_rng(3), (2, 4), 16)
+    np.testing.assert_array_equal(x, x2)
+    with pytest.raises(ValueError, match="--seq-len"):
+        tt.sample_batch(data[:10], np.random.default_rng(0), (1,), 16)
+
+
+def test_data_flag_takes_a_file_or_a_folder(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"hello ")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.md").write_bytes(b"world")
+    (tmp_path / ".hidden").write_bytes(b"SECRET")
+    (tmp_path / "blob.bin").write_bytes(b"\x00\x01binary")
+    folder = tt.load_corpus(str(tmp_path)).tobytes()
+    assert sorted([folder[:6], folder[6:]]) == sorted([b"hello ", b"world"])
+    assert tt.load_corpus(str(tmp_path / "a.txt")).tobytes() == b"hello "
+    assert tt.load_corpus(str(tmp_path / "a.txt"), max_bytes=3).tobytes() == b"hel"
+    with pytest.raises(ValueError, match="--data"):
+        tt.load_corpus(str(tmp_path / "missing"))
+
+
+def test_unigram_baseline_is_the_byte_entropy():
+    uniform = np.arange(256 * 4).astype(np.uint8)
+    assert tt.unigram_cross_entropy(uniform, uniform) == pytest.approx(np.log(256))
+    # Add-one smoothing: byte 0 seen twice, byte 1 once, 254 bytes never: 259 counts in all.
+    train, val = np.array([0, 0, 1], np.uint8), np.array([0, 1], np.uint8)
+    expected = -(np.log(3 / 259) + np.log(2 / 259)) / 2
+    assert tt.unigram_cross_entropy(train, val) == pytest.approx(expected, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- train steps
+
+
+@functools.lru_cache(maxsize=None)  # each policy is built, initialized and jitted once
+def _setup(policy_name):
+    cfg = tt.TrainConfig(policy=policy_name, steps=10, warmup_steps=2, lr=1e-2)
+    policy = mpjax.get_policy(policy_name)
+    model = tt.build_model(SMALL, policy)
+    tx = tt.make_optimizer(cfg, policy)
+    state = tt.init_state(model, tx, seed=0, seq_len=SMALL.block_size)
+    return policy, model, tx, state, jax.jit(tt.make_train_step(model, tx))
+
+
+def _batch(corpus, accum, batch, seed=0):
+    return tt.sample_batch(corpus, np.random.default_rng(seed), (accum, batch), SMALL.block_size)
+
+
+@pytest.mark.parametrize("policy_name", ["float32", "mixed_bfloat16", "bfloat16", "mixed_float16"])
+def test_train_steps_under_each_policy(policy_name, corpus):
+    policy, model, tx, state, step = _setup(policy_name)
+    x, y = _batch(corpus, 1, 8)
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, x, y)
+        losses.append(float(metrics["loss"]))
+    assert all(np.isfinite(losses)), losses
+    assert losses[-1] < losses[0], losses  # same batch three times: the loss must go down
+    assert int(state.step) == 3
+    assert {p.dtype for p in jax.tree.leaves(state.params)} == {policy.param_dtype}
+    # The jaxpr says which dtype every matmul ran in, forward and backward.
+    grad_fn = jax.grad(lambda p: tt.loss_fn(model, p, x[0], y[0]))
+    report = mpjax.inspect_matmuls(grad_fn, state.params)
+    compute = policy.compute_dtype.name
+    assert len(report) > 0
+    assert set(report.operand_dtypes()) == {(compute, compute)}, str(report)
+    assert {m.out_dtype.name for m in report} == {compute}
+    # The loss itself comes from f32 logits whatever the compute dtype.
+    loss = jax.eval_shape(lambda p: tt.loss_fn(model, p, x[0], y[0]), state.params)
+    assert loss.dtype == jnp.float32
+
+    # Loss scaling where the policy computes in float16 (auto), nowhere else.
+    ls = tt.loss_scaling_state(state.opt_state)
+    if policy_name == "mixed_float16":
+        assert isinstance(ls.loss_scale, mpjax.DynamicLossScale)
+        assert ls.scale.dtype == jnp.float32 and float(ls.scale) == 2.0**15
+        assert int(ls.skipped_steps) == 0 and float(metrics["loss_scale"]) == 2.0**15
+    else:
+        assert ls is None and float(metrics["loss_scale"]) == 1.0
+    # An f32 master copy (and so f32 Adam moments) exactly where params are stored narrower.
+    masters = [x for x in jax.tree.leaves(state.opt_state, is_leaf=_is_master) if _is_master(x)]
+    moments = {a.dtype for a in jax.tree.leaves(state.opt_state) if a.ndim >= 1}
+    if policy_name == "bfloat16":
+        assert len(masters) == 1
+        assert {a.dtype for a in jax.tree.leaves(masters[0].master)} == {np.dtype(jnp.float32)}
+        assert moments == {np.dtype(jnp.float32)}
+    else:
+        assert masters == [] and moments == {policy.param_dtype}
+
+
+def test_pure_bfloat16_without_master_weights_keeps_bfloat16_adam_moments():
+    cfg = tt.TrainConfig(policy="bfloat16", master_weights=False)
+    policy = mpjax.get_policy(cfg.policy)
+    params = jax.eval_shape(
+        lambda: tt.build_model(SMALL, policy).init(
+            jax.random.key(0), jnp.zeros((1, SMALL.block_size), jnp.int32))["params"])
+    opt_state = jax.eval_shape(tt.make_optimizer(cfg, policy).init, params)
+    assert not any(_is_master(x) for x in jax.tree.leaves(opt_state, is_leaf=_is_master))
+    moments = {a.dtype for a in jax.tree.leaves(opt_state) if a.ndim >= 1}
+    assert moments == {np.dtype(jnp.bfloat16)}
+
+
+def _is_master(x):
+    return isinstance(x, mpjax.MasterWeightsState)
+
+
+def test_gradient_accumulation_matches_one_big_batch(corpus):
+    _, _, _, state, step = _setup("float32")
+    x, y = _batch(corpus, 2, 4)
+    s_acc, m_acc = step(state, x, y)
+    s_big, m_big = step(state, x.reshape(1, 8, -1), y.reshape(1, 8, -1))
+    np.testing.assert_allclose(m_acc["loss"], m_big["loss"], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(s_acc.params), jax.tree.leaves(s_big.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_sampling_returns_the_prompt_then_the_requested_bytes():
+    _, model, _, state, _ = _setup("float32")
+    generate = tt.make_generate(model, 40)  # longer than block_size: the window slides
+    prompt = jnp.asarray(np.frombuffer(b"def ", np.uint8).astype(np.int32))
+    out = generate(state.params, prompt, jax.random.key(0), jnp.float32(0.8))
+    assert out.shape == (44,) and out.dtype == jnp.int32
+    np.testing.assert_array_equal(out[:4], prompt)
+    assert int(out.min()) >= 0 and int(out.max()) < 256
+    np.testing.assert_array_equal(out, generate(state.params, prompt, jax.random.key(0), jnp.float32(0.8)))
+    cfg = tt.TrainConfig(sample_bytes=8, sample_prompt="def ")
+    assert tt.sample_text(model, state.params, cfg, jax.random.key(0)).startswith("def ")
+
+
+# ----------------------------------------------------------------------------- the train loop
+
+
+def test_resume_continues_bit_identically(text_file, tmp_path):
+    # mixed_float16: the dynamic loss scale's growth counter moves every step, so the
+    # loss-scale state must round-trip through the checkpoint too.
+    cfg = _cfg(text_file, tmp_path, steps=6, ckpt_interval=3, policy="mixed_float16")
+    straight = tt.train(cfg)
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpt_dir.iterdir() if p.name.isdigit()) == ["3", "6"]
+    # Pretend the run died after step 3: drop the later checkpoint, then resume.
+    shutil.rmtree(ckpt_dir / "6")
+    resumed = tt.train(dataclasses.replace(cfg, resume=True))
+    assert int(resumed["state"].step) == 6
+    for a, b in zip(jax.tree.leaves(straight["state"]), jax.tree.leaves(resumed["state"])):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert [r["loss"] for r in resumed["history"]] == [r["loss"] for r in straight["history"][3:]]
+    log = [json.loads(l) for l in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
+    # Resuming with other settings would not continue the same run: refused, naming the field.
+    with pytest.raises(ValueError, match="lr"):
+        tt.train(dataclasses.replace(cfg, resume=True, lr=1e-3))
+    # And a fresh run must not silently overwrite existing checkpoints.
+    with pytest.raises(ValueError, match="--resume"):
+        tt.train(cfg)
+
+
+def test_data_parallel_on_8_devices_matches_one_device(text_file, tmp_path):
+    assert jax.device_count() == 8
+    one = tt.train(_cfg(text_file, tmp_path / "one", steps=4, num_devices=1))
+    eight = tt.train(_cfg(text_file, tmp_path / "eight", steps=4, num_devices=8))
+    params = eight["state"].params
+    assert all(len(p.sharding.device_set) == 8 and p.sharding.is_fully_replicated
+               for p in jax.tree.leaves(params))
+    np.testing.assert_allclose(
+        [r["loss"] for r in eight["history"]], [r["loss"] for r in one["history"]], rtol=1e-5
+    )
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(one["state"].params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="--batch-size"):
+        tt.train(_cfg(text_file, tmp_path / "bad", batch_size=6, num_devices=8))
+
+
+def test_diverging_run_stops_with_a_clear_message(text_file, tmp_path):
+    with pytest.raises(tt.TrainingStopped, match="loss is nan"):
+        tt.train(_cfg(text_file, tmp_path, lr=1e30, warmup_steps=0, grad_clip=0.0))
+
+
+def test_persistent_overflow_stops_the_run(text_file, tmp_path):
+    # A static scale of 1e30 overflows float16 in every backward pass: every step is skipped.
+    cfg = _cfg(text_file, tmp_path, policy="mixed_float16", loss_scale="static:1e30",
+               max_consecutive_skips=3, steps=10)
+    with pytest.raises(tt.TrainingStopped, match="Stopped at step 3") as info:
+        tt.train(cfg)
+    assert isinstance(info.value.__cause__, mpjax.PersistentOverflowError)
+    log = [json.loads(l) for l in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in log] == [1, 2]
+    assert all(r["loss_scale"] == float(np.float32(1e30)) for r in log)
+
+
+def test_command_line_runs_end_to_end_and_logs_each_logged_step(text_file, tmp_path):
+    argv = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
+            "--batch-size", "8", "--steps", "6", "--warmup-steps", "1", "--log-interval", "2",
+            "--eval-interval", "3", "--num-devices", "1", "--data", str(text_file),
+            "--out", str(tmp_path / "cli"), "--sample-bytes", "12", "--no-progress"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_transformer.py"), *argv],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "final val loss" in out and "unigram baseline" in out and "nats/byte" in out
+    assert "--- sample (temperature 0.8) ---\ndef " in out
+    run = tmp_path / "cli"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["6"]
+    log = [json.loads(l) for l in (run / "log.jsonl").read_text().splitlines()]
+    # Logged: every log_interval-th step, every evaluation, and the last step.
+    assert [r["step"] for r in log] == [2, 3, 4, 6]
+    assert [("val_loss" in r) for r in log] == [False, True, False, True]
+    assert all(np.isfinite(r["loss"]) and r["loss_scale"] == 1.0 for r in log)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["final_val_loss"] == log[-1]["val_loss"]
+    assert summary["unigram_baseline"] > 2.0  # bytes of Python source: several nats
+    assert f"final val loss {summary['final_val_loss']:.4f} nats/byte" in out
+
+
+def test_bad_flags_are_rejected_naming_the_flag(capsys):
+    for argv, flag in [
+        (["--loss-scale", "sometimes"], "--loss-scale"),
+        (["--loss-scale", "static:-2"], "--loss-scale"),
+        (["--loss-scale", "static:big"], "--loss-scale"),
+        (["--policy", "float13"], "float13"),
+        (["--warmup-steps", "900", "--steps", "100"], "--warmup-steps"),
+        (["--preset", "huge"], "--preset"),
+        (["--steps", "0"], "--steps"),
+    ]:
+        with pytest.raises(SystemExit):
+            tt.parse_args(argv)
+        assert flag in capsys.readouterr().err
+    cfg = tt.parse_args(["--policy", "p=f32,c=bf16,o=f32", "--steps", "5", "--warmup-steps", "1"])
+    assert mpjax.get_policy(cfg.policy) == mpjax.MIXED_BFLOAT16
