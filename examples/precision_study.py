@@ -7,7 +7,7 @@ discussion around it stays), docs/precision_study.json (every logged
 step), docs/precision_study_loss.png (validation and training loss curves) and
 docs/precision_study_loss_scale.png (the loss scale and skipped steps of the float16 runs).
 
-    python examples/precision_study.py               # 7 runs x 300 steps, ~12 min on 2 CPU cores
+    python examples/precision_study.py               # 8 runs x 300 steps, ~14 min on 2 CPU cores
     python examples/precision_study.py --steps 100 --runs f32 mixed_bf16
 """
 
@@ -39,6 +39,7 @@ class Run:
     loss_scale: str = "auto"
     master_weights: bool = True
     seed: int = 0
+    mode: str = tt.MODE  # how the policy reaches the model (train_transformer's --mode)
 
 
 RUNS = [
@@ -48,6 +49,10 @@ RUNS = [
     Run("mixed_f16_none", "mixed f16, no loss scaling", "mixed_float16", "none"),
     Run("pure_bf16_master", "pure bf16 params + f32 master weights", "bfloat16"),
     Run("pure_bf16", "pure bf16 params, no master weights", "bfloat16", master_weights=False),
+    # Written by hand, pure bf16 stores the LayerNorm gains in bf16 too (module rules keep
+    # norms f32): where rounding freezes parameters first.
+    Run("pure_bf16_hand", "pure bf16 params incl. norms, no master weights", "bfloat16",
+        master_weights=False, mode="hand"),
     # Another seed (init and batches) in f32: how far apart two equally good runs end up, the
     # yardstick for every difference above.
     Run("f32_seed1", "float32, seed 1 (noise reference)", "float32", seed=1),
@@ -62,7 +67,7 @@ def run_all(runs: list[Run], steps: int, out_root: pathlib.Path) -> dict:
             policy=run.policy, loss_scale=run.loss_scale, master_weights=run.master_weights,
             steps=steps, warmup_steps=max(1, steps // 16), log_interval=5,
             eval_interval=max(5, steps // 10), ckpt_interval=0, sample_bytes=0, progress=False,
-            out=str(out_root / run.key), num_devices=1, seed=run.seed,
+            out=str(out_root / run.key), num_devices=1, seed=run.seed, mode=run.mode,
         )
         t0 = time.perf_counter()
         try:
@@ -92,15 +97,16 @@ def table(results: dict, steps: int) -> str:
     base = results.get("f32", {}).get("final_val_loss")
     baseline = next((r["unigram_baseline"] for r in results.values() if r["unigram_baseline"]), None)
     rows = [
-        "| run | policy (p,c,o) | optimizer | final val loss (nats/byte) | vs f32 | skipped steps | final loss scale |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: |",
+        "| run | policy (p,c,o) | mode | optimizer | final val loss (nats/byte) | vs f32 | skipped steps | final loss scale |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in results.values():
         val = r["final_val_loss"]
         val_s = "stopped" if val is None else f"{val:.4f}"
         delta = "-" if val is None or base is None else f"{val - base:+.4f}"
         rows.append(
-            f"| {r['label']} | `{r['policy_resolved']}` | {r['optimizer'].removeprefix('AdamW, ')} | "
+            f"| {r['label']} | `{r['policy_resolved']}` | {r['mode']} | "
+            f"{r['optimizer'].removeprefix('AdamW, ')} | "
             f"{val_s} | {delta} | {r['skipped_steps']} | {r['final_loss_scale']:g} |"
         )
     head = (

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -35,13 +36,14 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPT, PRESETS, GPTConfig  # noqa: E402
+from gpt import GPT, PRESETS, GPTConfig, LayerNorm  # noqa: E402
 
 import mpjax  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # Default configuration. Every value is a command-line flag (see --help).
-PRESET = "tiny"  # model size: tiny (CPU, minutes), small (86M params), medium (303M params)
+PRESET = "tiny"  # model size: tiny (CPU, minutes), small (129M params), medium (354M params)
+MODE = "mpjax"  # how the policy reaches the model: mpjax (module rules), hand, autocast
 POLICY = "mixed_bfloat16"  # any mpjax policy: float32, mixed_bfloat16, bfloat16, "p=f32,c=bf16,o=f32"
 LOSS_SCALE = "auto"  # auto (dynamic for float16, none otherwise), dynamic, static:N or none
 MASTER_WEIGHTS = True  # keep an f32 master copy when the policy stores params in bf16/f16
@@ -69,7 +71,7 @@ SAMPLE_PROMPT = "def "
 TEMPERATURE = 0.8
 # -----------------------------------------------------------------------------
 
-MODEL_MODES = ("hand",)
+MODEL_MODES = ("mpjax", "hand", "autocast")
 CORPUS_SHUFFLE_SEED = 1234  # fixed, so the corpus and its split do not depend on --seed
 VAL_SAMPLER_SEED = 4321  # fixed, so every run is evaluated on the same validation windows
 
@@ -84,6 +86,7 @@ class TrainConfig:
     d_model: int | None = None
     untied: bool = False
     policy: str = POLICY
+    mode: str = MODE
     loss_scale: str = LOSS_SCALE
     master_weights: bool = MASTER_WEIGHTS
     steps: int = STEPS
@@ -245,21 +248,53 @@ def unigram_cross_entropy(train: np.ndarray, val: np.ndarray) -> float:
 # ----------------------------------------------------------------------------- model and optimizer
 
 
-def build_model(config: GPTConfig, policy: mpjax.Policy, mode: str = "hand") -> GPT:
-    """The model a policy trains.
+@dataclasses.dataclass(frozen=True)
+class AutocastModel:
+    """An unmodified model whose ``apply`` runs under :func:`mpjax.autocast`.
+
+    ``init`` stores params in the policy's param dtype; autocast casts them at use.
+    """
+
+    module: GPT
+    policy: mpjax.Policy
+
+    @property
+    def config(self) -> GPTConfig:
+        return self.module.config
+
+    def init(self, *args, **kwargs):
+        return self.policy.cast_to_param(self.module.init(*args, **kwargs))
+
+    @functools.cached_property
+    def apply(self):
+        return mpjax.autocast(self.module.apply, self.policy)
+
+
+def build_model(config: GPTConfig, policy: mpjax.Policy, mode: str = MODE):
+    """The model a policy trains; every mode has linen's ``init``/``apply`` and the same params.
 
     Args:
       config: the model's shape.
       policy: the precision policy.
-      mode: ``"hand"``: the policy's dtypes written into the model by hand
-        (``GPT(config, dtype=compute, param_dtype=param)``), the way Flax users do it today.
+      mode: how the policy reaches the model:
+        ``"mpjax"``: the unmodified model wrapped by :func:`mpjax.linen.apply_policy`, with a
+        class rule that treats the model's own ``LayerNorm`` like Flax's norms (f32 params and
+        statistics, output in the compute dtype);
+        ``"hand"``: the policy's dtypes written into the model by hand
+        (``GPT(config, dtype=compute, param_dtype=param)``), the way Flax users do it today;
+        ``"autocast"``: the unmodified model's ``apply`` under :func:`mpjax.autocast`.
 
     Raises:
       ValueError: for an unknown ``mode``.
     """
+    if mode == "mpjax":
+        rules = mpjax.Rules({LayerNorm: mpjax.norm_policy}, default=policy)
+        return mpjax.linen.apply_policy(GPT(config), rules)
     if mode == "hand":
         return GPT(config, dtype=policy.compute_dtype, param_dtype=policy.param_dtype)
-    raise ValueError(f"mode must be one of {MODEL_MODES}, got {mode!r}.")
+    if mode == "autocast":
+        return AutocastModel(GPT(config), policy)
+    raise ValueError(f"mode must be one of {', '.join(MODEL_MODES)}; got {mode!r}.")
 
 
 def resolve_loss_scale(text: str, policy: mpjax.Policy) -> mpjax.LossScale:
@@ -334,8 +369,12 @@ class TrainState(NamedTuple):
 
 
 def loss_fn(model: GPT, params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-    """Mean next-byte cross-entropy in nats (the model returns f32 logits)."""
-    logits = model.apply({"params": params}, x)
+    """Mean next-byte cross-entropy in nats, always from f32 logits.
+
+    The model returns f32 logits, but a policy whose output dtype is bf16 (``"bfloat16"``) makes
+    a wrapped model return bf16 ones: the log-sum-exp over the vocabulary needs f32 either way.
+    """
+    logits = model.apply({"params": params}, x).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
@@ -607,7 +646,7 @@ def train(cfg: TrainConfig) -> dict:
         )
 
     # Model, optimizer, state.
-    model = build_model(mcfg, policy)
+    model = build_model(mcfg, policy, cfg.mode)
     tx = make_optimizer(cfg, policy)
     state = jax.device_put(init_state(model, tx, cfg.seed, seq_len), replicated)
     n_params = sum(p.size for p in jax.tree.leaves(state.params))
@@ -624,7 +663,7 @@ def train(cfg: TrainConfig) -> dict:
         f"model: {cfg.preset} ({n_params / 1e6:.2f}M params, {mcfg.n_layer} layers, d_model "
         f"{mcfg.d_model}, {mcfg.n_head} heads, seq {seq_len}, "
         f"{'tied' if mcfg.tie_embeddings else 'untied'} head)\n"
-        f"policy: {cfg.policy} -> {policy!r}\n"
+        f"policy: {cfg.policy} -> {policy!r} (mode: {cfg.mode})\n"
         f"optimizer: {describe_optimizer(cfg, policy)}\n"
         f"data: {'stdlib .py sources' if cfg.data is None else cfg.data}: {len(train_data):,} train "
         f"/ {len(val_data):,} val bytes; unigram baseline {baseline:.3f} nats/byte\n"
@@ -802,6 +841,9 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--policy", default=POLICY,
                    help="mpjax policy: float32, mixed_bfloat16, mixed_float16, bfloat16, "
                         "'p=f32,c=bf16,o=f32', ...")
+    g.add_argument("--mode", choices=MODEL_MODES, default=MODE,
+                   help="how the policy reaches the model: mpjax.linen.apply_policy with rules, "
+                        "dtypes written by hand, or mpjax.autocast")
     g.add_argument("--loss-scale", default=LOSS_SCALE,
                    help="auto (dynamic for float16, else none), none, dynamic or static:N")
     g.add_argument("--no-master-weights", dest="master_weights", action="store_false",

@@ -114,11 +114,11 @@ def test_unigram_baseline_is_the_byte_entropy():
 # ----------------------------------------------------------------------------- train steps
 
 
-@functools.lru_cache(maxsize=None)  # each policy is built, initialized and jitted once
-def _setup(policy_name):
+@functools.lru_cache(maxsize=None)  # each (policy, mode) is built, initialized and jitted once
+def _setup(policy_name, mode="mpjax"):
     cfg = tt.TrainConfig(policy=policy_name, steps=10, warmup_steps=2, lr=1e-2)
     policy = mpjax.get_policy(policy_name)
-    model = tt.build_model(SMALL, policy)
+    model = tt.build_model(SMALL, policy, mode)
     tx = tt.make_optimizer(cfg, policy)
     state = tt.init_state(model, tx, seed=0, seq_len=SMALL.block_size)
     return policy, model, tx, state, jax.jit(tt.make_train_step(model, tx))
@@ -128,9 +128,19 @@ def _batch(corpus, accum, batch, seed=0):
     return tt.sample_batch(corpus, np.random.default_rng(seed), (accum, batch), SMALL.block_size)
 
 
-@pytest.mark.parametrize("policy_name", ["float32", "mixed_bfloat16", "bfloat16", "mixed_float16"])
-def test_train_steps_under_each_policy(policy_name, corpus):
-    policy, model, tx, state, step = _setup(policy_name)
+def _expected_param_dtype(path, policy, mode):
+    # Under module rules the model's LayerNorms keep f32 params whatever the policy stores.
+    is_norm = any(getattr(k, "key", "").startswith("ln") for k in path)
+    return np.dtype(jnp.float32) if mode == "mpjax" and is_norm else policy.param_dtype
+
+
+@pytest.mark.parametrize("policy_name, mode", [
+    ("float32", "mpjax"), ("mixed_bfloat16", "mpjax"), ("bfloat16", "mpjax"),
+    ("mixed_float16", "mpjax"), ("mixed_bfloat16", "hand"), ("bfloat16", "hand"),
+    ("mixed_bfloat16", "autocast"), ("mixed_float16", "autocast"),
+])
+def test_train_steps_under_each_policy(policy_name, mode, corpus):
+    policy, model, tx, state, step = _setup(policy_name, mode)
     x, y = _batch(corpus, 1, 8)
     losses = []
     for _ in range(3):
@@ -139,7 +149,8 @@ def test_train_steps_under_each_policy(policy_name, corpus):
     assert all(np.isfinite(losses)), losses
     assert losses[-1] < losses[0], losses  # same batch three times: the loss must go down
     assert int(state.step) == 3
-    assert {p.dtype for p in jax.tree.leaves(state.params)} == {policy.param_dtype}
+    for path, p in jax.tree.leaves_with_path(state.params):
+        assert p.dtype == _expected_param_dtype(path, policy, mode), jax.tree_util.keystr(path)
     # The jaxpr says which dtype every matmul ran in, forward and backward.
     grad_fn = jax.grad(lambda p: tt.loss_fn(model, p, x[0], y[0]))
     report = mpjax.inspect_matmuls(grad_fn, state.params)
@@ -173,8 +184,8 @@ def test_train_steps_under_each_policy(policy_name, corpus):
 def test_pure_bfloat16_without_master_weights_keeps_bfloat16_adam_moments():
     cfg = tt.TrainConfig(policy="bfloat16", master_weights=False)
     policy = mpjax.get_policy(cfg.policy)
-    params = jax.eval_shape(
-        lambda: tt.build_model(SMALL, policy).init(
+    params = jax.eval_shape(  # hand mode: every param bf16 (module rules keep norms f32)
+        lambda: tt.build_model(SMALL, policy, "hand").init(
             jax.random.key(0), jnp.zeros((1, SMALL.block_size), jnp.int32))["params"])
     opt_state = jax.eval_shape(tt.make_optimizer(cfg, policy).init, params)
     assert not any(_is_master(x) for x in jax.tree.leaves(opt_state, is_leaf=_is_master))
@@ -274,7 +285,8 @@ def test_command_line_runs_end_to_end_and_logs_each_logged_step(text_file, tmp_p
     argv = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
             "--batch-size", "8", "--steps", "6", "--warmup-steps", "1", "--log-interval", "2",
             "--eval-interval", "3", "--num-devices", "1", "--data", str(text_file),
-            "--out", str(tmp_path / "cli"), "--sample-bytes", "12", "--no-progress"]
+            "--out", str(tmp_path / "cli"), "--sample-bytes", "12", "--no-progress",
+            "--mode", "autocast"]
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train_transformer.py"), *argv],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
@@ -305,6 +317,7 @@ def test_bad_flags_are_rejected_naming_the_flag(capsys):
         (["--policy", "float13"], "float13"),
         (["--warmup-steps", "900", "--steps", "100"], "--warmup-steps"),
         (["--preset", "huge"], "--preset"),
+        (["--mode", "magic"], "--mode"),
         (["--steps", "0"], "--steps"),
     ]:
         with pytest.raises(SystemExit):
@@ -312,3 +325,19 @@ def test_bad_flags_are_rejected_naming_the_flag(capsys):
         assert flag in capsys.readouterr().err
     cfg = tt.parse_args(["--policy", "p=f32,c=bf16,o=f32", "--steps", "5", "--warmup-steps", "1"])
     assert mpjax.get_policy(cfg.policy) == mpjax.MIXED_BFLOAT16
+
+
+@pytest.mark.parametrize("mode", ["mpjax", "autocast"])
+def test_train_step_costs_no_more_converts_than_the_hand_written_bf16_model(mode, corpus):
+    """The example transformer's compiled train step (forward, backward, AdamW) under module
+    rules or autocast has no more converts than with dtype=bf16 written by hand, and runs the
+    same matmuls in the same dtypes."""
+    x, y = _batch(corpus, 1, 8)
+    converts, matmuls = {}, {}
+    for name in ("hand", mode):
+        _, model, tx, state, _ = _setup("mixed_bfloat16", name)
+        converts[name] = mpjax.hlo_op_counts(tt.make_train_step(model, tx), state, x, y)["convert"]
+        grad_fn = jax.grad(lambda p: tt.loss_fn(model, p, x[0], y[0]))
+        matmuls[name] = mpjax.inspect_matmuls(grad_fn, state.params).operand_dtypes()
+    assert converts[mode] <= converts["hand"], converts
+    assert matmuls[mode] == matmuls["hand"] == {("bfloat16", "bfloat16"): sum(matmuls["hand"].values())}
