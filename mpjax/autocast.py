@@ -32,6 +32,7 @@ from mpjax import jaxpr_compat as compat
 from mpjax.op_categories import F32, KEEP, LOWER, ORIGINAL, merge_categories
 from mpjax.policy import Policy, PolicyLike, get_policy
 from mpjax.rules import Rule, Rules
+from mpjax.table import format_table
 
 FULL_PRECISION_SCOPE = "mpjax_full_precision"
 """The ``jax.named_scope`` name that :func:`full_precision` opens; autocast leaves it alone."""
@@ -165,11 +166,7 @@ class AutocastReport(tuple):
                 for r in self]
         if not rows:
             return "no equations"
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
-                 for row in [header, *rows]]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        return format_table(header, rows)
 
 
 _SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
@@ -424,6 +421,20 @@ class _Interpreter:
         fn = jax.shard_map(lambda *args: tuple(self.run(p.jaxpr, args, path)), **p.kwargs)
         return list(fn(*invals))
 
+    def _custom_call(self, eqn, invals, path):
+        """What both custom-derivative rebuilds start from: the autocast primal, the traced
+        avals, the indices of floating inputs and outputs, and the primal's output shapes."""
+        call = compat.custom_call_jaxpr(eqn)
+        in_avals = [v.aval for v in eqn.invars]
+        out_avals = [v.aval for v in eqn.outvars]
+        fidx = [i for i, a in enumerate(in_avals) if _is_float(a.dtype)]
+        oidx = [i for i, a in enumerate(out_avals) if _is_float(a.dtype)]
+
+        def primal(*args):
+            return self.run(call, args, path)
+
+        return primal, in_avals, out_avals, fidx, oidx, self.shapes(primal, invals)
+
     def _custom_jvp(self, eqn, invals, path):
         """The primal runs autocast; the user's JVP rule stays the rule.
 
@@ -433,17 +444,8 @@ class _Interpreter:
         where it runs, from the types of the values it gets, so shardings and the varying axes
         of ``shard_map`` carry over.
         """
-        call = compat.custom_call_jaxpr(eqn)
-        in_avals = [v.aval for v in eqn.invars]
-        out_avals = [v.aval for v in eqn.outvars]
-        fidx = [i for i, a in enumerate(in_avals) if _is_float(a.dtype)]
-        oidx = [i for i, a in enumerate(out_avals) if _is_float(a.dtype)]
+        primal, in_avals, out_avals, fidx, oidx, out_shapes = self._custom_call(eqn, invals, path)
         n_out = len(out_avals)
-
-        def primal(*args):
-            return self.run(call, args, path)
-
-        out_shapes = self.shapes(primal, invals)
 
         def rule(primals, tangents):
             tangents = [tangents[i] for i in fidx]
@@ -469,17 +471,8 @@ class _Interpreter:
         VJP function it returns is a pytree whose leaves are the residuals), where they run, and
         evaluated under autocast. Cotangents are cast to the dtypes of the inputs they belong to.
         """
-        call = compat.custom_call_jaxpr(eqn)
-        in_avals = [v.aval for v in eqn.invars]
-        out_avals = [v.aval for v in eqn.outvars]
-        fidx = [i for i, a in enumerate(in_avals) if _is_float(a.dtype)]
-        oidx = [i for i, a in enumerate(out_avals) if _is_float(a.dtype)]
+        primal, in_avals, out_avals, fidx, oidx, out_shapes = self._custom_call(eqn, invals, path)
         n_out = len(out_avals)
-
-        def primal(*args):
-            return self.run(call, args, path)
-
-        out_shapes = self.shapes(primal, invals)
         in_dtypes = [jax.typeof(x).dtype for x in invals]
         traced_fwd = []
 

@@ -17,6 +17,8 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
+from mpjax.table import format_table
+
 MATMUL_PRIMITIVES = frozenset(
     {"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"}
 )
@@ -76,11 +78,7 @@ class MatmulReport(tuple):
         ]
         if not rows:
             return "no matmuls or convolutions"
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
-                 for row in [header, *rows]]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        return format_table(header, rows)
 
     def operand_dtypes(self) -> collections.Counter:
         """Counts matmuls by their (lhs dtype name, rhs dtype name)."""

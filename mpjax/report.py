@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from mpjax.policy import Policy
+from mpjax.table import format_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,17 +78,7 @@ class PrecisionReport:
         ]
         total = ("total", "", "", "", "", "", f"{self.total_params:,}",
                  _human_bytes(self.total_bytes))
-        table = [header, *body, total]
-        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-        right = {6, 7}  # numbers align right
-
-        def fmt(row):
-            cells = (c.rjust(w) if i in right else c.ljust(w)
-                     for i, (c, w) in enumerate(zip(row, widths)))
-            return "  ".join(cells).rstrip()
-
-        rule = "  ".join("-" * w for w in widths)
-        lines = [fmt(header), rule, *map(fmt, body), rule, fmt(total)]
+        lines = [format_table(header, body, footer=total, right=frozenset({6, 7}))]
         lines += [f"warning: {p}" for p in self.problems]
         return "\n".join(lines)
 

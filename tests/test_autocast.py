@@ -15,6 +15,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import mpjax
+from stock_models import Block, HandWrittenBlock
 import mpjax.linen as mpl
 from mpjax.inspection import iter_equations
 
@@ -483,29 +484,6 @@ def test_report_shows_what_autocast_did(capsys):
 
 # --- The cost: no more converts than a transformer block written with dtype=jnp.bfloat16. ----
 
-class Block(nn.Module):
-    """A pre-norm transformer block from Flax's stock layers."""
-
-    dtype: object = None
-    attention_fn: object = nn.dot_product_attention
-
-    @nn.compact
-    def __call__(self, x):
-        y = nn.LayerNorm(dtype=self.dtype, name="ln1")(x)
-        y = nn.MultiHeadDotProductAttention(num_heads=2, dtype=self.dtype,
-                                            attention_fn=self.attention_fn, name="attn")(y)
-        x = x + y
-        y = nn.LayerNorm(dtype=self.dtype, name="ln2")(x)
-        y = nn.Dense(32, dtype=self.dtype, name="up")(y)
-        y = nn.Dense(16, dtype=self.dtype, name="down")(nn.gelu(y))
-        return x + y
-
-
-class HandWritten(Block):
-    def __call__(self, x):
-        return super().__call__(x.astype(jnp.bfloat16))
-
-
 def _train_step(apply, x):
     tx = optax.adam(1e-3)
 
@@ -528,7 +506,7 @@ def test_train_step_has_no_more_converts_than_hand_written_bf16_and_same_matmuls
     # under standard promotion, on the same backend.
     with jax.numpy_dtype_promotion("standard"):
         for name, apply in (("autocast", mpjax.autocast(Block().apply)),
-                            ("by_hand", HandWritten(dtype=jnp.bfloat16,
+                            ("by_hand", HandWrittenBlock(dtype=jnp.bfloat16,
                                                     attention_fn=mpl.f32_softmax_attention).apply)):
             step, tx, loss = _train_step(apply, x)
             converts = mpjax.hlo_op_counts(step, params, jax.eval_shape(tx.init, params))

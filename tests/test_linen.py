@@ -18,6 +18,7 @@ import mpjax
 import mpjax.linen as mpl
 from mpjax import Rules
 from mpjax.inspection import iter_equations
+from stock_models import Block, HandWrittenBlock
 
 F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
 VOCAB, DIM, SEQ = 16, 16, 4
@@ -25,25 +26,6 @@ KEY = jax.random.key(0)
 
 
 # --- Models: stock Flax layers and third-party-style code, none of them aware of mpjax. ------
-
-class Block(nn.Module):
-    """A pre-norm transformer block from Flax's stock layers. ``dtype=None`` everywhere unless a
-    hand-written bf16 version is asked for."""
-
-    dtype: object = None
-    attention_fn: object = nn.dot_product_attention
-
-    @nn.compact
-    def __call__(self, x):
-        y = nn.LayerNorm(dtype=self.dtype, name="ln1")(x)
-        y = nn.MultiHeadDotProductAttention(num_heads=2, dtype=self.dtype,
-                                            attention_fn=self.attention_fn, name="attn")(y)
-        x = x + y
-        y = nn.LayerNorm(dtype=self.dtype, name="ln2")(x)
-        y = nn.Dense(2 * DIM, dtype=self.dtype, name="up")(y)
-        y = nn.Dense(DIM, dtype=self.dtype, name="down")(nn.gelu(y))
-        return x + y
-
 
 class Scale(nn.Module):
     """The hard case: a module that calls ``self.param`` and does its math in jnp."""
@@ -463,17 +445,13 @@ def _train_step_converts(model, x):
 
 
 def test_wrapped_train_step_has_no_more_converts_than_hand_written_bf16():
-    class HandWritten(Block):  # what users write today: every layer with dtype=bf16
-        def __call__(self, x):
-            return super().__call__(x.astype(jnp.bfloat16))
-
     x = jax.random.normal(jax.random.key(1), (2, SEQ, DIM))
     # Flax's norms are not strict-promotion clean with dtype=bf16, nor is optax's adam: compare
     # both models under standard promotion, on the same backend.
     with jax.numpy_dtype_promotion("standard"):
         wrapped = _train_step_converts(mpl.apply_policy(Block(), "mixed_bfloat16"), x)
         by_hand = _train_step_converts(
-            HandWritten(dtype=jnp.bfloat16, attention_fn=mpl.f32_softmax_attention), x)
+            HandWrittenBlock(dtype=jnp.bfloat16, attention_fn=mpl.f32_softmax_attention), x)
     assert 0 < wrapped <= by_hand, (wrapped, by_hand)
 
 
