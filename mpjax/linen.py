@@ -10,7 +10,7 @@ every module below it and, for each module,
 2. configures the module once, before its ``setup`` or first method runs: modules with ``dtype``
    / ``param_dtype`` fields (Flax's own layers) get ``dtype=compute_dtype`` and
    ``param_dtype=param_dtype``, plus the attributes of the rule that matched
-   (``force_fp32_for_softmax=True`` for attention); every module creates its parameters in the
+   (an f32-softmax ``attention_fn`` for attention); every module creates its parameters in the
    param dtype; modules without a ``dtype`` field read their parameters (``self.param``,
    ``self.get_variable("params", ...)``, ``self.variable("params", ...).value``) cast to the
    compute dtype. Stored values are never replaced, so gradients come back in the param dtype;
@@ -102,6 +102,12 @@ def _fields(module: nn.Module) -> set[str]:
     return {f.name for f in dataclasses.fields(module)}
 
 
+def _user_set(module: nn.Module, name: str) -> bool:
+    """Whether the field ``name`` holds something other than its class default."""
+    field = next((f for f in dataclasses.fields(module) if f.name == name), None)
+    return field is not None and getattr(module, name) is not field.default
+
+
 def _init_in(dtype: np.dtype, init_fn: Callable[..., Any] | None) -> Callable[..., Any] | None:
     """Wraps an initializer so the stored value is created in ``dtype``."""
     if init_fn is None:
@@ -183,14 +189,12 @@ def _configure(module: nn.Module, path: str, rules: Rules) -> Resolution:
         return resolution
     resolution = rules.resolve(path, module)
     policy, fields = resolution.policy, _fields(module)
-    updates = dict(resolution.attributes)
+    updates = {name: value for name, value in resolution.attributes
+               if not (resolution.rule.builtin and _user_set(module, name))}
     if "dtype" in fields:
         updates["dtype"] = policy.compute_dtype
     if "param_dtype" in fields:
         updates["param_dtype"] = policy.param_dtype
-    if (updates.get("force_fp32_for_softmax") and
-            getattr(module, "attention_fn", None) is nn.dot_product_attention):
-        updates["attention_fn"] = f32_softmax_attention
     for name, value in updates.items():
         if name in fields:
             # Bound modules are Flax's per-call copies: setting a field here is what
@@ -301,11 +305,11 @@ def apply_policy(module: nn.Module | type, policy_or_rules: Rules | PolicyLike):
       whose policy differs from their caller's. Inside a region activations stay in the compute
       dtype, exactly as with layers written with ``dtype=jnp.bfloat16``, so no conversion is
       added that a hand-written model would not have;
-    - attention (under the built-in rule) computes its softmax in f32 and casts the weights back
-      to the compute dtype, so both attention matmuls run in the compute dtype. (Flax's own
-      ``force_fp32_for_softmax`` keeps the weights in f32, so the weights x values matmul runs in
-      f32; mpjax swaps in an attention function that does not, when the module uses Flax's
-      default ``attention_fn``.)
+    - attention (under the built-in rule, when the module has Flax's default ``attention_fn``)
+      uses :func:`f32_softmax_attention`: softmax in f32, weights cast back to the compute
+      dtype, so both attention matmuls run in the compute dtype. (Flax's own
+      ``force_fp32_for_softmax`` keeps the weights in f32, so the weights x values matmul would
+      run in f32.)
 
     The user's rules that match no module, or only modules an earlier rule claims, are warned
     about once (:class:`mpjax.RuleWarning`), after the first call (usually ``init``).

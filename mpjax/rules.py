@@ -5,7 +5,7 @@ rule has a key saying *where* it applies, a module path glob (``"decoder/*/mlp*"
 regular expression (``re.compile(r"block_\\d+/attn")``, matched in full) or a module class
 (subclasses match too, unlike Haiku's ``set_policy``), and says *what* applies there: a policy,
 or a function of the default policy, plus optional module attributes to set (for example
-``force_fp32_for_softmax=True``). The first matching rule wins; modules no rule matches use the
+``precision="highest"``). The first matching rule wins; modules no rule matches use the
 default.
 
 Built-in rules come after the user's: normalization layers keep f32 parameters and compute
@@ -49,7 +49,8 @@ class Rule:
       attributes: module attributes to set where the rule applies, for modules that have them.
       name: how reports refer to the rule; defaults to the key.
       builtin: True for mpjax's own rules. Only the user's rules are reported when they never
-        match.
+        match, and a built-in rule's attributes replace only Flax's defaults, never a value the
+        user chose.
     """
 
     key: RuleKey
@@ -121,13 +122,15 @@ def _builtin_rules() -> tuple[Rule, ...]:
              nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm]
     rules = [Rule(cls, norm_policy, name=f"builtin: {cls.__module__.split('.')[1]}.{cls.__name__} "
                                          "in f32", builtin=True) for cls in norms]
-    rules.append(Rule(nn.MultiHeadDotProductAttention, None,
-                      attributes={"force_fp32_for_softmax": True},
-                      name="builtin: linen attention softmax in f32", builtin=True))
-    from mpjax.nnx import f32_softmax_attention  # Deferred: mpjax.nnx imports this module.
+    # Deferred: both integrations import this module. Flax's own force_fp32_for_softmax=True
+    # leaves the attention weights in f32, so the weights x values matmul would run in f32.
+    from mpjax import linen as mp_linen, nnx as mp_nnx
 
+    rules.append(Rule(nn.MultiHeadDotProductAttention, None,
+                      attributes={"attention_fn": mp_linen.f32_softmax_attention},
+                      name="builtin: linen attention softmax in f32", builtin=True))
     rules.append(Rule(nnx.MultiHeadAttention, None,
-                      attributes={"attention_fn": f32_softmax_attention},
+                      attributes={"attention_fn": mp_nnx.f32_softmax_attention},
                       name="builtin: nnx attention softmax in f32", builtin=True))
     return tuple(rules)
 

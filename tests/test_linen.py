@@ -122,10 +122,26 @@ def test_attention_softmax_runs_in_f32(lm):
         found = _equations(fn, variables["params"], primitive=primitive)
         attn = [d for d, scope in found if "/attn" in scope]
         assert len(attn) == 1 and attn[0] == {F32}, found
-    # Flax's force_fp32_for_softmax keeps the weights in f32; both attention dots stay bf16.
+    # The weights go back to bf16 after the f32 softmax: both attention dots stay bf16.
     dots = [m for m in mpjax.inspect_matmuls(lambda p: model.apply({"params": p}, ids),
                                              variables["params"]) if "/attn/..." in m.scope]
     assert [m.operand_dtypes for m in dots] == [(BF16, BF16)] * 2
+
+
+def test_a_user_attention_fn_is_kept_by_the_builtin_attention_rule():
+    calls = []
+
+    def my_attention(query, key, value, **kwargs):
+        calls.append(query.dtype)
+        return nn.dot_product_attention(query, key, value, **kwargs)
+
+    x = jnp.ones((2, SEQ, DIM))
+    for attention_fn, expected in ((my_attention, [BF16]), (nn.dot_product_attention, [])):
+        model = mpl.apply_policy(Block(attention_fn=attention_fn), "mixed_bfloat16")
+        calls.clear()
+        with jax.numpy_dtype_promotion("standard"):  # Flax's bf16 softmax path promotes
+            jax.eval_shape(model.init, KEY, x)
+        assert calls == expected  # Flax's default is replaced by f32_softmax_attention
 
 
 def test_params_are_created_in_f32_and_stay_f32_across_adam_steps(lm):

@@ -76,7 +76,9 @@ def test_builtin_norm_rule_keeps_params_and_statistics_f32_output_compute(norm, 
 def test_builtin_attention_rule_forces_f32_softmax_in_compute_policy():
     res = Rules(default="mixed_bfloat16").resolve("attn", nn.SelfAttention)  # a subclass
     assert res.policy == MIXED
-    assert dict(res.attributes) == {"force_fp32_for_softmax": True}
+    import mpjax.linen
+
+    assert dict(res.attributes) == {"attention_fn": mpjax.linen.f32_softmax_attention}
 
 
 def test_user_rules_take_precedence_over_builtins():
