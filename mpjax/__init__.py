@@ -2,13 +2,11 @@
 
 from mpjax import linen, nnx
 from mpjax.autocast import (
-    FULL_PRECISION_SCOPE,
     AutocastReport,
     AutocastRow,
     AutocastWarning,
     autocast,
     autocast_report,
-    full_precision,
 )
 from mpjax.inspection import MatmulInfo, MatmulReport, hlo_op_counts, inspect_matmuls
 from mpjax.loss_scale import (
@@ -37,6 +35,7 @@ from mpjax.policy import (
     cast_floating,
     get_policy,
 )
+from mpjax.regions import FULL_PRECISION_SCOPE, full_precision
 from mpjax.report import ModuleRow, PrecisionReport, describe
 from mpjax.rules import Resolution, Rule, Rules, RuleWarning, as_rules, norm_policy
 

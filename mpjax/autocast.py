@@ -20,6 +20,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import threading
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -29,41 +30,39 @@ import numpy as np
 from jax import lax
 
 from mpjax import jaxpr_compat as compat
-from mpjax.op_categories import F32, KEEP, LOWER, ORIGINAL, merge_categories
-from mpjax.policy import Policy, PolicyLike, get_policy
+from mpjax.op_categories import F32, KEEP, LOWER, ORIGINAL, PROMOTE, merge_categories
+from mpjax.policy import Policy, PolicyLike, get_policy, short_dtype_name
+from mpjax.regions import Region, boundary_dtype, innermost
 from mpjax.rules import Rule, Rules
 from mpjax.table import format_table
-
-FULL_PRECISION_SCOPE = "mpjax_full_precision"
-"""The ``jax.named_scope`` name that :func:`full_precision` opens; autocast leaves it alone."""
 
 _F32 = np.dtype(jnp.float32)
 # PyTorch autocasts only these: float64 is never narrowed and fp8 is always deliberate.
 _ELIGIBLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
 _CACHE_SIZE = 32
+# Host code sees the values as traced; a matmul in it is out of autocast's reach.
+_CALLBACKS = frozenset({"pure_callback", "io_callback", "ffi_call"})
 
 
 class AutocastWarning(UserWarning):
-    """Warned once per autocast function for each primitive it does not know."""
+    """Warned once per autocast function for each primitive it does not know, and for each
+    region (module) that calls host code autocast cannot reach."""
 
 
-def full_precision():
-    """A context manager (or decorator) whose computations :func:`autocast` leaves in their
-    traced dtypes.
+class _Tracing(threading.local):
+    depth = 0
 
-    It is ``jax.named_scope("mpjax_full_precision")``, so it can be written anywhere inside the
-    autocast function, in library code included, and also outside autocast (it then does
-    nothing but name a scope).
 
-    >>> import jax, jax.numpy as jnp, mpjax
-    >>> def f(x):
-    ...     with full_precision():
-    ...         y = x @ x
-    ...     return y + x @ x
-    >>> [m.lhs_dtype.name for m in mpjax.inspect_matmuls(autocast(f), jnp.ones((2, 2)))]
-    ['float32', 'bfloat16']
+_tracing = _Tracing()
+
+
+def tracing() -> bool:
+    """Whether the casting engine is tracing a function on this thread right now.
+
+    The Flax integrations check it: a wrapped module called while the engine traces only opens
+    its precision region; called outside, it starts the engine itself.
     """
-    return jax.named_scope(FULL_PRECISION_SCOPE)
+    return _tracing.depth > 0
 
 
 def _is_float(dtype: Any) -> bool:
@@ -99,24 +98,42 @@ class _Settings:
     warned: set = dataclasses.field(default_factory=set)
     regions: dict = dataclasses.field(default_factory=dict)
 
-    def region(self, path: tuple[str, ...]) -> Policy | None:
-        """The policy of the scope ``path``, or None inside :func:`full_precision`.
+    def region(self, path: tuple[str, ...]) -> Region:
+        """The region of the scope ``path``: its policy (None inside :func:`full_precision`)
+        and the module path it names.
 
-        A rule applies where its key matches the path or one of its ancestors (``"head"``
-        covers ``"head/dense"``); the first rule in order wins.
+        The innermost precision region around the equation wins (the region of a module of a
+        wrapped Flax model, or :func:`full_precision`). Elsewhere a rule applies where its key
+        matches the path or one of its ancestors (``"head"`` covers ``"head/dense"``); the
+        first rule in order wins; else the default policy.
         """
         if path not in self.regions:
             self.regions[path] = self._resolve(path)
         return self.regions[path]
 
-    def _resolve(self, path: tuple[str, ...]) -> Policy | None:
-        if FULL_PRECISION_SCOPE in path:
-            return None
+    def _resolve(self, path: tuple[str, ...]) -> Region:
+        found = innermost(path)
+        if found is not None:
+            return found
         prefixes = ["/".join(path[:k]) for k in range(len(path) + 1)]
         for rule in self.rules:
             if any(rule.matches(p, object) for p in prefixes):
-                return rule.policy_for(self.policy)
-        return self.policy
+                return Region(rule.policy_for(self.policy), "/".join(path))
+        return Region(self.policy, "/".join(path))
+
+    def warn_callback(self, name: str, region: Region) -> None:
+        where = region.path or "<root>"
+        if (name, where) in self.warned:
+            return
+        self.warned.add((name, where))
+        warnings.warn(
+            f"mpjax: {where!r} calls host code ({name}), which autocast cannot reach: the host "
+            "function gets its inputs in the dtypes the model was traced with, and any matmul "
+            "in it runs in those dtypes. Move the matmuls out of the callback, or wrap the "
+            "callback's inputs in an explicit cast if it should see the compute dtype.",
+            AutocastWarning,
+            stacklevel=5,
+        )
 
     def warn_unknown(self, name: str, higher_order: bool) -> None:
         if name in self.warned:
@@ -169,11 +186,8 @@ class AutocastReport(tuple):
         return format_table(header, rows)
 
 
-_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
-
-
 def _dtype_names(avals: Sequence[Any]) -> tuple[str, ...]:
-    return tuple(_SHORT.get(str(a.dtype), str(a.dtype)) for a in avals)
+    return tuple(short_dtype_name(a.dtype) for a in avals)
 
 
 class _Interpreter:
@@ -218,15 +232,16 @@ class _Interpreter:
         env.update(zip(jaxpr.constvars, closed.consts))
         env.update(zip(jaxpr.invars, args))
         casts: dict[tuple[Any, Any], Any] = {}  # a value cast once serves all its uses
-        for eqn in jaxpr.eqns:
+        paths = [path + compat.scope_names(eqn) for eqn in jaxpr.eqns]
+        widened = self._widened(jaxpr, paths)
+        for i, eqn in enumerate(jaxpr.eqns):
             invals = [read(a) for a in eqn.invars]
             avals = [aval(a, x) for a, x in zip(eqn.invars, invals)]
-            names = compat.scope_names(eqn)
             # Re-open the equation's scopes so reports and nested autocasts see the same names.
             with contextlib.ExitStack() as stack:
-                for name in names:
+                for name in paths[i][len(path):]:
                     stack.enter_context(jax.named_scope(name))
-                outs = self.equation(eqn, invals, avals, path + names, casts)
+                outs = self.equation(eqn, invals, avals, paths[i], casts, i in widened)
             from_constants = (eqn.primitive.name not in self.handlers
                               and all(compat.is_literal(a) or a in constant for a in eqn.invars))
             for var, out in zip(eqn.outvars, outs):
@@ -236,22 +251,67 @@ class _Interpreter:
                         constant.add(var)
         return [read(a) for a in jaxpr.outvars]
 
+    def _widened(self, jaxpr: Any, paths: list[tuple[str, ...]]) -> set[int]:
+        """The "promote" equations that run in f32 because all they compute feeds f32 ops.
+
+        PyTorch runs powers, norms, distances and cosine similarity in f32 as whole ops; in JAX
+        they are built from elementwise ops (``x * x``, ``a - b``) that feed an f32 reduction
+        or power. Run in f16, those elementwise steps overflow before the reduction sees them
+        (a matmul output of 400 squared is past f16's 65504). So an elementwise or structural
+        equation whose every result is used only by f32 equations (directly, or through other
+        such equations) runs in f32 as well. Matmuls and everything used elsewhere keep their
+        categories, so this adds no converts where the values stay low precision.
+        """
+        consumers: dict[Any, list[int]] = collections.defaultdict(list)
+        for i, eqn in enumerate(jaxpr.eqns):
+            for atom in eqn.invars:
+                if not compat.is_literal(atom):
+                    consumers[atom].append(i)
+        returned = {a for a in jaxpr.outvars if not compat.is_literal(a)}
+        in_f32: set[int] = set()
+        widened: set[int] = set()
+        for i in range(len(jaxpr.eqns) - 1, -1, -1):
+            eqn = jaxpr.eqns[i]
+            if self.settings.region(paths[i]).policy is None:
+                continue  # full precision: nothing is cast
+            category = self.settings.categories.get(eqn.primitive.name)
+            if category == F32:
+                in_f32.add(i)
+                continue
+            if category != PROMOTE:
+                continue
+            outs = [v for v in eqn.outvars if not compat.is_dropvar(v)]
+            uses = [j for v in outs for j in consumers[v]]
+            if outs and uses and not returned.intersection(outs) and in_f32.issuperset(uses):
+                in_f32.add(i)
+                widened.add(i)
+        return widened
+
     def equation(self, eqn: Any, invals: list, avals: list, path: tuple[str, ...],
-                 casts: dict) -> list:
+                 casts: dict, widen: bool = False) -> list:
         name = eqn.primitive.name
         handler = self.handlers.get(name)
         if handler is not None:
             return handler(eqn, invals, path)
+        checkpoint = compat.checkpoint_name_of(eqn)
+        boundary = None if checkpoint is None else boundary_dtype(checkpoint)
+        if boundary is not None:  # a region's output: cast, and nothing to bind
+            x = invals[0]
+            return [_cast_to(x, boundary) if jax.typeof(x).dtype in _ELIGIBLE else x]
         region = self.settings.region(path)
         category = self.settings.categories.get(name)
         if category is None:
             self.settings.warn_unknown(name, bool(compat.sub_jaxprs(eqn)))
             category, label = ORIGINAL, "unknown"
-        elif region is None:
+        elif region.policy is None:
             category, label = ORIGINAL, "full_precision"
         else:
+            if name in _CALLBACKS:
+                self.settings.warn_callback(name, region)
+            if widen and category == PROMOTE:
+                category = F32
             label = category
-        compute = region.compute_dtype if region is not None else None
+        compute = region.policy.compute_dtype if region.policy is not None else None
         invals, params, ran = self._cast_inputs(eqn, invals, avals, category, compute, casts)
         if self.record is not None:
             traced = [v.aval for v in eqn.invars]
@@ -699,8 +759,28 @@ def _to_output(x: Any, traced_aval: Any, policy: Policy) -> Any:
     return x
 
 
-def _trace(fn, traces: _TraceCache, args, kwargs) -> tuple[_Traced, list]:
-    """The jaxpr of ``fn`` for these arguments (cached), and the arguments it takes."""
+def run_in_regions(fn: Callable[..., Any], policy: Policy, *args, **kwargs) -> Any:
+    """Runs ``fn(*args, **kwargs)`` through the casting engine; the Flax integrations' entry.
+
+    ``policy`` applies outside any precision region; inside, each region's policy (see
+    :mod:`mpjax.regions`). ``fn`` is traced under standard dtype promotion, since the dtypes it
+    is traced in are only a starting point (a region's outputs cast to its output dtype meet
+    f32 values, bf16-stored params meet f32 inputs): the engine decides each operation's dtype.
+    Outputs come back as computed, with no cast: the regions cast their own outputs, and state
+    returned alongside (updated variables, RNG counters) keeps its dtypes. Nothing is cached:
+    the function closes over module state, so it is traced at each call (once per ``jax.jit``
+    trace under jit).
+    """
+    settings = _Settings(policy, merge_categories(None), ())
+    with jax.numpy_dtype_promotion("standard"):
+        traced, dynamic = _trace(fn, None, args, kwargs)
+    outs = _Interpreter(settings, traced.cache).run(traced.closed, dynamic, ())
+    return jax.tree.unflatten(traced.out_tree, outs)
+
+
+def _trace(fn, traces: _TraceCache | None, args, kwargs) -> tuple[_Traced, list]:
+    """The jaxpr of ``fn`` for these arguments (cached in ``traces`` unless None), and the
+    arguments it takes."""
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dynamic_idx = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
     dynamic = [leaves[i] for i in dynamic_idx]
@@ -710,7 +790,9 @@ def _trace(fn, traces: _TraceCache, args, kwargs) -> tuple[_Traced, list]:
         hash(key)
     except TypeError:
         key = None  # an unhashable static value: trace every call
-    traced = traces.get(key)
+    if traces is None:
+        key = None
+    traced = None if traces is None else traces.get(key)
     if traced is not None:
         return traced, dynamic
     out_trees = []
@@ -724,7 +806,11 @@ def _trace(fn, traces: _TraceCache, args, kwargs) -> tuple[_Traced, list]:
         out_trees.append(out_tree)
         return out_leaves
 
-    closed = jax.make_jaxpr(flat_fn)(*dynamic)
+    _tracing.depth += 1
+    try:
+        closed = jax.make_jaxpr(flat_fn)(*dynamic)
+    finally:
+        _tracing.depth -= 1
     traced = _Traced(closed, out_trees[0], {})
     # A jaxpr that closed over tracers of an enclosing trace is only valid inside that trace.
     if key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):

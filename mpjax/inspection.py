@@ -17,6 +17,8 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
+from mpjax import jaxpr_compat as compat
+from mpjax.regions import innermost
 from mpjax.table import format_table
 
 MATMUL_PRIMITIVES = frozenset(
@@ -41,6 +43,9 @@ class MatmulInfo:
         when the function sets no names.
       context: the higher-order primitives enclosing it, outermost first, for example
         ``("pjit", "scan")``.
+      region: the path of the module whose precision region it ran in (``"block/attn"``,
+        ``""`` for the root of a wrapped model), or None outside any region (see
+        :mod:`mpjax.regions`).
     """
 
     primitive: str
@@ -53,6 +58,7 @@ class MatmulInfo:
     out_shape: tuple[int, ...]
     scope: str
     context: tuple[str, ...]
+    region: str | None = None
 
     @property
     def operand_dtypes(self) -> tuple[np.dtype, np.dtype]:
@@ -131,6 +137,7 @@ def inspect_matmuls(
             continue
         lhs, rhs = (v.aval for v in eqn.invars[:2])
         out = eqn.outvars[0].aval
+        region = innermost(compat.scope_names(eqn))
         acc = eqn.params.get("preferred_element_type")
         found.append(
             MatmulInfo(
@@ -144,6 +151,7 @@ def inspect_matmuls(
                 out_shape=tuple(out.shape),
                 scope=str(getattr(eqn.source_info, "name_stack", "")),
                 context=context,
+                region=None if region is None else region.path,
             )
         )
     return MatmulReport(found)

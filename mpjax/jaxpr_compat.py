@@ -160,6 +160,13 @@ def shard_map_params(eqn: Any) -> ShardMapParams:
     return ShardMapParams(closed(p["jaxpr"]), kwargs)
 
 
+def checkpoint_name_of(eqn: Any) -> str | None:
+    """The name of a ``jax.ad_checkpoint.checkpoint_name`` equation, or None for another one."""
+    if eqn.primitive.name != "name":
+        return None
+    return eqn.params.get("name")
+
+
 def is_literal(atom: Any) -> bool:
     return isinstance(atom, jex_core.Literal)
 

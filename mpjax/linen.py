@@ -1,34 +1,27 @@
 """Flax linen: apply a precision policy or rules to an existing, unmodified linen module.
 
 ``apply_policy(model, "mixed_bfloat16")`` returns a copy of ``model`` whose class is a thin
-subclass of the original (same name, same fields, same parameter tree). While any method of the
-wrapped model runs, a :func:`flax.linen.intercept_methods` interceptor sees every method call of
-every module below it and, for each module,
+subclass of the original (same name, same fields, same parameter tree). Its ``init`` and
+``apply``, and any method of it called another way (on a ``bind`` result, or as a submodule of
+an unwrapped parent, through a Flax lifted transformation), run through mpjax's casting engine,
+:mod:`mpjax.autocast`. While the engine traces the model, a :func:`flax.linen.intercept_methods`
+interceptor sees every method call of every module below the wrapped one and, for each module,
 
 1. resolves its policy with ``rules.resolve(path, module)``, ``path`` being the module's path
    relative to the wrapped root (``"Block_0/attn/query"``; the root is ``""``);
-2. configures the module once, before its ``setup`` or first method runs: modules with ``dtype``
-   / ``param_dtype`` fields (Flax's own layers) get ``dtype=compute_dtype`` and
-   ``param_dtype=param_dtype``, plus the attributes of the rule that matched
-   (an f32-softmax ``attention_fn`` for attention); every module creates its parameters in the
-   param dtype; modules without a ``dtype`` field read their parameters (``self.param``,
-   ``self.get_variable("params", ...)``, ``self.variable("params", ...).value``) cast to the
-   compute dtype. Stored values are never replaced, so gradients come back in the param dtype;
-3. casts the floating-point inputs of the call to the compute dtype, and its outputs to the
-   output dtype where the policy's region ends: at the wrapped root, and at a module whose policy
-   differs from the policy of the module that called it. Inside a region activations stay in the
-   compute dtype, as with hand-written ``dtype=jnp.bfloat16`` layers, so a wrapped model adds no
-   conversions a hand-written one does not have.
+2. opens the module's precision region (:mod:`mpjax.regions`) around the call. The engine then
+   casts at the operations: every matmul and convolution of the module runs in its compute
+   dtype, forward and backward, norms' statistics and softmax in f32, whatever the module's own
+   ``dtype`` attribute means (for some third-party modules it is the *parameter* dtype), and
+   whoever owns the params it reads (a tied output head reads the embedding's table);
+3. makes the module create its params in the policy's param dtype (stored values are never
+   replaced, so gradients come back in the param dtype) and sets the matched rule's
+   attributes on it;
+4. casts its outputs to the output dtype where the policy's region ends: at the wrapped root,
+   and at a module whose policy differs from the policy of the module that called it.
 
 The modules being configured are the throwaway copies Flax binds for each ``init``/``apply``
 call, never the user's instances, so nothing outside the call changes.
-
-Why this way: calling ``module.clone(parent=module.scope, dtype=...)`` from the interceptor
-runs ``setup`` a second time on the same scope (Flax runs the original's ``setup`` before any
-interceptor), which fails for modules that define submodules or params there (``nn.Embed``);
-``nn.map_variables(..., init=True)`` would store the cast params. Setting the fields of the
-bound copy when the interceptor first sees it (its ``setup`` call, if it has one) avoids both,
-and lifted transforms (``nn.scan``, ``nn.remat``, ``nn.vmap``) clone the configured fields.
 """
 
 from __future__ import annotations
@@ -42,13 +35,15 @@ from typing import Any, Callable, Mapping
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax.core.scope import Variable
-from flax.linen.dtypes import promote_dtype
+from flax import nnx
+from flax.core import lift
+from flax.linen import transforms as nn_transforms
 
+from mpjax import autocast as engine
+from mpjax import regions
 from mpjax.policy import Policy, PolicyLike, cast_floating
-from mpjax.report import ModuleRow, PrecisionReport
+from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
 from mpjax.rules import Resolution, Rules, RuleWarning, as_rules
 
 _RESOLUTION = "_mpjax_resolution"  # instance-dict key marking a configured bound module
@@ -102,12 +97,6 @@ def _fields(module: nn.Module) -> set[str]:
     return {f.name for f in dataclasses.fields(module)}
 
 
-def _user_set(module: nn.Module, name: str) -> bool:
-    """Whether the field ``name`` holds something other than its class default."""
-    field = next((f for f in dataclasses.fields(module) if f.name == name), None)
-    return field is not None and getattr(module, name) is not field.default
-
-
 def _init_in(dtype: np.dtype, init_fn: Callable[..., Any] | None) -> Callable[..., Any] | None:
     """Wraps an initializer so the stored value is created in ``dtype``."""
     if init_fn is None:
@@ -119,67 +108,22 @@ def _init_in(dtype: np.dtype, init_fn: Callable[..., Any] | None) -> Callable[..
     return init
 
 
-class _ComputeView(Variable):
-    """A ``params`` variable whose reads come back in the compute dtype; writes go through."""
-
-    def __init__(self, variable: Variable, dtype: np.dtype):
-        super().__init__(variable.scope, variable.collection, variable.name, variable.unbox)
-        self._dtype = dtype
-
-    value = property(
-        lambda self: cast_floating(Variable.value.fget(self), self._dtype), Variable.value.fset
-    )
-
-
-def _install_param_casts(module: nn.Module, policy: Policy, cast_at_use: bool) -> None:
-    """Makes ``module`` create its params in the param dtype and, if ``cast_at_use``, read them
-    in the compute dtype. Linen has no param getter hook, so the bound module's ``param``,
-    ``get_variable`` and ``variable`` are shadowed on the instance (Flax's methods still run)."""
+def _create_params_in(module: nn.Module, dtype: np.dtype) -> None:
+    """Makes ``module`` create its params in ``dtype``. Linen has no param creation hook, so
+    the bound module's ``param`` and ``variable`` are shadowed on the instance (Flax's own
+    methods still run; existing params are returned as stored)."""
     cls = type(module)
-    compute = policy.cast_to_compute if cast_at_use else (lambda value: value)
 
     def param(name, init_fn, *init_args, **init_kwargs):
-        value = cls.param(module, name, _init_in(policy.param_dtype, init_fn), *init_args,
-                          **init_kwargs)
-        return compute(value)
-
-    def get_variable(col, name, default=None):
-        value = cls.get_variable(module, col, name, default)
-        return compute(value) if col == "params" else value
+        return cls.param(module, name, _init_in(dtype, init_fn), *init_args, **init_kwargs)
 
     def variable(col, name, init_fn=None, *init_args, **init_kwargs):
-        if col != "params":
-            return cls.variable(module, col, name, init_fn, *init_args, **init_kwargs)
-        var = cls.variable(module, col, name, _init_in(policy.param_dtype, init_fn),
-                           *init_args, **init_kwargs)
-        return _ComputeView(var, policy.compute_dtype) if cast_at_use else var
+        if col == "params":
+            init_fn = _init_in(dtype, init_fn)
+        return cls.variable(module, col, name, init_fn, *init_args, **init_kwargs)
 
-    for method in (param, get_variable, variable):
+    for method in (param, variable):
         object.__setattr__(module, method.__name__, method)
-
-
-def f32_softmax_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
-                           dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
-                           precision=None, module=None, force_fp32_for_softmax=True,
-                           qk_attn_weights_einsum=None, attn_weights_value_einsum=None):
-    """``nn.dot_product_attention`` with the softmax in f32 and both matmuls in ``dtype``.
-
-    Flax's own ``force_fp32_for_softmax=True`` leaves the attention weights in f32, so the
-    weights x values matmul runs in f32 (and fails under strict dtype promotion). Here the
-    weights go back to the compute dtype after the softmax, as PyTorch's autocast does.
-    """
-    query, key, value = promote_dtype(query, key, value, dtype=dtype)
-    weights = nn.dot_product_attention_weights(
-        query, key, bias, mask, precision=precision, module=module,
-        force_fp32_for_softmax=True, einsum=qk_attn_weights_einsum,
-    ).astype(value.dtype)
-    if not deterministic and dropout_rate > 0.0:
-        keep_prob = 1.0 - dropout_rate
-        shape = ((1,) * (key.ndim - 2) + weights.shape[-2:]) if broadcast_dropout else weights.shape
-        keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
-        weights = weights * (keep.astype(weights.dtype) / jnp.asarray(keep_prob, weights.dtype))
-    einsum = attn_weights_value_einsum or functools.partial(jnp.einsum, precision=precision)
-    return einsum("...hqk,...khd->...qhd", weights, value)
 
 
 def _configure(module: nn.Module, path: str, rules: Rules) -> Resolution:
@@ -188,19 +132,13 @@ def _configure(module: nn.Module, path: str, rules: Rules) -> Resolution:
     if resolution is not None:
         return resolution
     resolution = rules.resolve(path, module)
-    policy, fields = resolution.policy, _fields(module)
-    updates = {name: value for name, value in resolution.attributes
-               if not (resolution.rule.builtin and _user_set(module, name))}
-    if "dtype" in fields:
-        updates["dtype"] = policy.compute_dtype
-    if "param_dtype" in fields:
-        updates["param_dtype"] = policy.param_dtype
-    for name, value in updates.items():
+    fields = _fields(module)
+    for name, value in resolution.attributes:
         if name in fields:
             # Bound modules are Flax's per-call copies: setting a field here is what
-            # `module.clone(dtype=...)` would give, without re-running setup on a second copy.
+            # `module.clone(name=value)` would give, without re-running setup on a second copy.
             object.__setattr__(module, name, value)
-    _install_param_casts(module, policy, cast_at_use="dtype" not in fields)
+    _create_params_in(module, resolution.policy.param_dtype)
     object.__setattr__(module, _RESOLUTION, resolution)
     return resolution
 
@@ -215,14 +153,14 @@ def _interceptor(call: _Call):
         call.seen.setdefault(path, (type(module), resolution))
         policy = resolution.policy
         caller = call.policies[-1] if call.policies else None
-        args, kwargs = policy.cast_to_compute((args, kwargs))
         call.policies.append(policy)
         try:
-            out = next_fun(*args, **kwargs)
+            with regions.region(policy, path):
+                out = next_fun(*args, **kwargs)
         finally:
             call.policies.pop()
         # The region of a policy ends at the root (no caller) and where the caller's differs.
-        return policy.cast_to_output(out) if caller != policy else out
+        return regions.output_boundary(out, policy.output_dtype) if caller != policy else out
 
     return intercept
 
@@ -242,6 +180,21 @@ def _policy_call(state: _WrapperState, root_path: tuple[str, ...], report: bool)
         state.warn_once(call.seen)
 
 
+def _lifted_engine(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
+    """The casting engine as a Flax lifted transformation (as ``flax.core.lift.checkpoint``
+    is ``jax.checkpoint``): the scope's variables and RNGs go in and out as arrays."""
+
+    def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
+        def run(variable_groups, rng_groups, *args, **kwargs):
+            scope = scope_fn(variable_groups, rng_groups)
+            y = fn(scope, *args, **kwargs)
+            return y, repack_fn(scope)
+
+        return engine.run_in_regions(run, policy, variable_groups, rng_groups, *args, **kwargs)
+
+    return lift.pack(inner, (True,), (True,), (True,), name="mpjax", enable_kwargs=True)
+
+
 class _PolicyMixin:
     """The methods of the subclass :func:`apply_policy` makes; ``_mpjax_state`` is per class."""
 
@@ -250,30 +203,36 @@ class _PolicyMixin:
     def _mpjax_active(self) -> bool:
         return bool(_active.stack) and _active.stack[-1][0] is type(self)._mpjax_state
 
-    # A top-level init/apply runs entirely under the rules, so functions passed as
-    # `method=` that reach into submodules (`lambda m, x: m.encoder(x)`) are covered too.
-    def init_with_output(self, *args, **kwargs):
-        if self._mpjax_active():
-            return super().init_with_output(*args, **kwargs)
-        with _policy_call(type(self)._mpjax_state, (), report=True):
-            return super().init_with_output(*args, **kwargs)
+    def _mpjax_run(self, fn: Callable[..., Any], *args, **kwargs):
+        state = type(self)._mpjax_state
+        with _policy_call(state, (), report=True):
+            return engine.run_in_regions(fn, state.rules.default, *args, **kwargs)
 
-    def apply(self, *args, **kwargs):
+    # A top-level init/apply runs entirely through the engine, so functions passed as
+    # `method=` that reach into submodules (`lambda m, x: m.encoder(x)`) are covered too.
+    def init_with_output(self, rngs, *args, **kwargs):
         if self._mpjax_active():
-            return super().apply(*args, **kwargs)
-        with _policy_call(type(self)._mpjax_state, (), report=True):
-            return super().apply(*args, **kwargs)
+            return super().init_with_output(rngs, *args, **kwargs)
+        init = super().init_with_output
+        return self._mpjax_run(lambda r, a, k: init(r, *a, **k), rngs, args, kwargs)
+
+    def apply(self, variables, *args, **kwargs):
+        if self._mpjax_active():
+            return super().apply(variables, *args, **kwargs)
+        apply = super().apply
+        return self._mpjax_run(lambda v, a, k: apply(v, *a, **k), variables, args, kwargs)
 
     def _call_wrapped_method(self, fun, args, kwargs):
-        # Used as a submodule, the wrapped module's methods (setup included) enter here.
-        # Overriding Flax's method dispatcher also covers Flax's own functions passed to
+        # Used as a submodule or bound, the wrapped module's methods (setup included) enter
+        # here. Overriding Flax's method dispatcher also covers Flax's own functions passed to
         # `apply(method=nn.Embed.attend)`, which would bypass an override of `attend`.
-        if self._mpjax_active():
+        if self._mpjax_active() or fun.__name__ == "setup":
             return super()._call_wrapped_method(fun, args, kwargs)
-        # A setup alone (a parent reading an attribute) sees only this module: no report.
-        with _policy_call(type(self)._mpjax_state, tuple(self.scope.path),
-                          report=fun.__name__ != "setup"):
-            return super()._call_wrapped_method(fun, args, kwargs)
+        state = type(self)._mpjax_state
+        lifted = nn_transforms.decorator_lift_transform(
+            functools.partial(_lifted_engine, policy=state.rules.default), fun)
+        with _policy_call(state, tuple(self.scope.path), report=True):
+            return lifted(self, *args, **kwargs)
 
 
 def _wrap_class(cls: type, rules: Rules) -> type:
@@ -295,21 +254,22 @@ def apply_policy(module: nn.Module | type, policy_or_rules: Rules | PolicyLike):
     wrapped module (``""`` for the wrapped module itself). Then
 
     - ``init`` creates every param in its module's ``param_dtype``;
-    - ``apply`` runs each module in its ``compute_dtype``: Flax layers (anything with ``dtype``
-      and ``param_dtype`` fields) get ``dtype=compute_dtype``, ``param_dtype=param_dtype`` and
-      the matched rule's attributes; other modules read their params (``self.param(...)``,
-      ``self.get_variable("params", ...)``) cast to the compute dtype. Stored params are never
-      replaced, so gradients come back in the param dtype;
-    - floating-point inputs of each module are cast to its compute dtype, and outputs to its
-      ``output_dtype`` where the policy's region ends: at the wrapped module and at modules
-      whose policy differs from their caller's. Inside a region activations stay in the compute
-      dtype, exactly as with layers written with ``dtype=jnp.bfloat16``, so no conversion is
-      added that a hand-written model would not have;
-    - attention (under the built-in rule, when the module has Flax's default ``attention_fn``)
-      uses :func:`f32_softmax_attention`: softmax in f32, weights cast back to the compute
-      dtype, so both attention matmuls run in the compute dtype. (Flax's own
-      ``force_fp32_for_softmax`` keeps the weights in f32, so the weights x values matmul would
-      run in f32.)
+    - ``apply`` runs each module's operations under its policy, through mpjax's casting engine
+      (:func:`mpjax.autocast`'s op categories): matmuls, convolutions and attention in the
+      ``compute_dtype`` forward and backward, whatever the module's attributes say (its own
+      ``dtype`` field is not consulted: for some third-party modules it means the parameter
+      dtype); exp, log, powers, reductions, and so softmax, norms and losses, in f32;
+      elementwise ops in the dtype of their inputs. A matmul runs under the policy of the
+      module that computes it, whoever owns the params it reads (a tied output head reading
+      the embedding table runs under the head's policy). Stored params are never replaced, so
+      gradients come back in the param dtype;
+    - outputs are cast to the ``output_dtype`` where the policy's region ends: at the wrapped
+      module and at modules whose policy differs from their caller's;
+    - a rule's ``attributes`` are set on the modules it matches that have those fields.
+
+    A computation the engine cannot reach is warned about with the module's path
+    (:class:`mpjax.AutocastWarning`): a host callback gets its inputs in the traced dtypes.
+    Code inside :func:`mpjax.full_precision` runs as written.
 
     The user's rules that match no module, or only modules an earlier rule claims, are warned
     about once (:class:`mpjax.RuleWarning`), after the first call (usually ``init``).
@@ -367,8 +327,6 @@ def apply_policy(module: nn.Module | type, policy_or_rules: Rules | PolicyLike):
 
 
 def _is_nnx(value: Any) -> bool:
-    from flax import nnx
-
     return isinstance(value, nnx.Module)
 
 
@@ -399,8 +357,10 @@ def describe(
     The model is traced abstractly with ``jax.eval_shape`` (nothing is allocated or computed):
     ``model.init(rngs, *args, **kwargs)``, or ``model.apply(variables, *args, **kwargs)`` when
     ``variables`` are given. Each module called gets a row: its path, class name, resolved
-    policy, the rule that decided it, and the number and bytes of the params it owns directly
-    (not its submodules'), as stored. Problems with the rules are listed under the table.
+    policy, the rule that decided it, the number and bytes of the params it owns directly
+    (not its submodules'), as stored, and the operand dtypes of the matmuls and convolutions
+    that ran in it, forward and backward, read from the jaxpr of the wrapped model's gradient
+    (so a matmul that stayed f32 shows). Problems with the rules are listed under the table.
 
     Args:
       model: a model returned by :func:`apply_policy`, or an unwrapped module with ``rules``.
@@ -440,12 +400,10 @@ def describe(
     if variables is None:
         rngs = jax.random.key(0) if rngs is None else rngs
         init = functools.partial(model.init, method=method, **kwargs)
-        shapes = jax.eval_shape(lambda *a: init(rngs, *a), *args)
-    else:
-        apply = functools.partial(model.apply, method=method, rngs=rngs, mutable=True, **kwargs)
-        jax.eval_shape(apply, variables, *args)
-        shapes = variables
-    params = nn.meta.unbox(shapes).get("params", {}) if isinstance(shapes, Mapping) else {}
+        variables = jax.eval_shape(lambda *a: init(rngs, *a), *args)
+    apply = functools.partial(model.apply, method=method, rngs=rngs, mutable=True, **kwargs)
+    matmuls = matmuls_by_region(apply, variables, *args)
+    params = nn.meta.unbox(variables).get("params", {}) if isinstance(variables, Mapping) else {}
     seen = state.seen
     rows = []
     for path, (module_type, resolution) in seen.items():
@@ -456,6 +414,7 @@ def describe(
             param_count=sum(int(np.prod(leaf.shape)) for leaf in leaves),
             param_bytes=sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
                             for leaf in leaves),
+            matmuls=matmuls.get(path, ()),
         ))
     problems = state.rules.problems((path, cls) for path, (cls, _) in seen.items())
     report = PrecisionReport(tuple(rows), tuple(problems))

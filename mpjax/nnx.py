@@ -8,24 +8,21 @@ It resolves a policy for every module (``rules.resolve(path, module)``, paths ar
 
 - casts every module's stored ``nnx.Param`` values to the resolved param dtype (a no-op for
   the default f32; bf16 storage is possible);
-- sets ``dtype`` (compute) and ``param_dtype`` on modules that have both attributes, which is
-  how Flax's own layers (``Linear``, ``LinearGeneral``, ``Conv``, ``Embed``,
-  ``MultiHeadAttention``, the norms, ...) cast their params at use, plus the matched rule's
-  attributes (the built-in rule gives ``MultiHeadAttention`` an f32-softmax ``attention_fn``);
-- gives the modules that need more a class of their own: a subclass of their class, with the
-  same name, whose ``__call__`` casts floating inputs to the compute dtype, runs the original
-  ``__call__`` and casts outputs to the output dtype where a policy region ends. Custom
-  modules (no ``dtype``/``param_dtype`` attributes) that own Params also see those Params cast to
-  the compute dtype during the call: the call runs with fresh ``Param`` copies holding the cast
-  values in place of the stored ones, which are put back afterwards. The stored master Params
-  are never written, so ``nnx.Optimizer`` always updates the f32 values, and gradients come
-  back in the param dtype because the cast is part of the differentiated computation.
+- sets the matched rule's attributes on the modules that have them;
+- gives every module a class of its own: a same-named subclass of its class whose ``__call__``
+  runs the original one inside the module's precision region (:mod:`mpjax.regions`) and casts
+  its outputs to the output dtype where a policy region ends (at the root, and at a module
+  whose policy differs from its parent's).
 
-Outputs are cast to a module's ``output_dtype`` where its policy region ends: at the root and at
-any module whose policy differs from its parent's (for example a norm under the built-in rule,
-which computes in f32 and hands the compute dtype back). Inside a region activations stay in
-the compute dtype, as with layers written by hand with ``dtype=jnp.bfloat16``, so a wrapped
-model compiles to no more converts than the hand-written one.
+Called from outside, a wrapped module's ``__call__`` runs through mpjax's casting engine
+(:mod:`mpjax.autocast`): the module, and the NNX objects among its arguments, are split into
+their state, the call is traced and evaluated operation by operation under the region of each
+module it calls, and the updated state (RNG counters, batch statistics, sown values) is written
+back. Every matmul runs in the compute dtype of the region it is in, forward and backward,
+whatever the module's attributes say and whoever owns the Params it reads; norms' statistics,
+softmax and losses run in f32. The stored Params are only read: ``nnx.Optimizer`` always
+updates the f32 values, and gradients come back in the param dtype because the casts are part
+of the differentiated computation.
 
 Why not a wrapper module: it would prefix every state path (checkpoints of the wrapped and
 unwrapped model would differ) and would only intercept the root call. Why not a cast-on-read
@@ -35,94 +32,28 @@ master copy.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import types
 import warnings
-from typing import Any, Iterator
+from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from flax.nnx.nn import dtypes as nnx_dtypes
 
-from mpjax.policy import Policy, PolicyLike, cast_floating
-from mpjax.report import ModuleRow, PrecisionReport
+from mpjax import autocast as engine
+from mpjax import regions
+from mpjax.policy import Policy, PolicyLike
+from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
 from mpjax.rules import Resolution, Rules, RuleWarning, as_rules
 
-__all__ = ["apply_policy", "describe", "f32_softmax_attention"]
+__all__ = ["apply_policy", "describe"]
 
 # Containers hold modules and Params for the module that uses them; they own nothing themselves.
 _CONTAINERS = (nnx.List, nnx.Dict)
-
-# A built-in rule's attribute replaces Flax's default only, never a function the user chose.
-_STOCK_DEFAULTS = {"attention_fn": nnx.dot_product_attention}
-
-
-def f32_softmax_attention(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | None = None,
-    mask: jax.Array | None = None,
-    broadcast_dropout: bool = True,
-    dropout_rng: jax.Array | None = None,
-    dropout_rate: float = 0.0,
-    deterministic: bool = False,
-    dtype: Any = None,
-    precision: Any = None,
-    module: nnx.Module | None = None,
-    promote_dtype: Any = nnx_dtypes.promote_dtype,
-    is_causal: bool = False,
-) -> jax.Array:
-    """Dot-product attention whose softmax runs in f32; a drop-in ``attention_fn`` for NNX.
-
-    Takes the arguments of ``nnx.dot_product_attention``. Both matmuls run in the compute dtype
-    (``dtype``, or the inputs' dtype) and return it; the logits are cast to f32 for the mask,
-    bias and softmax, and the weights cast back. Unlike ``nnx.dot_product_attention``, it never
-    takes the ``jax.nn.dot_product_attention`` fast path: that path asks for f32 logits with
-    ``preferred_element_type``, whose transpose runs an f32 x bf16 matmul in the backward pass.
-
-    >>> import jax.numpy as jnp
-    >>> q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)  # [batch, length, heads, depth]
-    >>> f32_softmax_attention(q, q, q).dtype
-    dtype(bfloat16)
-    """
-    query, key, value = promote_dtype((query, key, value), dtype=dtype)
-    dtype = query.dtype
-    q_heads, kv_heads = query.shape[-2], key.shape[-2]
-    if q_heads % kv_heads:
-        raise ValueError(
-            f"Query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})."
-        )
-    if q_heads != kv_heads:  # Grouped-query attention: each key/value head serves a group.
-        key = jnp.repeat(key, q_heads // kv_heads, axis=-2)
-        value = jnp.repeat(value, q_heads // kv_heads, axis=-2)
-    query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
-    logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
-    logits = logits.astype(jnp.float32)
-    if bias is not None:
-        logits = logits + bias.astype(jnp.float32)
-    masks = [] if mask is None else [mask]
-    if is_causal:
-        causal = jnp.tril(jnp.ones(logits.shape[-2:], jnp.bool_))
-        masks.append(jnp.broadcast_to(causal, logits.shape if mask is None else mask.shape))
-    if masks:
-        keep = nnx.combine_masks(*masks, dtype=jnp.bool_)
-        logits = jnp.where(keep, logits, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(logits).astype(dtype)
-    if module is not None:
-        module.sow(nnx.Intermediate, "attention_weights", weights)
-    if not deterministic and dropout_rate > 0.0:
-        keep_prob = 1.0 - dropout_rate
-        shape = weights.shape
-        if broadcast_dropout:  # The same dropout mask for every batch element and head.
-            shape = (1,) * (weights.ndim - 2) + weights.shape[-2:]
-        kept = jax.random.bernoulli(dropout_rng, keep_prob, shape)
-        weights = weights * (kept.astype(dtype) / jnp.asarray(keep_prob, dtype))
-    return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +62,8 @@ class _Plan:
     module's class, so it travels through ``nnx.split``/``nnx.merge`` and ``nnx.jit``)."""
 
     policy: Policy
+    path: str
     cast_output: bool
-    param_attributes: tuple[str, ...]  # attributes holding Params to cast at use
     # On the root only: what describe() reports. Left out of the hash so that rules holding
     # unhashable attribute values still work; equality still tells rule sets apart.
     rules: Rules | None = dataclasses.field(default=None, hash=False)
@@ -157,8 +88,6 @@ def _check_model(model: Any, function: str) -> None:
             f"{model.__name__}. Build the model first: {function}({model.__name__}(..., "
             "rngs=nnx.Rngs(0)), policy)."
         )
-    import flax.linen as nn  # Deferred: only to give linen users the right pointer.
-
     if isinstance(model, nn.Module) or (isinstance(model, type) and issubclass(model, nn.Module)):
         raise TypeError(
             f"mpjax.nnx.{function}() takes an nnx.Module, got the linen module "
@@ -202,12 +131,6 @@ def _walk(model: nnx.Module) -> list[_Node]:
     return list(nodes.values())
 
 
-def _is_stock(module: nnx.Module) -> bool:
-    """Whether the module casts its own params at use, as Flax's layers do."""
-    attributes = vars(module)
-    return "dtype" in attributes and "param_dtype" in attributes
-
-
 def _is_floating(value: Any) -> bool:
     return hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating)
 
@@ -220,76 +143,67 @@ def _store(variable: nnx.Variable, dtype: np.dtype) -> None:
 
 
 def _configure(node: _Node, resolution: Resolution) -> None:
-    """Sets the stock dtype attributes and the rule's attributes, and the storage dtype."""
-    module, policy = node.module, resolution.policy
-    if _is_stock(module):
-        module.dtype = policy.compute_dtype
-        module.param_dtype = policy.param_dtype
-    builtin = resolution.rule is not None and resolution.rule.builtin
+    """Sets the rule's attributes the module has, and the storage dtype of its Params."""
     for name, value in resolution.attributes:
-        if name not in vars(module):
-            continue
-        default = _STOCK_DEFAULTS.get(name, getattr(module, name))
-        if builtin and getattr(module, name) is not default:
-            continue
-        setattr(module, name, value)
+        if name in vars(node.module):
+            setattr(node.module, name, value)
     for _, variable in node.params:
-        _store(variable, policy.param_dtype)
+        _store(variable, resolution.policy.param_dtype)
 
 
 def _is_nnx_object(x: Any) -> bool:
     return isinstance(x, (nnx.Pytree, nnx.Variable))
 
 
-def _cast(tree: Any, dtype: np.dtype) -> Any:
-    """Casts floating array leaves; NNX objects passed along (``rngs``, modules) stay whole."""
-    return jax.tree.map(lambda x: x if _is_nnx_object(x) else cast_floating(x, dtype), tree,
-                        is_leaf=_is_nnx_object)
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """Where an NNX object passed as an argument goes back in (it travels as state)."""
+
+    index: int
 
 
-def _cast_param(variable: Any, dtype: np.dtype) -> Any:
-    if not isinstance(variable, nnx.Param):
-        return variable
-    value = variable.get_value()
-    if not _is_floating(value) or value.dtype == dtype:
-        return variable
-    return variable.copy(value.astype(dtype))
+def _through_engine(module: nnx.Module, policy: Policy, args: tuple, kwargs: dict) -> Any:
+    """Calls ``module(*args, **kwargs)`` through the casting engine, as ``nnx.jit`` calls a
+    function: the module and the NNX objects among the arguments (``rngs``, other modules)
+    are split into state, merged inside the trace, and their updated state written back."""
+    leaves, tree = jax.tree.flatten((args, kwargs), is_leaf=_is_nnx_object)
+    objects = [leaf for leaf in leaves if _is_nnx_object(leaf)]
+    slots = iter(range(1, len(objects) + 1))
+    leaves = [_Slot(next(slots)) if _is_nnx_object(leaf) else leaf for leaf in leaves]
+    nodes = (module, *objects)
+    graphdef, state = nnx.split(nodes)
+
+    def run(state, leaves):
+        merged = nnx.merge(graphdef, state)
+        leaves = [merged[x.index] if isinstance(x, _Slot) else x for x in leaves]
+        call_args, call_kwargs = jax.tree.unflatten(tree, leaves)
+        return merged[0](*call_args, **call_kwargs), nnx.state(merged)
+
+    out, new_state = engine.run_in_regions(run, policy, state, leaves)
+    # Write back only what the call changed: a Variable returned untouched comes back as the
+    # very array that went in, and writing it anyway would fail under a trace the model was
+    # not created in (a closed-over model under jax.jit), where the call itself mutated nothing.
+    before = {path: _raw(v) for path, v in nnx.to_flat_state(state)}
+    changed = [(path, v) for path, v in nnx.to_flat_state(new_state)
+               if path not in before or _raw(v) is not before[path]]
+    if changed:
+        nnx.update(nodes, nnx.from_flat_state(changed))
+    return out
 
 
-def _owned_leaf(x: Any) -> bool:
-    return isinstance(x, nnx.Variable) or (
-        isinstance(x, nnx.Module) and not isinstance(x, _CONTAINERS))
-
-
-@contextlib.contextmanager
-def _params_cast(module: nnx.Module, names: tuple[str, ...], dtype: np.dtype) -> Iterator[None]:
-    """Swaps the module's Param attributes for cast copies for the duration of a call.
-
-    ``object.__setattr__`` skips NNX's trace-level check on the module: the swap is undone
-    before the call returns, so nothing traced outlives it.
-    """
-    stored = {name: vars(module)[name] for name in names}
-    cast = {name: jax.tree.map(functools.partial(_cast_param, dtype=dtype), value,
-                               is_leaf=_owned_leaf)
-            for name, value in stored.items()}
-    for name, value in cast.items():
-        object.__setattr__(module, name, value)
-    try:
-        yield
-    finally:
-        for name, value in stored.items():
-            if vars(module).get(name) is cast[name]:  # Keep what the call itself assigned.
-                object.__setattr__(module, name, value)
+def _raw(variable: Any) -> Any:
+    return variable.get_raw_value() if isinstance(variable, nnx.Variable) else variable
 
 
 def _policy_call(original):
     @functools.wraps(original)
     def __call__(self, *args, **kwargs):
         plan: _Plan = type(self)._mpjax_plan
-        args, kwargs = _cast((args, kwargs), plan.policy.compute_dtype)
-        with _params_cast(self, plan.param_attributes, plan.policy.compute_dtype):
+        if not engine.tracing():
+            return _through_engine(self, plan.policy, args, kwargs)
+        with regions.region(plan.policy, plan.path):
             out = original(self, *args, **kwargs)
-        return _cast(out, plan.policy.output_dtype) if plan.cast_output else out
+        return regions.output_boundary(out, plan.policy.output_dtype) if plan.cast_output else out
 
     return __call__
 
@@ -324,10 +238,12 @@ def apply_policy(model: nnx.Module, policy_or_rules: Rules | PolicyLike) -> nnx.
     policy, so it survives ``nnx.split``/``nnx.merge``, ``nnx.jit``, ``nnx.grad`` and
     ``nnx.Optimizer``. Applying again replaces the previous policy (storage casts stay).
 
-    The policy applies where a module is *called*: a root method other than ``__call__`` runs
-    its layers under their policies but does not cast the root's inputs and outputs, and code
-    that reads another module's Param directly (``x @ self.embed.embedding[...]``) sees it in
-    the storage dtype (use the owner's method, e.g. ``Embed.attend``).
+    The engine starts where a module's ``__call__`` is called from outside: a root method
+    other than ``__call__`` (``model.generate(...)``) runs each submodule it calls through the
+    engine under the submodule's policy, but its own operations as written; wrap such a
+    method with :func:`mpjax.autocast` if it computes matmuls itself. Anything a module calls,
+    another module's methods and Params included (a tied head reading the embedding table),
+    runs in the calling module's region.
 
     Args:
       model: an ``nnx.Module`` instance.
@@ -345,11 +261,13 @@ def apply_policy(model: nnx.Module, policy_or_rules: Rules | PolicyLike) -> nnx.
       RuleWarning: once per problem :meth:`mpjax.Rules.problems` finds (a rule that matches
         no module, or one an earlier rule shadows).
 
-    >>> import jax.numpy as jnp
+    >>> import jax.numpy as jnp, mpjax
     >>> from flax import nnx
     >>> model = apply_policy(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), "mixed_bfloat16")
-    >>> model.kernel[...].dtype, model.dtype, model(jnp.ones((1, 4))).dtype
-    (dtype('float32'), dtype(bfloat16), dtype('float32'))
+    >>> model.kernel[...].dtype, model(jnp.ones((1, 4))).dtype
+    (dtype('float32'), dtype('float32'))
+    >>> mpjax.inspect_matmuls(model, jnp.ones((1, 4))).operand_dtypes()
+    Counter({('bfloat16', 'bfloat16'): 1})
     """
     _check_model(model, "apply_policy")
     rules = as_rules(policy_or_rules)
@@ -363,11 +281,7 @@ def apply_policy(model: nnx.Module, policy_or_rules: Rules | PolicyLike) -> nnx.
         policy = resolution.policy
         root = node.parent is None
         boundary = root or resolved[node.parent].policy != policy
-        owned = () if _is_stock(node.module) else tuple(sorted({n for n, _ in node.params}))
-        if root or boundary or owned:
-            _set_plan(node.module, _Plan(policy, boundary, owned, rules if root else None))
-        else:
-            _set_plan(node.module, None)
+        _set_plan(node.module, _Plan(policy, node.path, boundary, rules if root else None))
     return model
 
 
@@ -383,18 +297,23 @@ def _applied_rules(model: nnx.Module) -> Rules:
 
 
 def describe(model: nnx.Module, rules: Rules | PolicyLike | None = None, *,
-             print_table: bool = True) -> PrecisionReport:
-    """The precision report of an NNX model: each module's path, type, policy, rule and params.
+             inputs: tuple = (), print_table: bool = True) -> PrecisionReport:
+    """The precision report of an NNX model: each module's path, type, policy, rule, params
+    and, given example inputs, the dtypes its matmuls ran in.
 
     One row per module in pre-order (the root first, children in attribute-name order,
     shared modules once), with the Params it owns directly (those in ``nnx.List`` /
     ``nnx.Dict`` containers count for the module holding the container), plus the problems
-    :meth:`mpjax.Rules.problems` finds.
+    :meth:`mpjax.Rules.problems` finds. With ``inputs``, ``model(*inputs)`` and its gradient
+    are traced (nothing is computed) and each row lists the operand dtypes of the matmuls and
+    convolutions that ran in the module's region, forward and backward.
 
     Args:
       model: an ``nnx.Module`` instance.
       rules: the policy or rules to report; by default the ones :func:`apply_policy` applied
         to ``model``. Passing them reports what they would do without changing the model.
+      inputs: example positional arguments of ``model(...)`` (arrays or
+        ``jax.ShapeDtypeStruct``), for the matmul column.
       print_table: print the table as well.
 
     Returns:
@@ -404,15 +323,19 @@ def describe(model: nnx.Module, rules: Rules | PolicyLike | None = None, *,
       TypeError: ``model`` is not an ``nnx.Module`` instance.
       ValueError: ``rules`` is None and no policy was applied to ``model``.
 
+    >>> import jax.numpy as jnp
     >>> from flax import nnx
-    >>> report = describe(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), "mixed_bfloat16", print_table=False)
-    >>> print(report.rows[0].type_name, report.rows[0].policy, report.total_params)
-    Linear p=f32,c=bf16,o=f32 10
+    >>> report = describe(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), "mixed_bfloat16",
+    ...                   inputs=(jnp.ones((1, 4)),), print_table=False)
+    >>> row = report.rows[0]
+    >>> print(row.type_name, row.policy, report.total_params, row.matmuls)
+    Linear p=f32,c=bf16,o=f32 10 (('bf16,bf16', 3),)
     """
     _check_model(model, "describe")
     rules = _applied_rules(model) if rules is None else as_rules(rules)
     nodes = _walk(model)
     resolved = _resolve(nodes, rules)
+    matmuls = _matmuls(model, rules, inputs) if inputs else {}
     rows = []
     for node in nodes:
         values = [v.get_value() for _, v in node.params]
@@ -423,9 +346,20 @@ def describe(model: nnx.Module, rules: Rules | PolicyLike | None = None, *,
             rule=resolved[node.path].rule_name,
             param_count=sum(int(np.size(x)) for x in values),
             param_bytes=sum(int(np.size(x)) * np.dtype(x.dtype).itemsize for x in values),
+            matmuls=matmuls.get(node.path, ()),
         ))
     report = PrecisionReport(tuple(rows),
                              tuple(rules.problems((n.path, _base_class(n.module)) for n in nodes)))
     if print_table:
         print(report)
     return report
+
+
+def _matmuls(model: nnx.Module, rules: Rules, inputs: tuple) -> dict:
+    """:func:`mpjax.report.matmuls_by_region` of a copy of ``model`` under ``rules``."""
+    copy = nnx.clone(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuleWarning)  # describe() reports them itself
+        apply_policy(copy, rules)
+    graphdef, state = nnx.split(copy)
+    return matmuls_by_region(lambda state, *xs: nnx.merge(graphdef, state)(*xs), state, *inputs)

@@ -12,8 +12,11 @@ Categories:
   well, so the backward matmuls JAX derives also take compute-dtype operands; GPUs accumulate
   bf16/f16 matmuls in f32 anyway. If an input is float64 the op runs as ``"promote"``.
 - ``"f32"``: floating inputs narrower than float32 are cast up; the op runs in the widest of f32
-  and its inputs (PyTorch's f32 list: exp, log, pow, rsqrt, reductions, special functions,
-  linear algebra; softmax, log-softmax, logsumexp, norms and losses are made of these).
+  and its inputs (PyTorch's f32 list: exp, log, powers, reciprocals, rsqrt, reductions, special
+  functions, linear algebra; softmax, log-softmax, logsumexp, norms, distances, cosine
+  similarity and losses are made of these). Elementwise ops whose results feed only f32 ops
+  (the ``x * x`` of a norm, the ``a - b`` of a distance) run in f32 too, so the value never
+  exists in f16 where it would overflow.
 - ``"promote"``: the op runs in the widest floating dtype among its inputs (weakly typed scalars,
   such as the ``2.0`` of ``x * 2.0``, adapt instead of widening). This is the default for
   elementwise and structural ops: they run in the dtype of their inputs.
@@ -48,9 +51,11 @@ _LOWER = (
 )
 
 _F32 = (
-    # PyTorch's f32 list: exp, log, log1p, expm1, pow, rsqrt, erfinv, acos, asin, cosh, sinh, tan.
-    "exp", "exp2", "log", "log1p", "expm1", "pow", "rsqrt", "logistic", "erf_inv",
-    "acos", "asin", "cosh", "sinh", "tan",
+    # PyTorch's f32 list: exp, log, log1p, expm1, pow, reciprocal, rsqrt, erfinv, acos, asin,
+    # cosh, sinh, tan. ``x ** 2``, ``jnp.square`` and ``jnp.reciprocal`` are integer_pow/square
+    # in JAX: powers overflow f16 (a value of 300 squared is past 65504) and 1/x of small x too.
+    "exp", "exp2", "log", "log1p", "expm1", "pow", "integer_pow", "square", "rsqrt", "logistic",
+    "erf_inv", "acos", "asin", "cosh", "sinh", "tan",
     # Reductions: sums and products accumulate error in bf16; max makes softmax's x - max exact.
     "reduce_sum", "reduce_prod", "reduce_max", "cumsum", "cumprod", "cumlogsumexp",
     # Special functions and random gamma have no accurate bf16 implementations.
@@ -65,9 +70,9 @@ _F32 = (
 _PROMOTE = (
     # Elementwise arithmetic and math.
     "abs", "acosh", "add", "add_any", "asinh", "atan", "atan2", "atanh", "cbrt", "ceil", "clamp",
-    "complex", "conj", "cos", "div", "erf", "erfc", "floor", "imag", "integer_pow", "is_finite",
+    "complex", "conj", "cos", "div", "erf", "erfc", "floor", "imag", "is_finite",
     "max", "min", "mul", "neg", "nextafter", "real", "reduce_precision", "rem", "round", "sign",
-    "sin", "sqrt", "square", "sub", "tanh",
+    "sin", "sqrt", "sub", "tanh",
     # Comparisons, logic and bit ops (integer and boolean values are never cast).
     "and", "eq", "eq_to", "ge", "gt", "le", "le_to", "lt", "lt_to", "ne", "not", "or", "xor",
     "clz", "population_count", "shift_left", "shift_right_arithmetic", "shift_right_logical",

@@ -63,6 +63,16 @@ _FIELD_TO_KEY = {"param_dtype": "params", "compute_dtype": "compute", "output_dt
 _MIN_PARAM_BITS = 16
 
 
+def short_dtype_name(dtype: Any) -> str:
+    """The short name of a dtype as policies print it (``"bf16"``, ``"f32"``), else its name.
+
+    >>> short_dtype_name(jnp.bfloat16)
+    'bf16'
+    """
+    dtype = np.dtype(dtype)
+    return _SHORT_NAMES.get(dtype, dtype.name)
+
+
 def _valid_names() -> str:
     return ", ".join(_DTYPE_NAMES)
 
@@ -163,7 +173,7 @@ class Policy:
         return dataclasses.replace(self, output_dtype=dtype)
 
     def __str__(self) -> str:
-        names = (_SHORT_NAMES.get(d, d.name) for d in self._dtypes())
+        names = (short_dtype_name(d) for d in self._dtypes())
         return "p={},c={},o={}".format(*names)
 
     def __repr__(self) -> str:

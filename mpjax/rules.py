@@ -9,7 +9,7 @@ or a function of the default policy, plus optional module attributes to set (for
 default.
 
 Built-in rules come after the user's: normalization layers keep f32 parameters and compute
-their statistics in f32, returning the compute dtype; attention runs its softmax in f32.
+their statistics in f32, returning the compute dtype.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import fnmatch
 import re
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
+import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from mpjax.policy import Policy, PolicyLike, get_policy
 
@@ -115,24 +117,15 @@ def norm_policy(default: Policy) -> Policy:
 
 
 def _builtin_rules() -> tuple[Rule, ...]:
-    import flax.linen as nn  # Deferred: keeps `import mpjax.policy` free of Flax.
-    from flax import nnx
+    """Norms keep f32 params and compute in f32, handing the compute dtype back.
 
+    Softmax needs no rule: the casting engine runs its exp and sums in f32 wherever it is.
+    """
     norms = [nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm,
              nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm]
-    rules = [Rule(cls, norm_policy, name=f"builtin: {cls.__module__.split('.')[1]}.{cls.__name__} "
-                                         "in f32", builtin=True) for cls in norms]
-    # Deferred: both integrations import this module. Flax's own force_fp32_for_softmax=True
-    # leaves the attention weights in f32, so the weights x values matmul would run in f32.
-    from mpjax import linen as mp_linen, nnx as mp_nnx
-
-    rules.append(Rule(nn.MultiHeadDotProductAttention, None,
-                      attributes={"attention_fn": mp_linen.f32_softmax_attention},
-                      name="builtin: linen attention softmax in f32", builtin=True))
-    rules.append(Rule(nnx.MultiHeadAttention, None,
-                      attributes={"attention_fn": mp_nnx.f32_softmax_attention},
-                      name="builtin: nnx attention softmax in f32", builtin=True))
-    return tuple(rules)
+    return tuple(Rule(cls, norm_policy,
+                      name=f"builtin: {cls.__module__.split('.')[1]}.{cls.__name__} in f32",
+                      builtin=True) for cls in norms)
 
 
 def _as_rule(entry: Any) -> Rule:

@@ -99,7 +99,7 @@ def test_a_user_rule_keeps_the_head_in_f32(lm):
     rules = Rules({"head": "float32"}, default="mixed_bfloat16")
     model = mpl.apply_policy(LM(), rules)
     report = mpjax.inspect_matmuls(jax.grad(_loss(model, ids)), variables["params"])
-    head = [m for m in report if m.scope.endswith("/head")]
+    head = [m for m in report if m.region == "head"]
     assert len(head) == 3  # forward, and the two gradients
     assert {m.operand_dtypes for m in head} == {(F32, F32)}
     assert {m.operand_dtypes for m in report if m not in head} == {(BF16, BF16)}
@@ -128,7 +128,7 @@ def test_attention_softmax_runs_in_f32(lm):
     assert [m.operand_dtypes for m in dots] == [(BF16, BF16)] * 2
 
 
-def test_a_user_attention_fn_is_kept_by_the_builtin_attention_rule():
+def test_a_user_attention_fn_is_called_and_its_matmuls_run_in_bf16():
     calls = []
 
     def my_attention(query, key, value, **kwargs):
@@ -136,12 +136,12 @@ def test_a_user_attention_fn_is_kept_by_the_builtin_attention_rule():
         return nn.dot_product_attention(query, key, value, **kwargs)
 
     x = jnp.ones((2, SEQ, DIM))
-    for attention_fn, expected in ((my_attention, [BF16]), (nn.dot_product_attention, [])):
-        model = mpl.apply_policy(Block(attention_fn=attention_fn), "mixed_bfloat16")
-        calls.clear()
-        with jax.numpy_dtype_promotion("standard"):  # Flax's bf16 softmax path promotes
-            jax.eval_shape(model.init, KEY, x)
-        assert calls == expected  # Flax's default is replaced by f32_softmax_attention
+    model = mpl.apply_policy(Block(attention_fn=my_attention), "mixed_bfloat16")
+    variables = _init(model, x)
+    fwd = mpjax.inspect_matmuls(lambda v: model.apply(v, x), variables)
+    assert calls and set(calls) == {F32}  # the model is traced in its own dtypes...
+    attn = [m for m in fwd if m.region == "attn"]
+    assert len(attn) == 2 and {m.operand_dtypes for m in attn} == {(BF16, BF16)}  # ...cast at ops
 
 
 def test_params_are_created_in_f32_and_stay_f32_across_adam_steps(lm):
@@ -208,13 +208,16 @@ def test_layer_runs_in_bf16_keeps_f32_params_and_grads(layer, x):
     assert _dtypes(grads) == {F32}
 
 
-def test_embed_lookup_and_attend_run_in_bf16():
+def test_embed_lookup_gathers_rows_of_the_f32_table_and_attend_runs_in_bf16():
     model = mpl.apply_policy(nn.Embed(VOCAB, DIM), "mixed_bfloat16")
     ids = jnp.arange(3)
     variables = _init(model, ids)
     assert variables["params"]["embedding"].dtype == F32
-    lookup = jax.make_jaxpr(lambda v: model.apply(v, ids))(variables)
-    assert BF16 in {np.dtype(v.aval.dtype) for e in lookup.jaxpr.eqns for v in e.outvars}
+    # No cast of the whole table: its gradient (a scatter-add) then accumulates in f32.
+    gathers = _equations(lambda v: model.apply(v, ids), variables, primitive="gather")
+    converts = _equations(lambda v: model.apply(v, ids), variables,
+                          primitive="convert_element_type")
+    assert [d for d, _ in gathers] == [{F32, np.dtype(jnp.int32)}] and not converts
     assert jax.eval_shape(model.apply, variables, ids).dtype == F32
     query = jnp.ones((2, DIM))
     for method in ("attend", nn.Embed.attend):  # by name or as Flax's own function
@@ -376,20 +379,24 @@ def test_a_wrapped_class_is_a_submodule_with_its_own_rules_inside_a_wrapped_mode
     assert jax.eval_shape(model.apply, {"params": params}, x).dtype == F32
 
 
-def test_inside_a_region_activations_stay_in_the_compute_dtype():
+def test_the_model_is_traced_in_its_own_dtypes_and_cast_at_the_operations():
     seen = []
 
     class Probe(nn.Module):
         @nn.compact
         def __call__(self, x):
-            y = nn.Dense(4)(x)
+            y = nn.Dense(4, name="dense")(x)
             seen.append(y.dtype)
             return y
 
     model = mpl.apply_policy(Probe(), "mixed_bfloat16")
     x = jnp.ones((2, 4))
-    out = jax.eval_shape(model.apply, _init(model, x), x)
-    assert seen == [BF16, BF16] and out.dtype == F32  # init and apply; the root casts back
+    variables = _init(model, x)
+    out = jax.eval_shape(model.apply, variables, x)
+    # The module's code sees f32 (init and apply); the dot ran in bf16; the root returns f32.
+    assert seen == [F32, F32] and out.dtype == F32
+    (dot,) = mpjax.inspect_matmuls(lambda v: model.apply(v, x), variables)
+    assert dot.operand_dtypes == (BF16, BF16) and dot.region == "dense"
 
 
 def test_wrapped_model_works_as_a_submodule_of_an_unwrapped_one_under_jit():
@@ -466,8 +473,7 @@ def test_wrapped_train_step_has_no_more_converts_than_hand_written_bf16():
     # both models under standard promotion, on the same backend.
     with jax.numpy_dtype_promotion("standard"):
         wrapped = _train_step_converts(mpl.apply_policy(Block(), "mixed_bfloat16"), x)
-        by_hand = _train_step_converts(
-            HandWrittenBlock(dtype=jnp.bfloat16, attention_fn=mpl.f32_softmax_attention), x)
+        by_hand = _train_step_converts(HandWrittenBlock(dtype=jnp.bfloat16), x)
     assert 0 < wrapped <= by_hand, (wrapped, by_hand)
 
 
@@ -486,13 +492,13 @@ def test_describe_prints_the_table(capsys):
     with pytest.warns(mpjax.RuleWarning, match="'decoder' matches no module"):
         report = mpl.describe(mpl.apply_policy(Tiny(), rules), jnp.ones((1, 3)))
     expected = [
-        "path    type       params   compute   output    rule                             #params  bytes",
-        "------  ---------  -------  --------  --------  -------------------------------  -------  -----",
-        "<root>  Tiny       float32  bfloat16  float32   default                                0    0 B",
-        "proj    Dense      float32  bfloat16  float32   default                               16   64 B",
-        "norm    LayerNorm  float32  float32   bfloat16  builtin: linen.LayerNorm in f32        8   32 B",
-        "scale   Scale      float32  float32   float32   scale                                 20   80 B",
-        "------  ---------  -------  --------  --------  -------------------------------  -------  -----",
+        "path    type       params   compute   output    rule                             #params  bytes  matmuls ran in",
+        "------  ---------  -------  --------  --------  -------------------------------  -------  -----  --------------",
+        "<root>  Tiny       float32  bfloat16  float32   default                                0    0 B  -",
+        "proj    Dense      float32  bfloat16  float32   default                               16   64 B  3x bf16,bf16",
+        "norm    LayerNorm  float32  float32   bfloat16  builtin: linen.LayerNorm in f32        8   32 B  -",
+        "scale   Scale      float32  float32   float32   scale                                 20   80 B  3x f32,f32",
+        "------  ---------  -------  --------  --------  -------------------------------  -------  -----  --------------",
         "total                                                                                 44  176 B",
         "warning: rule 'decoder' matches no module.",
     ]
