@@ -11,7 +11,7 @@ without changing it.
 Higher-order primitives are re-expressed with public APIs around recursively autocast
 sub-jaxprs: ``jax.jit``, ``lax.scan``, ``lax.while_loop``, ``lax.switch``, ``jax.checkpoint``,
 ``jax.custom_jvp``, ``jax.custom_vjp``, ``jax.shard_map``. What depends on JAX internals (params
-of equations, binding conventions, name stacks) lives in :mod:`mpjax.jaxpr_compat`.
+of equations, binding conventions, name stacks) lives in :mod:`mpjax.jax_compat`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mpjax import jaxpr_compat as compat
+from mpjax import jax_compat as compat
 from mpjax.op_categories import F32, KEEP, LOWER, ORIGINAL, merge_categories
 from mpjax.policy import Policy, PolicyLike, get_policy
 from mpjax.rules import Rule, Rules
