@@ -192,7 +192,8 @@ class _Interpreter:
             "jit": self._jit, "pjit": self._jit, "scan": self._scan, "while": self._while,
             "cond": self._cond, "remat2": self._remat, "checkpoint": self._remat,
             "custom_jvp_call": self._custom_jvp, "custom_vjp_call": self._custom_vjp,
-            "shard_map": self._shard_map, "closed_call": self._inline, "core_call": self._inline,
+            "shard_map": self._shard_map,
+            **{name: self._inline for name in compat.CALL_PRIMITIVES},
         }
 
     # --- Evaluation -----------------------------------------------------------------------
@@ -337,7 +338,7 @@ class _Interpreter:
     # --- Higher-order primitives ------------------------------------------------------------
 
     def _inline(self, eqn, invals, path):
-        return self.run(compat.closed(eqn.params["call_jaxpr"]), invals, path)
+        return self.run(compat.call_jaxpr(eqn), invals, path)
 
     def _jit(self, eqn, invals, path):
         p = compat.jit_params(eqn)
@@ -424,7 +425,7 @@ class _Interpreter:
     def _custom_call(self, eqn, invals, path):
         """What both custom-derivative rebuilds start from: the autocast primal, the traced
         avals, the indices of floating inputs and outputs, and the primal's output shapes."""
-        call = compat.custom_call_jaxpr(eqn)
+        call = compat.call_jaxpr(eqn)
         in_avals = [v.aval for v in eqn.invars]
         out_avals = [v.aval for v in eqn.outvars]
         fidx = [i for i, a in enumerate(in_avals) if _is_float(a.dtype)]
@@ -727,7 +728,7 @@ def _trace(fn, traces: _TraceCache, args, kwargs) -> tuple[_Traced, list]:
     closed = jax.make_jaxpr(flat_fn)(*dynamic)
     traced = _Traced(closed, out_trees[0], {})
     # A jaxpr that closed over tracers of an enclosing trace is only valid inside that trace.
-    if key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
+    if key is not None and not any(compat.is_tracer(c) for c in closed.consts):
         traces.put(key, traced)
     return traced, dynamic
 
