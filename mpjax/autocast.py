@@ -11,7 +11,7 @@ without changing it.
 Higher-order primitives are re-expressed with public APIs around recursively autocast
 sub-jaxprs: ``jax.jit``, ``lax.scan``, ``lax.while_loop``, ``lax.switch``, ``jax.checkpoint``,
 ``jax.custom_jvp``, ``jax.custom_vjp``, ``jax.shard_map``. What depends on JAX internals (params
-of equations, binding conventions, name stacks) lives in :mod:`mpjax.jaxpr_compat`.
+of equations, binding conventions, name stacks) lives in :mod:`mpjax.jax_compat`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mpjax import jaxpr_compat as compat
+from mpjax import jax_compat as compat
 from mpjax.op_categories import F32, KEEP, LOWER, ORIGINAL, PROMOTE, merge_categories
 from mpjax.policy import Policy, PolicyLike, get_policy, short_dtype_name
 from mpjax.regions import Region, boundary_dtype, innermost
@@ -206,7 +206,8 @@ class _Interpreter:
             "jit": self._jit, "pjit": self._jit, "scan": self._scan, "while": self._while,
             "cond": self._cond, "remat2": self._remat, "checkpoint": self._remat,
             "custom_jvp_call": self._custom_jvp, "custom_vjp_call": self._custom_vjp,
-            "shard_map": self._shard_map, "closed_call": self._inline, "core_call": self._inline,
+            "shard_map": self._shard_map,
+            **{name: self._inline for name in compat.CALL_PRIMITIVES},
         }
 
     # --- Evaluation -----------------------------------------------------------------------
@@ -397,7 +398,7 @@ class _Interpreter:
     # --- Higher-order primitives ------------------------------------------------------------
 
     def _inline(self, eqn, invals, path):
-        return self.run(compat.closed(eqn.params["call_jaxpr"]), invals, path)
+        return self.run(compat.call_jaxpr(eqn), invals, path)
 
     def _jit(self, eqn, invals, path):
         p = compat.jit_params(eqn)
@@ -484,7 +485,7 @@ class _Interpreter:
     def _custom_call(self, eqn, invals, path):
         """What both custom-derivative rebuilds start from: the autocast primal, the traced
         avals, the indices of floating inputs and outputs, and the primal's output shapes."""
-        call = compat.custom_call_jaxpr(eqn)
+        call = compat.call_jaxpr(eqn)
         in_avals = [v.aval for v in eqn.invars]
         out_avals = [v.aval for v in eqn.outvars]
         fidx = [i for i, a in enumerate(in_avals) if _is_float(a.dtype)]
@@ -813,7 +814,7 @@ def _trace(fn, traces: _TraceCache | None, args, kwargs) -> tuple[_Traced, list]
         _tracing.depth -= 1
     traced = _Traced(closed, out_trees[0], {})
     # A jaxpr that closed over tracers of an enclosing trace is only valid inside that trace.
-    if key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
+    if key is not None and not any(compat.is_tracer(c) for c in closed.consts):
         traces.put(key, traced)
     return traced, dynamic
 

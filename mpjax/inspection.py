@@ -15,9 +15,8 @@ from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
-from jax.extend import core as jex_core
 
-from mpjax import jaxpr_compat as compat
+from mpjax import jax_compat
 from mpjax.regions import innermost
 from mpjax.table import format_table
 
@@ -94,7 +93,7 @@ class MatmulReport(tuple):
 def _iter_eqns(jaxpr: Any, context: tuple[str, ...]) -> Iterator[tuple[Any, tuple[str, ...]]]:
     for eqn in jaxpr.eqns:
         yield eqn, context
-        for sub in jex_core.jaxprs_in_params(eqn.params):
+        for sub in jax_compat.sub_jaxprs(eqn):
             yield from _iter_eqns(sub, (*context, eqn.primitive.name))
 
 
@@ -137,19 +136,18 @@ def inspect_matmuls(
             continue
         lhs, rhs = (v.aval for v in eqn.invars[:2])
         out = eqn.outvars[0].aval
-        region = innermost(compat.scope_names(eqn))
-        acc = eqn.params.get("preferred_element_type")
+        region = innermost(jax_compat.scope_names(eqn))
         found.append(
             MatmulInfo(
                 primitive=eqn.primitive.name,
                 lhs_dtype=np.dtype(lhs.dtype),
                 rhs_dtype=np.dtype(rhs.dtype),
                 out_dtype=np.dtype(out.dtype),
-                preferred_element_type=None if acc is None else np.dtype(acc),
+                preferred_element_type=jax_compat.preferred_element_type(eqn),
                 lhs_shape=tuple(lhs.shape),
                 rhs_shape=tuple(rhs.shape),
                 out_shape=tuple(out.shape),
-                scope=str(getattr(eqn.source_info, "name_stack", "")),
+                scope=jax_compat.name_stack(eqn),
                 context=context,
                 region=None if region is None else region.path,
             )

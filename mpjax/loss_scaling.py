@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from mpjax import jax_compat
 from mpjax.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -298,7 +299,7 @@ def check_overflow(opt_state: Any, max_consecutive: int) -> None:
     if max_consecutive < 1:
         raise ValueError(f"max_consecutive must be an integer >= 1, got {max_consecutive!r}.")
     state = find_loss_scaling_state(opt_state)
-    if isinstance(state.consecutive_skipped, jax.core.Tracer):
+    if jax_compat.is_tracer(state.consecutive_skipped):
         raise TypeError(
             "check_overflow reads values from the device: call it outside jax.jit, on the "
             "opt_state a jitted step returns."

@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 
 from mpjax import autocast as engine
-from mpjax import regions
+from mpjax import jax_compat, regions
 from mpjax.policy import Policy, PolicyLike
 from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
 from mpjax.rules import Resolution, Rules, RuleWarning, as_rules
@@ -139,7 +139,7 @@ def _store(variable: nnx.Variable, dtype: np.dtype) -> None:
     value = variable.get_value()
     if _is_floating(value) and value.dtype != dtype:
         value = value.astype(dtype)
-        variable.set_raw_value(jax.new_ref(value) if variable.ref else value)
+        variable.set_raw_value(jax_compat.ref_like(variable.get_raw_value(), value))
 
 
 def _configure(node: _Node, resolution: Resolution) -> None:

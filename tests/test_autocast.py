@@ -15,6 +15,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import mpjax
+from mpjax import jax_compat
 from stock_models import Block, HandWrittenBlock
 import mpjax.linen as mpl
 from mpjax.inspection import iter_equations
@@ -126,6 +127,24 @@ def test_remat_keeps_its_policy_and_prevent_cse():
             if e.primitive.name in ("remat2", "checkpoint")]
     assert len(eqns) == 1
     assert eqns[0].params["policy"] is policy and eqns[0].params["prevent_cse"] is False
+
+
+def test_call_primitives_inside_a_traced_gradient_are_autocast():
+    # jax.grad of jax.checkpoint leaves a call primitive in the jaxpr: closed_call, or
+    # eval_jaxpr from jax 0.11. Autocast evaluates it inline, as any other call.
+    @jax.checkpoint
+    def loss(w, x):
+        return jnp.sum(lax.scan(lambda c, _: (jnp.sin(c @ w), None), x, None, length=2)[0] ** 2)
+
+    grad = jax.grad(loss)
+    called = {e.primitive.name for e, _ in iter_equations(grad, W, X)}
+    assert called & jax_compat.CALL_PRIMITIVES, sorted(called)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mpjax.AutocastWarning)
+        auto = mpjax.autocast(grad)
+        report = mpjax.inspect_matmuls(auto, W, X)
+        _close(auto(W, X), grad(W, X), rtol=0.1)
+    _assert_bf16_matmuls(report)
 
 
 def test_while_loop_matmuls_run_in_bf16_and_carries_keep_their_dtype():

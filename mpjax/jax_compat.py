@@ -1,0 +1,289 @@
+"""Every use of JAX internals in mpjax, in one place.
+
+Autocast and inspection read jaxprs: equation params, name stacks, the binding convention of
+primitives. None of this is covered by JAX's compatibility promise, and it does change: the
+peer project ``jaxamp`` broke when ``Primitive.get_bind_params`` changed from returning
+``(subfuns, params)`` to returning params only, and jax 0.11 replaced the scan params
+``num_consts``/``num_carry`` by flat trees. Everything version dependent is here, behind small
+functions with stable signatures, so a JAX upgrade touches this file only; the rest of mpjax
+re-expresses higher-order primitives with public APIs (``jax.jit``, ``lax.scan``,
+``lax.while_loop``, ``lax.switch``, ``jax.checkpoint``, ``jax.custom_jvp``,
+``jax.custom_vjp``, ``jax.shard_map``) from the values these functions return.
+
+Supported: jax 0.8.1 to 0.12 (``tests/test_jax_compat.py`` pins what each function returns;
+CI runs it on the oldest and the newest). The differences handled here:
+
+* jax 0.11 made ``ClosedJaxpr`` an alias of ``Jaxpr`` (a jaxpr carries its consts), described
+  the scan's operands by flat trees ``ft_in``/``ft_out`` instead of counts, made the jit
+  param ``inline`` a ``jax.Inline`` instead of a bool, and renamed ``closed_call`` and
+  ``call`` to ``eval_jaxpr``.
+* jax 0.10 moved ``DropVar`` and ``jaxprs_in_params`` from ``jax.core`` (removed there in 0.11)
+  to ``jax.extend.core``, and 0.10.1 renamed the shard_map param ``manual_axes`` to
+  ``newly_manual_axes``.
+* jax 0.9.2 changed ``Primitive.get_bind_params`` to return params only.
+
+A param that is missing raises :class:`UnsupportedJaxError` naming it: an unknown JAX is never
+read by guesswork.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+from jax.extend.core import primitives as jex_primitives
+
+if hasattr(jex_core, "jaxprs_in_params"):  # jax >= 0.10
+    _DropVar = jex_core.DropVar
+    _jaxprs_in_params = jex_core.jaxprs_in_params
+else:  # jax 0.8 and 0.9 have them in jax.core only
+    _DropVar = jax.core.DropVar
+    _jaxprs_in_params = jax.core.jaxprs_in_params
+
+
+class UnsupportedJaxError(NotImplementedError):
+    """Raised when an equation lacks a param mpjax reads: this JAX is newer (or older) than
+    the versions :mod:`mpjax.jax_compat` knows."""
+
+
+def _param(eqn: Any, name: str) -> Any:
+    try:
+        return eqn.params[name]
+    except KeyError:
+        raise UnsupportedJaxError(
+            f"mpjax cannot read {eqn.primitive.name!r} equations of jax {jax.__version__}: they "
+            f"have no param {name!r} (they have {sorted(eqn.params)}). mpjax supports jax 0.8.1 "
+            "to 0.12; mpjax/jax_compat.py is the place to teach it another version."
+        ) from None
+
+
+# --- Jaxprs and atoms ---------------------------------------------------------------------
+
+
+def closed(jaxpr: Any) -> jex_core.ClosedJaxpr:
+    """``jaxpr`` as a ClosedJaxpr (remat and shard_map carry open jaxprs, with no consts).
+
+    From jax 0.11 every jaxpr is closed (``ClosedJaxpr`` is ``Jaxpr``) and it is returned as is.
+    """
+    if isinstance(jaxpr, jex_core.ClosedJaxpr):
+        return jaxpr
+    return jex_core.ClosedJaxpr(jaxpr, ())
+
+
+def checkpoint_name_of(eqn: Any) -> str | None:
+    """The name of a ``jax.ad_checkpoint.checkpoint_name`` equation, or None for another one."""
+    if eqn.primitive.name != "name":
+        return None
+    return eqn.params.get("name")
+
+
+def is_literal(atom: Any) -> bool:
+    """Whether an equation input is a constant written into the jaxpr (``2.0`` in ``x * 2.0``)."""
+    return isinstance(atom, jex_core.Literal)
+
+
+def is_dropvar(atom: Any) -> bool:
+    """Whether an equation output is unused (printed ``_``); it has no value to store."""
+    return isinstance(atom, _DropVar)
+
+
+def sub_jaxprs(eqn: Any) -> list[Any]:
+    """The jaxprs in ``eqn``'s params (non-empty for higher-order primitives)."""
+    return list(_jaxprs_in_params(eqn.params))
+
+
+def is_tracer(x: Any) -> bool:
+    """Whether ``x`` is a value being traced (inside ``jax.jit``, ``jax.grad``...) rather than
+    a concrete array."""
+    return isinstance(x, jax.core.Tracer)
+
+
+# --- Binding and names --------------------------------------------------------------------
+
+
+def bind_equation(eqn: Any, invals: Sequence[Any], params: dict | None = None) -> list[Any]:
+    """Binds ``eqn``'s primitive to ``invals``, as ``jax.core.eval_jaxpr`` does.
+
+    ``params`` replaces the equation's params (for example a new ``preferred_element_type``).
+    Returns the outputs as a list. ``get_bind_params`` returned ``(subfuns, params)`` before
+    jax 0.9.2 and returns params (subfuns inside) since; both are handled.
+    """
+    bind_params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    subfuns: tuple[Any, ...] = ()
+    if isinstance(bind_params, tuple):
+        subfuns, bind_params = bind_params
+    # The equation's context carries its abstract mesh, compute_on and threefry settings.
+    manager = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
+    with manager:
+        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def scope_names(eqn: Any) -> tuple[str, ...]:
+    """The ``jax.named_scope`` names around ``eqn``, outermost first, transforms left out.
+
+    JAX's name stack mixes scopes (``named_scope``, Flax module names) with transformation
+    markers (``jvp(...)``, ``transpose(...)``); only scopes name a region of user code.
+    """
+    return tuple(e.name for e in eqn.source_info.name_stack.stack if type(e).__name__ == "Scope")
+
+
+def name_stack(eqn: Any) -> str:
+    """``eqn``'s name stack as JAX prints it, transforms included: ``"transpose(jvp(MLP))"``."""
+    return str(eqn.source_info.name_stack)
+
+
+def preferred_element_type(eqn: Any) -> np.dtype | None:
+    """The accumulation dtype written in a matmul or convolution equation, or None."""
+    dtype = eqn.params.get("preferred_element_type")
+    return None if dtype is None else np.dtype(dtype)
+
+
+# --- Higher-order primitives --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class JitParams:
+    """What ``jax.jit`` needs to re-create a ``jit``/``pjit`` equation around its jaxpr."""
+
+    jaxpr: jex_core.ClosedJaxpr
+    name: str
+    donate_argnums: tuple[int, ...]
+    keep_unused: bool
+    inline: Any  # a bool, or a jax.Inline from jax 0.11: pass it to jax.jit(inline=...)
+
+
+def jit_params(eqn: Any) -> JitParams:
+    return JitParams(
+        jaxpr=closed(_param(eqn, "jaxpr")),
+        name=_param(eqn, "name"),
+        donate_argnums=tuple(i for i, d in enumerate(_param(eqn, "donated_invars")) if d),
+        keep_unused=bool(_param(eqn, "keep_unused")),
+        inline=_param(eqn, "inline"),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanParams:
+    """A ``scan`` equation: its body takes ``num_consts`` consts, ``num_carry`` carries and the
+    xs (the equation's inputs, in that order) and returns the carries, then the ys."""
+
+    jaxpr: jex_core.ClosedJaxpr
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: int | bool
+
+
+def scan_params(eqn: Any) -> ScanParams:
+    if "ft_in" in eqn.params:  # jax >= 0.11: flat trees of (consts, carry, xs), (carry, ys)
+        num_consts, num_carry, _ = (len(part) for part in eqn.params["ft_in"].unpack())
+    else:
+        num_consts, num_carry = _param(eqn, "num_consts"), _param(eqn, "num_carry")
+    return ScanParams(closed(_param(eqn, "jaxpr")), num_consts, num_carry,
+                      _param(eqn, "length"), bool(_param(eqn, "reverse")), _param(eqn, "unroll"))
+
+
+@dataclasses.dataclass(frozen=True)
+class WhileParams:
+    """A ``while`` equation's inputs are the cond consts, the body consts, then the carries."""
+
+    cond_jaxpr: jex_core.ClosedJaxpr
+    cond_nconsts: int
+    body_jaxpr: jex_core.ClosedJaxpr
+    body_nconsts: int
+
+
+def while_params(eqn: Any) -> WhileParams:
+    return WhileParams(closed(_param(eqn, "cond_jaxpr")), _param(eqn, "cond_nconsts"),
+                       closed(_param(eqn, "body_jaxpr")), _param(eqn, "body_nconsts"))
+
+
+def cond_branches(eqn: Any) -> tuple[jex_core.ClosedJaxpr, ...]:
+    """The branches of a ``cond`` equation; its first input is the branch index."""
+    return tuple(closed(b) for b in _param(eqn, "branches"))
+
+
+@dataclasses.dataclass(frozen=True)
+class RematParams:
+    """What ``jax.checkpoint`` needs to re-create a ``remat``/``checkpoint`` equation."""
+
+    jaxpr: jex_core.ClosedJaxpr
+    prevent_cse: bool
+    policy: Any
+
+
+def remat_params(eqn: Any) -> RematParams:
+    return RematParams(closed(_param(eqn, "jaxpr")), bool(_param(eqn, "prevent_cse")),
+                       _param(eqn, "policy"))
+
+
+CALL_PRIMITIVES = frozenset({jex_primitives.closed_call_p.name, jex_primitives.call_p.name})
+"""Names of the primitives that only evaluate their ``call_jaxpr``: ``closed_call`` and
+``call``, or ``eval_jaxpr`` from jax 0.11 (``jax.grad`` of ``jax.checkpoint`` makes them)."""
+
+
+def call_jaxpr(eqn: Any) -> jex_core.ClosedJaxpr:
+    """The jaxpr of a :data:`CALL_PRIMITIVES` equation, or the primal jaxpr of a
+    ``custom_jvp_call``/``custom_vjp_call`` equation."""
+    return closed(_param(eqn, "call_jaxpr"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardMapParams:
+    jaxpr: jex_core.ClosedJaxpr
+    kwargs: dict  # keyword arguments of jax.shard_map other than the function
+
+
+def shard_map_params(eqn: Any) -> ShardMapParams:
+    p = eqn.params
+    axes = "newly_manual_axes" if "newly_manual_axes" in p else "manual_axes"  # jax < 0.10.1
+    kwargs = dict(mesh=_param(eqn, "mesh"), in_specs=tuple(_param(eqn, "in_specs")),
+                  out_specs=tuple(_param(eqn, "out_specs")), check_vma=_param(eqn, "check_vma"),
+                  axis_names=set(_param(eqn, axes)))
+    return ShardMapParams(closed(_param(eqn, "jaxpr")), kwargs)
+
+
+# --- Abstract values and tracing ----------------------------------------------------------
+
+
+def retyped(x: Any, like: Any) -> Any:
+    """The abstract value of ``x`` with the dtype and weak type of the aval ``like``.
+
+    Unlike a ``jax.ShapeDtypeStruct``, it keeps what else the type of ``x`` carries (sharding,
+    the varying manual axes inside ``shard_map``), so a function traced at it (see
+    :func:`trace_at`) sees the same types as where ``x`` lives.
+    """
+    return jax.typeof(x).update(dtype=like.dtype, weak_type=getattr(like, "weak_type", False))
+
+
+def weakly_typed(aval: Any) -> Any:
+    """``aval`` marked weakly typed."""
+    return aval.update(weak_type=True)
+
+
+def trace_at(fn: Callable[..., Any], avals: Sequence[Any]) -> jex_core.ClosedJaxpr:
+    """``jax.make_jaxpr(fn)`` at abstract values (``make_jaxpr`` accepts avals as arguments)."""
+    return jax.make_jaxpr(fn)(*avals)
+
+
+# --- Mutable array references (NNX variables made with ``ref=True`` hold one) ---------------
+
+
+def is_ref(x: Any) -> bool:
+    """Whether ``x`` is a ``jax.Ref`` (a mutable array reference)."""
+    return isinstance(x, jax.Ref)
+
+
+def ref_like(template: Any, value: Any) -> Any:
+    """``value`` in a new ``jax.Ref`` if ``template`` is a ref, else ``value`` itself.
+
+    To replace the array of an NNX variable whatever it holds: a variable made with
+    ``ref=True`` keeps a ref as its raw value, and must get one back.
+    """
+    return jax.new_ref(value) if is_ref(template) else value

@@ -1,0 +1,326 @@
+"""mpjax.jax_compat on the running JAX: what each function reads from real equations.
+
+CI runs these on the oldest and the newest supported JAX, where the params differ (scan's
+counts against flat trees, bool against jax.Inline, ``manual_axes`` against
+``newly_manual_axes``, the two ``get_bind_params`` conventions); each test pins the value that
+the rest of mpjax relies on.
+"""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from mpjax import jax_compat
+
+F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
+JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
+W = jnp.arange(5.0)
+X = jnp.ones((7, 3))
+
+
+def _eqns(fn, *args, primitive):
+    """The top-level equations of ``fn``'s jaxpr that bind ``primitive``."""
+    eqns = [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name == primitive]
+    assert eqns, f"no {primitive} equation"
+    return eqns
+
+
+def _eqn(fn, *args, primitive):
+    (eqn,) = _eqns(fn, *args, primitive=primitive)
+    return eqn
+
+
+def _shapes(atoms):
+    return [tuple(a.aval.shape) for a in atoms]
+
+
+def _evaluate(closed, *args):
+    return jax.extend.core.jaxpr_as_fun(closed)(*args)
+
+
+def test_scan_params_split_the_inputs_into_consts_carries_and_xs():
+    def fn(w, init, xs):
+        def body(carry, x):
+            a, n = carry
+            return (a * 2 + w.sum() + x.sum(), n + 1), x * 2
+
+        return lax.scan(body, init, xs, reverse=True, unroll=2)
+
+    init = (jnp.ones(2), jnp.int32(0))
+    eqn = _eqn(fn, W, init, X, primitive="scan")
+    p = jax_compat.scan_params(eqn)
+    n_c, n_k = p.num_consts, p.num_carry
+    assert (n_c, n_k) == (1, 2)
+    consts, carry, xs = eqn.invars[:n_c], eqn.invars[n_c:n_c + n_k], eqn.invars[n_c + n_k:]
+    assert _shapes(consts) == [(5,)] and _shapes(carry) == [(2,), ()] and _shapes(xs) == [(7, 3)]
+    assert (p.length, p.reverse, p.unroll) == (7, True, 2)
+    # The body takes consts, carries, xs and returns the carries, then the ys.
+    assert _shapes(p.jaxpr.jaxpr.invars) == [(5,), (2,), (), (3,)]
+    assert _shapes(p.jaxpr.jaxpr.outvars) == [(2,), (), (3,)]
+    carry_out = _evaluate(p.jaxpr, W, jnp.ones(2), jnp.int32(4), jnp.ones(3))
+    np.testing.assert_allclose(carry_out[0], [15.0, 15.0])
+    assert int(carry_out[1]) == 5
+
+
+def test_scan_params_of_a_fori_loop_count_the_index_as_a_carry():
+    eqn = _eqn(lambda w: lax.fori_loop(0, 3, lambda i, c: c * w, w), W, primitive="scan")
+    p = jax_compat.scan_params(eqn)
+    assert p.num_carry == 2 and len(eqn.invars) == p.num_consts + 2  # (i, c), no xs
+    assert p.length == 3 and p.reverse is False
+
+
+def test_while_params_split_cond_consts_body_consts_and_carries():
+    lim, scale, shift = jnp.float32(100.0), jnp.ones(3) * 2, jnp.ones((3,))
+
+    def fn(x):
+        return lax.while_loop(lambda c: c[0].sum() < lim, lambda c: (c[0] * scale + shift, c[1] + 1),
+                              (x, jnp.zeros((2, 2))))
+
+    eqn = _eqn(fn, jnp.ones(3), primitive="while")
+    p = jax_compat.while_params(eqn)
+    assert (p.cond_nconsts, p.body_nconsts) == (1, 2)
+    assert _shapes(eqn.invars[p.cond_nconsts + p.body_nconsts:]) == [(3,), (2, 2)]
+    assert _shapes(p.cond_jaxpr.jaxpr.invars) == [(), (3,), (2, 2)]
+    assert _shapes(p.body_jaxpr.jaxpr.invars) == [(3,), (3,), (3,), (2, 2)]
+    (keep_going,) = _evaluate(p.cond_jaxpr, lim, jnp.ones(3), jnp.zeros((2, 2)))
+    assert bool(keep_going)
+
+
+def test_cond_branches_take_the_operands_after_the_index():
+    fn = lambda x: lax.cond(x.sum() > 0, lambda a: a * 3, lambda a: -a, x)  # noqa: E731
+    eqn = _eqn(fn, jnp.ones(3), primitive="cond")
+    branches = jax_compat.cond_branches(eqn)
+    assert len(branches) == 2 and eqn.invars[0].aval.dtype == np.int32
+    # Branch 0 is the false branch.
+    np.testing.assert_array_equal(_evaluate(branches[0], jnp.ones(3))[0], -jnp.ones(3))
+    np.testing.assert_array_equal(_evaluate(branches[1], jnp.ones(3))[0], 3 * jnp.ones(3))
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_jit_params_recreate_the_same_jit(inline):
+    def named(x, y):
+        return x * y
+
+    fn = jax.jit(named, donate_argnums=(1,), keep_unused=True, inline=inline)
+    eqns = [e for e in jax.make_jaxpr(lambda x, y: fn(x, y))(W, W).jaxpr.eqns
+            if e.primitive.name == "jit"]
+    if inline and not eqns:
+        pytest.skip("before jax 0.11, jit(inline=True) leaves no jit equation to read")
+    (eqn,) = eqns
+    p = jax_compat.jit_params(eqn)
+    assert (p.name, p.donate_argnums, p.keep_unused) == ("named", (1,), True)
+    np.testing.assert_array_equal(_evaluate(p.jaxpr, W, W)[0], W * W)
+
+    def body(x, y):
+        return x * y
+
+    body.__name__ = p.name
+    again = jax.jit(body, donate_argnums=p.donate_argnums, keep_unused=p.keep_unused,
+                    inline=p.inline)
+    rebuilt = _eqn(lambda x, y: again(x, y), W, W, primitive="jit")
+    for name in ("name", "donated_invars", "keep_unused", "inline"):
+        assert rebuilt.params[name] == eqn.params[name], name
+
+
+def test_remat_params_read_back_policy_and_prevent_cse():
+    policy = jax.checkpoint_policies.nothing_saveable
+    fn = jax.checkpoint(lambda x: jnp.sin(x) * 2, policy=policy, prevent_cse=False)
+    (eqn,) = [e for e in jax.make_jaxpr(fn)(W).jaxpr.eqns
+              if e.primitive.name in ("remat2", "checkpoint")]
+    p = jax_compat.remat_params(eqn)
+    assert p.policy is policy and p.prevent_cse is False
+    np.testing.assert_allclose(_evaluate(p.jaxpr, W)[0], jnp.sin(W) * 2)
+
+
+@jax.custom_jvp
+def _sin(x):
+    return jnp.sin(x)
+
+
+_sin.defjvp(lambda primals, tangents: (_sin(primals[0]), tangents[0] * 10))
+
+
+@jax.custom_vjp
+def _cube(x):
+    return x ** 3
+
+
+_cube.defvjp(lambda x: (_cube(x), x), lambda x, ct: (ct * 100,))
+
+
+@pytest.mark.parametrize("fn, primitive, primal", [
+    (_sin, "custom_jvp_call", jnp.sin),
+    (_cube, "custom_vjp_call", lambda x: x ** 3),
+])
+def test_call_jaxpr_is_the_primal_of_a_custom_derivative(fn, primitive, primal):
+    eqn = _eqn(fn, W, primitive=primitive)
+    np.testing.assert_allclose(_evaluate(jax_compat.call_jaxpr(eqn), W)[0], primal(W), rtol=1e-6)
+
+
+def test_call_primitives_are_what_grad_of_checkpoint_makes():
+    def loss(w):
+        inner = jax.checkpoint(lambda w: lax.scan(lambda c, x: (jnp.sin(c * w), x), W, None,
+                                                   length=2)[0].sum())
+        return inner(w)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(W).jaxpr
+    calls = [e for e, _ in _walk(jaxpr) if e.primitive.name in jax_compat.CALL_PRIMITIVES]
+    assert calls, sorted({e.primitive.name for e, _ in _walk(jaxpr)})
+    for eqn in calls:
+        args = [jnp.full(v.aval.shape, 0.5, v.aval.dtype) for v in eqn.invars]
+        expected = jax_compat.bind_equation(eqn, args)
+        got = _evaluate(jax_compat.call_jaxpr(eqn), *args)
+        for a, b in zip(got, expected, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def _walk(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn, jaxpr
+        for sub in jax_compat.sub_jaxprs(eqn):
+            yield from _walk(sub)
+
+
+def test_shard_map_params_recreate_the_same_shard_map():
+    mesh = jax.make_mesh((4, 2), ("d", "m"), axis_types=(AxisType.Auto,) * 2)
+    fn = jax.shard_map(lambda a, b: a * b.sum(), mesh=mesh, in_specs=(P("d"), P()),
+                       out_specs=P("d"), axis_names={"d"}, check_vma=False)
+    args = (jnp.ones((8, 3)), jnp.ones(3))
+    eqn = _eqn(fn, *args, primitive="shard_map")
+    p = jax_compat.shard_map_params(eqn)
+    assert p.kwargs["axis_names"] == {"d"} and p.kwargs["check_vma"] is False
+    assert p.kwargs["mesh"] == mesh and p.kwargs["out_specs"] == (P("d"),)
+    again = jax.shard_map(lambda *xs: tuple(_evaluate(p.jaxpr, *xs)), **p.kwargs)
+    rebuilt = _eqn(again, *args, primitive="shard_map")
+    assert {k: v for k, v in rebuilt.params.items() if k != "jaxpr"} == {
+        k: v for k, v in eqn.params.items() if k != "jaxpr"}
+    np.testing.assert_array_equal(jax.jit(again)(*args)[0], jax.jit(fn)(*args))
+
+
+def test_missing_param_raises_naming_it():
+    eqn = _eqn(lambda x: lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x), W, primitive="cond")
+    renamed = eqn.replace(params={"cases": eqn.params["branches"]})
+    with pytest.raises(jax_compat.UnsupportedJaxError, match="'cond'.*'branches'"):
+        jax_compat.cond_branches(renamed)
+
+
+def test_bind_equation_rebinds_with_new_params():
+    a, b = jnp.ones((2, 3), BF16), jnp.ones((3, 4), BF16)
+    eqn = _eqn(lambda a, b: a @ b, a, b, primitive="dot_general")
+    assert jax_compat.preferred_element_type(eqn) in (None, BF16)
+    (out,) = jax_compat.bind_equation(eqn, [a, b])
+    assert out.dtype == BF16 and out.shape == (2, 4)
+    params = {**eqn.params, "preferred_element_type": F32}
+    (out,) = jax_compat.bind_equation(eqn, [a, b], params)
+    assert out.dtype == F32
+    wide = _eqn(lambda a, b: lax.dot(a, b, preferred_element_type=F32), a, b,
+                primitive="dot_general")
+    assert jax_compat.preferred_element_type(wide) == F32
+    assert jax_compat.preferred_element_type(_eqn(jnp.sin, W, primitive="sin")) is None
+
+
+def test_bind_equation_keeps_the_custom_rule_of_a_custom_jvp_call():
+    # The jvp rule travels as a subfun: bound again, the equation still differentiates by it.
+    eqn = _eqn(_sin, W, primitive="custom_jvp_call")
+    rebound = lambda x: jax_compat.bind_equation(eqn, [x])[0]  # noqa: E731
+    np.testing.assert_allclose(rebound(W), jnp.sin(W), rtol=1e-6)
+    np.testing.assert_array_equal(jax.grad(lambda x: rebound(x).sum())(W), jnp.full(5, 10.0))
+
+
+def test_bind_equation_of_a_scan():
+    fn = lambda init, x: lax.scan(lambda c, xi: (c + xi, c * 2), init, x)  # noqa: E731
+    eqn = _eqn(fn, jnp.zeros(3), X, primitive="scan")
+    outs = jax_compat.bind_equation(eqn, [jnp.zeros(3), X])
+    expected = fn(jnp.zeros(3), X)
+    np.testing.assert_array_equal(outs[0], expected[0])
+    np.testing.assert_array_equal(outs[1], expected[1])
+
+
+def test_scope_names_leave_out_transforms_and_name_stack_keeps_them():
+    def loss(x):
+        with jax.named_scope("outer"), jax.named_scope("inner"):
+            return jnp.sum(jnp.sin(x))
+
+    eqns = jax.make_jaxpr(jax.grad(loss))(W).jaxpr.eqns
+    cos = next(e for e in eqns if e.primitive.name == "cos")
+    assert jax_compat.scope_names(cos) == ("outer", "inner")
+    assert jax_compat.name_stack(cos) == "jvp(outer)/inner"
+    transposed = [e for e in eqns if "transpose" in jax_compat.name_stack(e)]
+    assert transposed
+    for eqn in transposed:
+        assert jax_compat.name_stack(eqn) == "transpose(jvp(outer))/inner"
+        assert jax_compat.scope_names(eqn) == ("outer", "inner")
+    top = _eqn(jnp.sin, W, primitive="sin")
+    assert jax_compat.scope_names(top) == () and jax_compat.name_stack(top) == ""
+
+
+def test_is_tracer():
+    seen = []
+    jax.jit(lambda x: seen.append(jax_compat.is_tracer(x)) or x)(W)
+    jax.grad(lambda x: seen.append(jax_compat.is_tracer(x)) or x.sum())(W)
+    assert seen == [True, True]
+    assert not jax_compat.is_tracer(W) and not jax_compat.is_tracer(np.ones(2))
+    assert not jax_compat.is_tracer(1.0)
+
+
+def test_literals_dropvars_and_sub_jaxprs():
+    def fn(x):
+        (_, ys) = lax.scan(lambda c, xi: (c + xi, c * 2.0), jnp.zeros(3), x)
+        return ys
+
+    jaxpr = jax.make_jaxpr(fn)(X).jaxpr
+    scan = next(e for e in jaxpr.eqns if e.primitive.name == "scan")
+    # An unused output is a DropVar up to jax 0.10; from 0.11 it is a Var that nothing reads.
+    assert [jax_compat.is_dropvar(v) for v in scan.outvars] == [JAX_VERSION < (0, 11), False]
+    (body,) = jax_compat.sub_jaxprs(scan)
+    mul = next(e for e in body.eqns if e.primitive.name == "mul")
+    assert [jax_compat.is_literal(a) for a in mul.invars] == [False, True]
+    assert jax_compat.sub_jaxprs(mul) == []
+    loop = _eqn(lambda x: lax.while_loop(lambda c: c.sum() < 9, lambda c: c + 1, x), W,
+                primitive="while")
+    assert len(jax_compat.sub_jaxprs(loop)) == 2
+    branches = _eqn(lambda x: lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x), W, primitive="cond")
+    assert len(jax_compat.sub_jaxprs(branches)) == 2
+
+
+def test_closed_accepts_open_and_closed_jaxprs():
+    closed = jax.make_jaxpr(lambda x: x * W)(W)
+    assert jax_compat.closed(closed) is closed
+    remat = next(e for e in jax.make_jaxpr(jax.checkpoint(jnp.sin))(W).jaxpr.eqns
+                 if e.primitive.name in ("remat2", "checkpoint"))
+    rebuilt = jax_compat.closed(remat.params["jaxpr"])
+    np.testing.assert_allclose(_evaluate(rebuilt, W)[0], jnp.sin(W))
+
+
+def test_retyped_keeps_sharding_and_changes_dtype_and_weak_type():
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    x = jax.device_put(jnp.ones((8, 2), BF16), jax.sharding.NamedSharding(mesh, P("d")))
+    like = jax.core.ShapedArray((8, 2), F32, weak_type=True)
+    with jax.set_mesh(mesh):
+        aval = jax_compat.retyped(x, like)
+    assert aval.dtype == F32 and aval.weak_type and aval.shape == (8, 2)
+    assert aval.sharding.spec == jax.typeof(x).sharding.spec == P("d", None)
+    strong = jax_compat.retyped(jnp.ones(2, F32), jnp.ones(2, BF16))
+    assert strong.dtype == BF16 and not strong.weak_type
+    assert jax_compat.weakly_typed(strong).weak_type and not strong.weak_type
+
+
+def test_trace_at_avals():
+    avals = [jax.core.ShapedArray((2, 3), BF16), jax.core.ShapedArray((3,), F32)]
+    closed = jax_compat.trace_at(lambda a, b: (a.astype(F32) * b).sum(axis=0), avals)
+    assert [(a.shape, a.dtype) for a in closed.in_avals] == [((2, 3), BF16), ((3,), F32)]
+    assert [(a.shape, a.dtype) for a in closed.out_avals] == [((3,), F32)]
+
+
+def test_ref_like_wraps_in_a_ref_only_where_the_template_is_one():
+    value = jnp.ones(3, BF16)
+    assert jax_compat.ref_like(jnp.zeros(3), value) is value
+    ref = jax_compat.ref_like(jax.new_ref(jnp.zeros(3)), value)
+    assert jax_compat.is_ref(ref) and not jax_compat.is_ref(value)
+    assert ref[...].dtype == BF16
+    np.testing.assert_array_equal(ref[...], value)
