@@ -133,7 +133,7 @@ def relative_errors(out: Any, ref: Any) -> list[float]:
 def assert_output_close_to_f32(subject: Subject) -> None:
     """Same tree and shapes as the f32 model, f32 floating leaves, within 5% (relative L2)."""
     out = jax.jit(subject.apply)(subject.params, *subject.inputs)
-    ref = jax.jit(subject.reference)(subject.params, *subject.inputs)
+    ref = subject.reference(subject.params, *subject.inputs)
     assert jax.tree.structure(out) == jax.tree.structure(ref)
     assert [np.shape(a) for a in jax.tree.leaves(out)] == [np.shape(b) for b in jax.tree.leaves(ref)]
     assert {np.dtype(a.dtype) for a in jax.tree.leaves(out) if _floating(a)} == {F32}
@@ -153,24 +153,26 @@ def assert_grads_f32_like_params(subject: Subject) -> None:
 # --- Subjects from linen and NNX models. -------------------------------------------------------
 
 
-def linen_subject(model, wrapped, inputs, *, mode: str, grad_inputs=()) -> Subject:
-    """``mode``: "wrapper" runs ``wrapped`` (the model under ``linen.apply_policy``),
-    "autocast" runs ``mpjax.autocast(model.apply)``. Params come from the unwrapped init."""
-    params = jax.jit(model.init)(key(), *inputs)["params"]
+def linen_subjects(model, wrapped, inputs, *, grad_inputs=(), **kwargs) -> dict[str, Subject]:
+    """{"wrapper": ``wrapped`` (the model under ``linen.apply_policy``), "autocast":
+    ``mpjax.autocast(model.apply)``}, both on the params of the unwrapped init; ``kwargs`` are
+    static keyword arguments of the model's ``__call__``."""
+    params = jax.jit(functools.partial(model.init, **kwargs))(key(), *inputs)["params"]
 
     def reference(params, *inputs):
-        return model.apply({"params": params}, *inputs)
+        return model.apply({"params": params}, *inputs, **kwargs)
 
-    if mode == "wrapper":
-        def apply(params, *inputs):
-            return wrapped.apply({"params": params}, *inputs)
-    else:
-        auto = mpjax.autocast(model.apply, POLICY)
+    def wrapper(params, *inputs):
+        return wrapped.apply({"params": params}, *inputs, **kwargs)
 
-        def apply(params, *inputs):
-            return auto({"params": params}, *inputs)
+    return _subjects(wrapper, reference, params, inputs, grad_inputs)
 
-    return Subject(apply, reference, params, tuple(inputs), tuple(grad_inputs))
+
+def _subjects(wrapper, reference, params, inputs, grad_inputs) -> dict[str, Subject]:
+    shared = jax.jit(reference)  # one compiled f32 model for both subjects
+    return {mode: Subject(apply, shared, params, tuple(inputs), tuple(grad_inputs))
+            for mode, apply in (("wrapper", wrapper),
+                                ("autocast", mpjax.autocast(reference, POLICY)))}
 
 
 def nnx_functional(model: nnx.Module, method: Callable[..., Any] | None = None):
@@ -184,24 +186,22 @@ def nnx_functional(model: nnx.Module, method: Callable[..., Any] | None = None):
     return apply, params
 
 
-def nnx_subject(build: Callable[[], nnx.Module], inputs, *, mode: str, grad_inputs=(),
-                method=None) -> Subject:
-    """``build()`` makes the model (the same values each call). ``mode`` "wrapper" runs a copy
-    under ``nnx.apply_policy``, "autocast" runs ``mpjax.autocast`` of the f32 model."""
+def nnx_subjects(build: Callable[[], nnx.Module], inputs, *, grad_inputs=(),
+                 method=None) -> dict[str, Subject]:
+    """``build()`` makes the model (the same values each call). {"wrapper": a copy under
+    ``nnx.apply_policy``, "autocast": ``mpjax.autocast`` of the f32 model}."""
     reference, params = nnx_functional(build(), method)
-    if mode == "wrapper":
-        apply, _ = nnx_functional(mpjax.nnx.apply_policy(build(), POLICY), method)
-    else:
-        apply = mpjax.autocast(reference, POLICY)
-    return Subject(apply, reference, params, tuple(inputs), tuple(grad_inputs))
+    wrapper, _ = nnx_functional(mpjax.nnx.apply_policy(build(), POLICY), method)
+    return _subjects(wrapper, reference, params, inputs, grad_inputs)
 
 
-def assert_linen_wrapper_init_is_f32_and_unchanged(model, wrapped, inputs) -> None:
-    """``wrapped.init`` creates the unwrapped model's params: same tree, f32, same values."""
-    ours, theirs = jax.jit(wrapped.init)(key(), *inputs), jax.jit(model.init)(key(), *inputs)
-    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+def assert_linen_wrapper_init_is_f32_and_unchanged(wrapped, inputs, expected, **kwargs) -> None:
+    """``wrapped.init`` creates ``expected``, the unwrapped model's params: same tree, f32,
+    same values."""
+    ours = jax.jit(functools.partial(wrapped.init, **kwargs))(key(), *inputs)["params"]
+    assert jax.tree.structure(ours) == jax.tree.structure(expected)
     assert dtypes(ours) == {F32}, jax.tree.map(lambda p: p.dtype, ours)
-    changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), ours, theirs)
+    changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), ours, expected)
     assert not any(jax.tree.leaves(changed)), changed
 
 

@@ -38,9 +38,9 @@ from mixed_precision_checks import (
     assert_output_close_to_f32,
     fan_in_normal,
     key,
-    linen_subject,
+    linen_subjects,
     normal,
-    nnx_subject,
+    nnx_subjects,
 )
 
 B, T, D, HEADS, HEAD_DIM, FF, VOCAB = 2, 8, 16, 2, 8, 32, 32
@@ -311,13 +311,17 @@ INTEGER_DOTS = [c for c in CASES if not c.startswith("tied")]  # mask pairs, exp
 
 
 @functools.lru_cache(maxsize=None)
-def subject(case: str, mode: str):
+def subjects(case: str):
     if case in LINEN:
         model, wrapped, inputs = LINEN[case]()
-        return linen_subject(model, wrapped, inputs, mode=mode, grad_inputs=(0,))
+        return linen_subjects(model, wrapped, inputs, grad_inputs=(0,))
     build, inputs = NNX[case]()
     grad_inputs = () if case.startswith("tied") else (0,)  # token ids are not differentiable
-    return nnx_subject(build, inputs, mode=mode, grad_inputs=grad_inputs)
+    return nnx_subjects(build, inputs, grad_inputs=grad_inputs)
+
+
+def subject(case: str, mode: str):
+    return subjects(case)[mode]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -346,8 +350,8 @@ def test_param_gradients_are_f32_with_the_params_structure(case, mode):
 
 @pytest.mark.parametrize("case", list(LINEN))
 def test_linen_wrapper_inits_the_f32_models_params(case):
-    model, wrapped, inputs = LINEN[case]()
-    assert_linen_wrapper_init_is_f32_and_unchanged(model, wrapped, inputs)
+    _, wrapped, inputs = LINEN[case]()
+    assert_linen_wrapper_init_is_f32_and_unchanged(wrapped, inputs, subject(case, "wrapper").params)
 
 
 @pytest.mark.parametrize("case", list(NNX))
