@@ -387,12 +387,12 @@ def describe(
     ...     def __call__(self, x):
     ...         return nn.Dense(2, name="out")(nn.LayerNorm(name="norm")(x))
     >>> report = describe(apply_policy(MLP(), "mixed_bfloat16"), jnp.ones((1, 3)))
-    path    type       params   compute   output    rule                             #params  bytes
-    ------  ---------  -------  --------  --------  -------------------------------  -------  -----
-    <root>  MLP        float32  bfloat16  float32   default                                0    0 B
-    norm    LayerNorm  float32  float32   bfloat16  builtin: linen.LayerNorm in f32        6   24 B
-    out     Dense      float32  bfloat16  float32   default                                8   32 B
-    ------  ---------  -------  --------  --------  -------------------------------  -------  -----
+    path    type       params   compute   output    rule                             #params  bytes  matmuls ran in
+    ------  ---------  -------  --------  --------  -------------------------------  -------  -----  --------------
+    <root>  MLP        float32  bfloat16  float32   default                                0    0 B  -
+    norm    LayerNorm  float32  float32   bfloat16  builtin: linen.LayerNorm in f32        6   24 B  -
+    out     Dense      float32  bfloat16  float32   default                                8   32 B  3x bf16,bf16
+    ------  ---------  -------  --------  --------  -------------------------------  -------  -----  --------------
     total                                                                                 14   56 B
     """
     model = _wrapped_for_report(model, rules)

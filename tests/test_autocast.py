@@ -525,8 +525,7 @@ def test_train_step_has_no_more_converts_than_hand_written_bf16_and_same_matmuls
     # under standard promotion, on the same backend.
     with jax.numpy_dtype_promotion("standard"):
         for name, apply in (("autocast", mpjax.autocast(Block().apply)),
-                            ("by_hand", HandWrittenBlock(dtype=jnp.bfloat16,
-                                                    attention_fn=mpl.f32_softmax_attention).apply)):
+                            ("by_hand", HandWrittenBlock(dtype=jnp.bfloat16).apply)):
             step, tx, loss = _train_step(apply, x)
             converts = mpjax.hlo_op_counts(step, params, jax.eval_shape(tx.init, params))
             matmuls = mpjax.inspect_matmuls(jax.grad(loss), params).operand_dtypes()

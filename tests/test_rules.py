@@ -73,14 +73,6 @@ def test_builtin_norm_rule_keeps_params_and_statistics_f32_output_compute(norm, 
     assert res.rule.builtin
 
 
-def test_builtin_attention_rule_forces_f32_softmax_in_compute_policy():
-    res = Rules(default="mixed_bfloat16").resolve("attn", nn.SelfAttention)  # a subclass
-    assert res.policy == MIXED
-    import mpjax.linen
-
-    assert dict(res.attributes) == {"attention_fn": mpjax.linen.f32_softmax_attention}
-
-
 def test_user_rules_take_precedence_over_builtins():
     rules = Rules({nn.LayerNorm: "bfloat16"}, default="mixed_bfloat16")
     assert rules.resolve("n", nn.LayerNorm).policy == get_policy("bfloat16")
@@ -175,11 +167,11 @@ def test_precision_report_table_and_totals():
         report.row("nope")
     lines = str(report).splitlines()
     assert lines[0].split() == ["path", "type", "params", "compute", "output", "rule", "#params",
-                                "bytes"]
+                                "bytes", "matmuls", "ran", "in"]
     assert lines[2].split() == ["<root>", "GPT", "float32", "bfloat16", "float32", "default", "0",
-                                "0", "B"]
+                                "0", "B", "-"]
     assert lines[3].split()[:5] == ["block_0/norm", "LayerNorm", "float32", "float32", "bfloat16"]
-    assert lines[4].endswith("1,000,000  3.8 MiB")
+    assert lines[4].endswith("1,000,000  3.8 MiB  -")
     assert lines[6].split() == ["total", "1,000,256", "3.8", "MiB"]
     assert lines[7] == "warning: rule 'x' matches no module."
 
