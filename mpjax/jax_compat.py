@@ -82,7 +82,7 @@ def is_literal(atom: Any) -> bool:
 def is_dropvar(atom: Any) -> bool:
     """Whether an equation output is a DropVar: unused (printed ``_``), with no value to store.
 
-    From jax 0.11 unused outputs are plain variables that nothing reads (False here).
+    From jax 0.10.1 unused outputs are plain variables that nothing reads (False here).
     """
     return isinstance(atom, _DropVar)
 
