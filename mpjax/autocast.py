@@ -366,7 +366,7 @@ class _Interpreter:
         Elsewhere JAX's default (the operand dtype) follows the new operands, and a
         deliberately wider accumulator written in the function is kept.
         """
-        preferred = eqn.params.get("preferred_element_type")
+        preferred = compat.preferred_element_type(eqn)
         if preferred is None or not _is_float(preferred) or category in (ORIGINAL, KEEP):
             return None
         if lowered:

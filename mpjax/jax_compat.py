@@ -18,7 +18,7 @@ CI runs it on the oldest and the newest). The differences handled here:
   param ``inline`` a ``jax.Inline`` instead of a bool, and renamed ``closed_call`` and
   ``call`` to ``eval_jaxpr``.
 * jax 0.10 moved ``DropVar`` and ``jaxprs_in_params`` from ``jax.core`` (removed there in 0.11)
-  to ``jax.extend.core``, and 0.10.1 renamed the shard_map param ``manual_axes`` to
+  to ``jax.extend.core``, and 0.10.2 renamed the shard_map param ``manual_axes`` to
   ``newly_manual_axes``.
 * jax 0.9.2 changed ``Primitive.get_bind_params`` to return params only.
 
@@ -87,7 +87,10 @@ def is_literal(atom: Any) -> bool:
 
 
 def is_dropvar(atom: Any) -> bool:
-    """Whether an equation output is unused (printed ``_``); it has no value to store."""
+    """Whether an equation output is a DropVar: unused (printed ``_``), with no value to store.
+
+    From jax 0.10.1 unused outputs are plain variables that nothing reads (False here).
+    """
     return isinstance(atom, _DropVar)
 
 
@@ -242,7 +245,7 @@ class ShardMapParams:
 
 def shard_map_params(eqn: Any) -> ShardMapParams:
     p = eqn.params
-    axes = "newly_manual_axes" if "newly_manual_axes" in p else "manual_axes"  # jax < 0.10.1
+    axes = "newly_manual_axes" if "newly_manual_axes" in p else "manual_axes"  # jax < 0.10.2
     kwargs = dict(mesh=_param(eqn, "mesh"), in_specs=tuple(_param(eqn, "in_specs")),
                   out_specs=tuple(_param(eqn, "out_specs")), check_vma=_param(eqn, "check_vma"),
                   axis_names=set(_param(eqn, axes)))

@@ -54,7 +54,7 @@ _F32 = (
     # PyTorch's f32 list: exp, log, log1p, expm1, pow, reciprocal, rsqrt, erfinv, acos, asin,
     # cosh, sinh, tan. ``x ** 2``, ``jnp.square`` and ``jnp.reciprocal`` are integer_pow/square
     # in JAX: powers overflow f16 (a value of 300 squared is past 65504) and 1/x of small x too.
-    "exp", "exp2", "log", "log1p", "expm1", "pow", "integer_pow", "square", "rsqrt", "logistic",
+    "exp", "exp2", "log", "log2", "log1p", "expm1", "pow", "integer_pow", "polynomial", "square", "rsqrt", "logistic",
     "erf_inv", "acos", "asin", "cosh", "sinh", "tan",
     # Reductions: sums and products accumulate error in bf16; max makes softmax's x - max exact.
     "reduce_sum", "reduce_prod", "reduce_max", "cumsum", "cumprod", "cumlogsumexp",
@@ -73,6 +73,8 @@ _PROMOTE = (
     "complex", "conj", "cos", "div", "erf", "erfc", "floor", "imag", "is_finite",
     "max", "min", "mul", "neg", "nextafter", "real", "reduce_precision", "rem", "round", "sign",
     "sin", "sqrt", "sub", "tanh",
+    # tanh's derivative, 1 - tanh(x)**2, as one primitive from jax 0.12 (bounded by 1).
+    "one_minus_square",
     # Comparisons, logic and bit ops (integer and boolean values are never cast).
     "and", "eq", "eq_to", "ge", "gt", "le", "le_to", "lt", "lt_to", "ne", "not", "or", "xor",
     "clz", "population_count", "shift_left", "shift_right_arithmetic", "shift_right_logical",
@@ -91,7 +93,8 @@ _PROMOTE = (
     # Sharding annotations, checkpoint names, single-operand collectives.
     "sharding_constraint", "reshard", "mesh_cast", "layout_constraint", "name", "pvary",
     "psum_invariant", "all_gather", "all_gather_invariant", "all_to_all", "ppermute",
-    "reduce_scatter", "axis_index", "pbroadcast",
+    "reduce_scatter", "axis_index", "pbroadcast", "pbroadcast_dynamic", "reduced_vary_cast",
+    "vary_unreduced_cast", "unreduced_pmax", "unreduced_pmin", "relayout",
     # PRNG (keys and bits are never cast).
     "random_seed", "random_bits", "random_split", "random_fold_in", "random_wrap",
     "random_unwrap", "random_clone", "threefry2x32", "threefry4x32", "philox2x32", "philox4x32",

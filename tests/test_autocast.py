@@ -545,3 +545,18 @@ def test_readme_autocast_example_runs(capsys):
     printed = capsys.readouterr().out
     assert "Counter({('bfloat16', 'bfloat16'): 5})" in printed
     assert "dot_general       lower" in printed
+
+
+def test_primitives_of_common_models_and_their_gradients_are_all_categorized():
+    """Newer JAX versions add primitives (tanh's gradient became one_minus_square in jax 0.12);
+    an unknown one would run in its traced dtypes with a warning."""
+
+    def f(w, x):
+        h = jax.nn.gelu(x @ w, approximate=True) + jnp.tanh(x @ w) + jnp.log2(jnp.abs(x @ w) + 1)
+        h = h + jax.nn.silu(h) + jax.nn.sigmoid(h) + jnp.sqrt(jnp.abs(h)) + jnp.sin(h)
+        return jnp.mean(jax.nn.log_softmax(h) + jnp.cumsum(h, -1) + jnp.maximum(h, 0) ** 2)
+
+    w, x = jnp.ones((4, 4)) / 4, jnp.ones((2, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mpjax.AutocastWarning)
+        jax.make_jaxpr(jax.grad(mpjax.autocast(f, "mixed_float16")))(w, x)
