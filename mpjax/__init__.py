@@ -36,7 +36,8 @@ from mpjax.policy import (
     get_policy,
 )
 from mpjax.regions import FULL_PRECISION_SCOPE, full_precision
-from mpjax.report import ModuleRow, PrecisionReport, describe
+from mpjax.describe import describe
+from mpjax.report import ModuleRow, PrecisionReport
 from mpjax.rules import Resolution, Rule, Rules, RuleWarning, as_rules, norm_policy
 
 __version__ = "0.1.0"

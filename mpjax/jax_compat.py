@@ -45,7 +45,7 @@ else:  # jax 0.8 and 0.9 have them in jax.core only
     _jaxprs_in_params = jax.core.jaxprs_in_params
 
 
-class UnsupportedJaxError(NotImplementedError):
+class UnsupportedJaxError(RuntimeError):
     """Raised when an equation lacks a param mpjax reads: this JAX is newer (or older) than
     the versions :mod:`mpjax.jax_compat` knows."""
 

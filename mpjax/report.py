@@ -120,31 +120,3 @@ def matmuls_by_region(fn: Callable[..., Any], *args) -> dict[str, tuple[tuple[st
         counts[m.region or ""][dtypes] += 1
     return {path: tuple(sorted(c.items())) for path, c in counts.items()}
 
-
-def describe(model: Any, *args, **kwargs) -> Any:
-    """Returns (and prints) the precision report of a linen or NNX model wrapped by mpjax, or of
-    a function made by :func:`mpjax.autocast`.
-
-    Dispatches to :func:`mpjax.linen.describe` for linen modules, to :func:`mpjax.nnx.describe`
-    for NNX modules and to :func:`mpjax.autocast_report` for autocast functions; see those for
-    the arguments.
-    """
-    if hasattr(model, "__mpjax_autocast__"):
-        from mpjax.autocast import autocast_report
-
-        return autocast_report(model, *args, **kwargs)
-    import flax.linen as nn  # Deferred: Flax is only needed for Flax models.
-    from flax import nnx
-
-    if isinstance(model, nnx.Module):
-        from mpjax import nnx as mp_nnx
-
-        return mp_nnx.describe(model, *args, **kwargs)
-    if isinstance(model, nn.Module):
-        from mpjax import linen as mp_linen
-
-        return mp_linen.describe(model, *args, **kwargs)
-    raise TypeError(
-        "describe() takes a flax.linen or flax.nnx module or a function made by mpjax.autocast; "
-        f"got {type(model).__name__}."
-    )
