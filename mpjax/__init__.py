@@ -9,22 +9,25 @@ from mpjax.autocast import (
     autocast_report,
 )
 from mpjax.inspection import MatmulInfo, MatmulReport, hlo_op_counts, inspect_matmuls
-from mpjax.loss_scale import (
+from mpjax.loss_scaling import (
     DynamicLossScale,
     LossScale,
+    LossScalingInfo,
+    LossScalingState,
     NoOpLossScale,
+    PersistentOverflowError,
     StaticLossScale,
+    check_overflow,
+    loss_scaling,
+    loss_scaling_info,
+    scale_loss,
+)
+from mpjax.loss_scaling import (  # deprecated aliases, kept for one release
+    find_loss_scaling_state,
     get_loss_scale,
     loss_scale_for,
 )
-from mpjax.loss_scaling import (
-    LossScalingState,
-    PersistentOverflowError,
-    check_overflow,
-    find_loss_scaling_state,
-    loss_scaling,
-    scale_loss,
-)
+from mpjax import flax_serialization  # noqa: F401  (registers the loss scales with Flax)
 from mpjax.master_weights import MasterWeightsState, master_weights
 from mpjax.op_categories import DEFAULT_OP_CATEGORIES
 from mpjax.policy import (
@@ -52,6 +55,7 @@ __all__ = [
     "DynamicLossScale",
     "FULL_PRECISION_SCOPE",
     "LossScale",
+    "LossScalingInfo",
     "LossScalingState",
     "MIXED_BFLOAT16",
     "MIXED_FLOAT16",
@@ -83,6 +87,7 @@ __all__ = [
     "inspect_matmuls",
     "loss_scale_for",
     "loss_scaling",
+    "loss_scaling_info",
     "master_weights",
     "norm_policy",
     "scale_loss",

@@ -1,6 +1,9 @@
-"""Loss scaling as an optax transformation: never apply an update from non-finite gradients.
+"""Loss scaling: the scale values, the optax transformation, and readers of its state.
 
-The order of one training step is scale -> grad -> unscale -> clip -> update:
+float16's narrow exponent range lets small gradients underflow to zero. Loss scaling multiplies
+the loss by a large factor before differentiation, so the backward pass stays in range, and
+divides the gradients by it again before the optimizer sees them. The order of one training
+step is scale -> grad -> unscale -> clip -> update:
 
 1. ``scale_loss(loss, opt_state)`` multiplies the loss by the current scale;
 2. ``jax.grad`` gives gradients of the scaled loss;
@@ -10,40 +13,444 @@ The order of one training step is scale -> grad -> unscale -> clip -> update:
 5. returns its updates; after a non-finite step it returns zeros and leaves the wrapped state
    bit-for-bit unchanged. Either way it adjusts the scale for the next step.
 
-The loss-scale values themselves live in :mod:`mpjax.loss_scale`.
+The vocabulary:
+
+* the scale values :class:`DynamicLossScale` (PyTorch's ``GradScaler`` rule),
+  :class:`StaticLossScale` and :class:`NoOpLossScale` (``LossScale`` is any of them);
+* the transformation :func:`loss_scaling`, whose state is a :class:`LossScalingState`;
+* readers that take any optimizer state, the loss-scaling state nested anywhere in it
+  (``optax.chain``, ``optax.MultiSteps``, :func:`mpjax.master_weights`):
+  :func:`scale_loss`, :func:`loss_scaling_info` and :func:`check_overflow`. Without a
+  loss-scaling state they pass through, so one training step serves every policy.
+
+The scale values are plain JAX pytrees (frozen dataclasses registered with
+``jax.tree_util``): values that change during training are leaves of one dtype each (the scale
+a float32 scalar array, the growth counter an int32 scalar array), so a jitted step compiles
+once and a new static scale does not retrace. The dynamic scale's hyperparameters are part of
+the tree structure: configuration fixed for a run, like an optax learning rate held in a
+closure. They survive every tree operation, and a checkpoint restored into an optimizer state
+built by the same code gets them back from that code, while the scale and counter come from the
+checkpoint. The constructors validate what the user passes; rebuilding from leaves (``jit``,
+``tree.map``, checkpoint restore) does not.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, NamedTuple, Union
+import math
+import warnings
+from typing import Any, NamedTuple, Optional, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from mpjax import jax_compat
-from mpjax.loss_scale import (
-    DynamicLossScale,
-    LossScale,
-    NoOpLossScale,
-    StaticLossScale,
-    get_loss_scale,
-    loss_scale_for,
-)
+from mpjax.gradient_checks import check_gradients
+from mpjax.policy import PolicyLike, get_policy
 
 __all__ = [
     "DynamicLossScale",
+    "LossScale",
+    "LossScalingInfo",
     "LossScalingState",
     "NoOpLossScale",
     "PersistentOverflowError",
     "StaticLossScale",
     "check_overflow",
-    "find_loss_scaling_state",
-    "loss_scale_for",
     "loss_scaling",
+    "loss_scaling_info",
     "scale_loss",
 ]
+
+T = TypeVar("T")
+
+# PyTorch's GradScaler starts at 2**16, which float16 cannot represent (its largest finite
+# value is 65504): a float16 loss scaled by it is inf on the first step. 2**15 (jmp, Keras) is
+# the largest power of two float16 holds.
+DEFAULT_INITIAL_SCALE = 2.0**15
+DEFAULT_GROWTH_FACTOR = 2.0
+DEFAULT_BACKOFF_FACTOR = 0.5
+DEFAULT_GROWTH_INTERVAL = 2000
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss-scale values
+
+
+def _host_scalar(value: Any, name: str, what: str) -> Optional[np.ndarray]:
+    """The host value of a scalar the user passed, or None for a tracer (checked later)."""
+    if jax_compat.is_tracer(value):
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.ndarray, np.generic, jax.Array)
+    ):
+        raise TypeError(f"{name} must be {what}, got {value!r} of type {type(value).__name__}.")
+    host = np.asarray(value)
+    if host.shape != () or not jnp.issubdtype(host.dtype, jnp.number):
+        raise ValueError(f"{name} must be {what}, got {value!r}.")
+    return host
+
+
+def _scale_leaf(value: Any, name: str = "loss_scale") -> jax.Array:
+    """Checks a scale the user passed; returns it as a strongly typed float32 scalar array.
+
+    A tracer is only cast: its value is not known yet.
+    """
+    host = _host_scalar(value, name, "a positive number")
+    if host is not None:
+        with np.errstate(over="ignore", invalid="ignore"):  # reported just below
+            as_f32 = np.float32(host)
+        if not (np.isfinite(as_f32) and as_f32 > 0):
+            raise ValueError(f"{name} must be positive and finite in float32, got {value!r}.")
+    if isinstance(value, jax.Array):
+        if value.dtype == jnp.float32 and not jax.typeof(value).weak_type:
+            return value  # keeps its device and sharding
+        return jnp.asarray(value, jnp.float32)
+    return jnp.asarray(as_f32, jnp.float32)
+
+
+def _counter_leaf(value: Any) -> jax.Array:
+    """Checks a growth counter the user passed; returns it as an int32 scalar array."""
+    host = _host_scalar(value, "counter", "a non-negative integer")
+    if host is not None and (not jnp.issubdtype(host.dtype, jnp.integer) or host < 0):
+        raise ValueError(f"counter must be a non-negative integer, got {value!r}.")
+    if isinstance(value, jax.Array):
+        if value.dtype == jnp.int32 and not jax.typeof(value).weak_type:
+            return value
+        return jnp.asarray(value, jnp.int32)
+    return jnp.asarray(host, jnp.int32)
+
+
+def _optional_bound(value: Any, name: str) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"{name} must be a positive number or None, got {value!r}.")
+    value = float(value)
+    with np.errstate(over="ignore"):  # too large for float32 is reported just below
+        in_range = math.isfinite(np.float32(value))
+    if not (value > 0 and in_range):
+        raise ValueError(f"{name} must be positive and finite in float32 or None, got {value!r}.")
+    return value
+
+
+def _multiply_floating(tree: T, factor: jax.Array, divide: bool, keep_dtype: bool) -> T:
+    """Multiplies (or divides) floating leaves by ``factor``, computing in at least float32."""
+
+    def apply(x):
+        if isinstance(x, (float, np.ndarray, np.generic)):
+            x = jnp.asarray(x)
+        if not isinstance(x, jax.Array) or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        # Explicit: strict dtype promotion has no bfloat16 -> float32 path.
+        wide = x.dtype if jnp.finfo(x.dtype).bits > 32 else np.dtype(jnp.float32)
+        x_wide, f_wide = x.astype(wide), factor.astype(wide)
+        out = x_wide / f_wide if divide else x_wide * f_wide
+        return out.astype(x.dtype) if keep_dtype else out
+
+    return jax.tree.map(apply, tree)
+
+
+def _register(cls: type, data_fields: tuple[str, ...]) -> type:
+    """Registers a loss-scale dataclass as a pytree: ``data_fields`` are leaves, every other
+    field is static (part of the tree structure). Unflattening rebuilds the object without
+    calling the constructor, so tracers, abstract values and placeholders are never validated
+    and never block."""
+    meta_fields = tuple(f.name for f in dataclasses.fields(cls) if f.name not in data_fields)
+    keys = tuple(jax.tree_util.GetAttrKey(name) for name in data_fields)
+
+    def flatten_with_keys(obj):
+        children = tuple((key, getattr(obj, key.name)) for key in keys)
+        return children, tuple(getattr(obj, name) for name in meta_fields)
+
+    def flatten(obj):
+        return tuple(getattr(obj, name) for name in data_fields), tuple(
+            getattr(obj, name) for name in meta_fields
+        )
+
+    def unflatten(meta, children):
+        return cls._from_fields(**dict(zip(data_fields, children)), **dict(zip(meta_fields, meta)))
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    return cls
+
+
+class _LossScaleBase:
+    """``scale``/``unscale``/``replace`` shared by the three loss scales."""
+
+    loss_scale: jax.Array
+
+    @classmethod
+    def _from_fields(cls, **fields: Any):
+        """Builds an instance from field values as they are, without validation or casts."""
+        obj = object.__new__(cls)
+        for name, value in fields.items():
+            object.__setattr__(obj, name, value)
+        return obj
+
+    def scale(self, tree: T) -> T:
+        """Multiplies the floating-point leaves of ``tree`` by the scale, keeping their dtypes.
+
+        The product is computed in at least float32 and rounded once to each leaf's dtype.
+        Non-floating leaves pass through.
+        """
+        return _multiply_floating(tree, self.loss_scale, divide=False, keep_dtype=True)
+
+    def unscale(self, tree: T) -> T:
+        """Divides the floating-point leaves of ``tree`` by the scale, in float32.
+
+        Leaves come back as float32 (float64 stays float64); non-floating leaves pass through.
+        """
+        return _multiply_floating(tree, self.loss_scale, divide=True, keep_dtype=False)
+
+    def replace(self, **changes: Any):
+        """Returns a copy with the given fields changed, validated like the constructor."""
+        return dataclasses.replace(self, **changes)
+
+
+@functools.partial(_register, data_fields=())
+@dataclasses.dataclass(frozen=True, init=False)
+class NoOpLossScale(_LossScaleBase):
+    """A loss scale of exactly 1: for bfloat16 and float32 training, which need none.
+
+    Members as jmp's ``NoOpLossScale``: ``loss_scale``, ``counter``, ``scale``, ``unscale``,
+    ``adjust``.
+
+    >>> NoOpLossScale().loss_scale
+    Array(1., dtype=float32)
+    """
+
+    def __init__(self):
+        pass
+
+    @property
+    def loss_scale(self) -> jax.Array:
+        """The scale, a float32 scalar array: always 1."""
+        return jnp.ones((), jnp.float32)
+
+    @property
+    def counter(self) -> jax.Array:
+        """The growth counter, an int32 scalar array: always 0."""
+        return jnp.zeros((), jnp.int32)
+
+    def adjust(self, grads_finite: jax.Array) -> NoOpLossScale:
+        """Returns ``self``: a no-op scale never changes."""
+        del grads_finite
+        return self
+
+
+@functools.partial(_register, data_fields=("loss_scale",))
+@dataclasses.dataclass(frozen=True, init=False)
+class StaticLossScale(_LossScaleBase):
+    """A fixed loss scale.
+
+    The value is a float32 array leaf, so a jitted step given a new static value does not
+    retrace. Members as jmp's ``StaticLossScale``: ``loss_scale``, ``counter``, ``scale``,
+    ``unscale``, ``adjust``.
+
+    Args:
+      loss_scale: the scale, a positive number (Python, NumPy or a jax scalar array; stored as
+        a float32 scalar array). Inside ``jax.jit`` a traced scale is cast, not checked.
+
+    Raises:
+      ValueError: if ``loss_scale`` is not positive and finite in float32, or not a scalar.
+      TypeError: if ``loss_scale`` is not a number.
+
+    >>> StaticLossScale(128).scale(jnp.array(0.5, jnp.bfloat16))
+    Array(64, dtype=bfloat16)
+    """
+
+    loss_scale: jax.Array
+
+    def __init__(self, loss_scale: Union[jax.Array, float]):
+        object.__setattr__(self, "loss_scale", _scale_leaf(loss_scale))
+
+    @property
+    def counter(self) -> jax.Array:
+        """The growth counter, an int32 scalar array: always 0."""
+        return jnp.zeros((), jnp.int32)
+
+    def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
+        """Returns ``self``: a static scale never changes."""
+        del grads_finite
+        return self
+
+
+@functools.partial(_register, data_fields=("loss_scale", "counter"))
+@dataclasses.dataclass(frozen=True, init=False)
+class DynamicLossScale(_LossScaleBase):
+    """A loss scale that follows PyTorch's ``GradScaler`` rule.
+
+    After a step with non-finite gradients the scale is multiplied by ``backoff_factor`` and the
+    counter resets. After a finite step the counter grows by one; on the
+    ``growth_interval``-th consecutive finite step the scale is multiplied by ``growth_factor``
+    (only if the result stays finite) and the counter resets. ``min_scale`` and ``max_scale``,
+    when given, clamp the result (PyTorch has neither).
+
+    The default initial scale is ``2**15`` (jmp and Keras), not PyTorch's ``2**16``: float16's
+    largest finite value is 65504, so a float16 loss scaled by ``2**16`` overflows on the first
+    step. Growth factor, backoff factor and interval default to PyTorch's 2, 0.5 and 2000.
+
+    The members are jmp's, so code written against ``jmp.DynamicLossScale`` reads the same:
+    ``loss_scale`` (a float32 scalar array) and ``counter`` (an int32 scalar array) are the
+    pytree leaves, ``scale(tree)``, ``unscale(tree)`` and ``adjust(grads_finite)`` the methods.
+    The hyperparameters take PyTorch's names and are static: configuration that never changes
+    during a run, kept in the tree structure (never lost by ``jit``, ``tree.map`` or
+    checkpoints) and, on restore, taken from the optimizer the code builds.
+
+    Args:
+      loss_scale: initial scale, a positive number (Python, NumPy or a jax scalar array).
+      counter: consecutive finite steps since the last change, a non-negative integer.
+      growth_factor: factor applied on growth, greater than 1.
+      backoff_factor: factor applied on overflow, in (0, 1).
+      growth_interval: consecutive finite steps before growth, at least 1.
+      min_scale: floor for the scale after backoff, or None for no floor.
+      max_scale: cap for the scale after growth, or None for no cap.
+
+    Inside ``jax.jit`` a traced ``loss_scale`` or ``counter`` is cast, not checked.
+
+    Raises:
+      ValueError: for a non-positive or non-finite scale, a negative counter,
+        ``growth_factor <= 1``, ``backoff_factor`` outside (0, 1), ``growth_interval < 1``,
+        ``min_scale > max_scale`` or an initial scale outside ``[min_scale, max_scale]``.
+      TypeError: for an argument that is not a number of the right kind.
+
+    >>> ls = DynamicLossScale(16.0, growth_interval=1)
+    >>> ls.adjust(jnp.array(True)).loss_scale, ls.adjust(jnp.array(False)).loss_scale
+    (Array(32., dtype=float32), Array(8., dtype=float32))
+    """
+
+    loss_scale: jax.Array
+    counter: jax.Array
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    min_scale: Optional[float]
+    max_scale: Optional[float]
+
+    def __init__(
+        self,
+        loss_scale: Union[jax.Array, float] = DEFAULT_INITIAL_SCALE,
+        counter: Union[jax.Array, int] = 0,
+        *,
+        growth_factor: float = DEFAULT_GROWTH_FACTOR,
+        backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
+        growth_interval: int = DEFAULT_GROWTH_INTERVAL,
+        min_scale: Optional[float] = None,
+        max_scale: Optional[float] = None,
+    ):
+        growth, backoff, interval = growth_factor, backoff_factor, growth_interval
+        if isinstance(growth, bool) or not isinstance(growth, (int, float, np.number)):
+            raise TypeError(f"growth_factor must be a number greater than 1, got {growth!r}.")
+        if not (growth > 1 and math.isfinite(growth)):
+            raise ValueError(f"growth_factor must be finite and greater than 1, got {growth!r}.")
+        if isinstance(backoff, bool) or not isinstance(backoff, (int, float, np.number)):
+            raise TypeError(f"backoff_factor must be a number in (0, 1), got {backoff!r}.")
+        if not 0 < backoff < 1:
+            raise ValueError(f"backoff_factor must be in the open interval (0, 1), got {backoff!r}.")
+        if isinstance(interval, bool) or not isinstance(interval, (int, np.integer)):
+            raise TypeError(f"growth_interval must be an integer >= 1, got {interval!r}.")
+        if interval < 1:
+            raise ValueError(f"growth_interval must be an integer >= 1, got {interval!r}.")
+        low = _optional_bound(min_scale, "min_scale")
+        high = _optional_bound(max_scale, "max_scale")
+        if low is not None and high is not None and low > high:
+            raise ValueError(
+                f"min_scale must not exceed max_scale, got min_scale={low!r} > max_scale={high!r}."
+            )
+        scale = _scale_leaf(loss_scale)
+        if not jax_compat.is_tracer(scale):
+            initial = float(scale)
+            if (low is not None and initial < low) or (high is not None and initial > high):
+                raise ValueError(
+                    f"loss_scale {loss_scale!r} is outside [min_scale, max_scale] = "
+                    f"[{low}, {high}]."
+                )
+        fields = {
+            "loss_scale": scale,
+            "counter": _counter_leaf(counter),
+            "growth_factor": float(growth),
+            "backoff_factor": float(backoff),
+            "growth_interval": int(interval),
+            "min_scale": low,
+            "max_scale": high,
+        }
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
+        """Returns the loss scale for the next step, given whether this step's grads were finite.
+
+        Args:
+          grads_finite: a boolean scalar (array or Python bool).
+
+        Returns:
+          A new :class:`DynamicLossScale`; ``loss_scale`` stays float32, ``counter`` int32.
+        """
+        finite = jnp.asarray(grads_finite, jnp.bool_)
+        scale, counter = self.loss_scale, self.counter + 1
+        grow = finite & (counter >= self.growth_interval)
+        grown = scale * self.growth_factor
+        if self.max_scale is not None:
+            grown = jnp.minimum(grown, self.max_scale)
+        # PyTorch's rule: growth that would overflow float32 is refused, the counter still resets.
+        grown = jnp.where(jnp.isfinite(grown), grown, scale)
+        backed_off = scale * self.backoff_factor
+        if self.min_scale is not None:
+            backed_off = jnp.maximum(backed_off, self.min_scale)
+        new_scale = jnp.where(finite, jnp.where(grow, grown, scale), backed_off)
+        new_counter = jnp.where(finite & ~grow, counter, 0)
+        # Built from the computed values as they are (they are tracers under jit).
+        return self._from_fields(**{
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+            "loss_scale": new_scale.astype(jnp.float32),
+            "counter": new_counter.astype(jnp.int32),
+        })
+
+
+LossScale = Union[DynamicLossScale, StaticLossScale, NoOpLossScale]
+"""Any of the three loss-scale pytrees."""
+
+_LOSS_SCALE_CHOICES = ("'dynamic'", "'none'", "'static:N'", "a positive number", "a loss scale")
+
+
+def _parse_loss_scale(spec: Union[LossScale, str, int, float]) -> LossScale:
+    """The loss scale that ``spec`` names: a loss scale (as is), ``"dynamic"``, ``"none"``,
+    ``"static:N"`` or a positive number N."""
+    if isinstance(spec, (DynamicLossScale, StaticLossScale, NoOpLossScale)):
+        return spec
+    if isinstance(spec, str):
+        text = spec.strip()
+        if text == "dynamic":
+            return DynamicLossScale()
+        if text == "none":
+            return NoOpLossScale()
+        head, sep, value = text.partition(":")
+        if head.strip() == "static" and sep:
+            try:
+                number = float(value)
+            except ValueError:
+                raise ValueError(
+                    f"Malformed static loss scale {spec!r}: expected 'static:N' with N a "
+                    "positive number, for example 'static:1024'."
+                ) from None
+            return StaticLossScale(number)
+        raise ValueError(
+            f"Unknown loss_scale {spec!r}. Valid choices: {', '.join(_LOSS_SCALE_CHOICES)}."
+        )
+    if isinstance(spec, (int, float, np.number)) and not isinstance(spec, bool):
+        return StaticLossScale(spec)
+    raise TypeError(
+        f"loss_scale must be one of {', '.join(_LOSS_SCALE_CHOICES)}; got {spec!r} of type "
+        f"{type(spec).__name__}."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The transformation
 
 
 class LossScalingState(NamedTuple):
@@ -79,29 +486,6 @@ class LossScalingState(NamedTuple):
     def counter(self) -> jax.Array:
         """The growth counter, an int32 scalar array (0 for static and no-op scales)."""
         return self.loss_scale.counter
-
-
-class PersistentOverflowError(RuntimeError):
-    """Raised by :func:`check_overflow` when too many optimizer steps in a row were skipped."""
-
-
-def _check_gradients(grads: Any, params: Any, where: str) -> None:
-    """Rejects non-floating gradients and gradients whose tree differs from the params."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
-        dtype = jnp.result_type(leaf)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(
-                f"{where}: gradients must be floating-point, got {dtype} at "
-                f"grads{jax.tree_util.keystr(path)}. Differentiate with respect to the "
-                "floating-point params only (integer leaves have no gradient)."
-            )
-    if params is not None:
-        grads_tree, params_tree = jax.tree.structure(grads), jax.tree.structure(params)
-        if grads_tree != params_tree:
-            raise ValueError(
-                f"{where}: the grads tree does not match the params tree.\n"
-                f"  grads:  {grads_tree}\n  params: {params_tree}"
-            )
 
 
 def _all_finite(tree: Any) -> jax.Array:
@@ -142,6 +526,9 @@ def loss_scaling(
     the window never happened, accumulator cleared). The scale stays constant within a window
     and is adjusted once per optimizer step, so ``growth_interval`` counts optimizer steps.
 
+    To choose the scale from a policy: ``loss_scaling(inner, "dynamic" if
+    policy.needs_loss_scaling else "none")`` (see :attr:`mpjax.Policy.needs_loss_scaling`).
+
     Args:
       inner: the transformation to wrap: any optax ``GradientTransformation`` or chain,
         ``optax.MultiSteps``, or :func:`mpjax.master_weights`.
@@ -155,7 +542,8 @@ def loss_scaling(
       ``params`` are given, a gradient tree matching them (``ValueError`` otherwise).
 
     Raises:
-      ValueError, TypeError: for a ``loss_scale`` it cannot interpret.
+      ValueError: for an unknown string, a malformed ``"static:N"`` or a non-positive scale.
+      TypeError: for a ``loss_scale`` of any other type.
 
     >>> import optax
     >>> tx = loss_scaling(optax.sgd(1.0), "static:8")
@@ -166,7 +554,7 @@ def loss_scaling(
     >>> updates["w"], state.applied
     (Array([-2., -2.], dtype=float32), Array(True, dtype=bool))
     """
-    scale0 = get_loss_scale(loss_scale)
+    scale0 = _parse_loss_scale(loss_scale)
     inner = optax.with_extra_args_support(inner)
 
     def init(params):
@@ -180,7 +568,7 @@ def loss_scaling(
         )
 
     def update(updates, state, params=None, **extra_args):
-        _check_gradients(updates, params, "loss_scaling")
+        check_gradients(updates, params, "loss_scaling")
         unscaled = state.loss_scale.unscale(updates)
         # Back to each gradient's own dtype, so inner state dtypes never change; the check comes
         # after the cast because a value finite in float32 can overflow float16.
@@ -234,44 +622,120 @@ def loss_scaling(
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def find_loss_scaling_state(opt_state: Any) -> LossScalingState:
-    """Returns the one :class:`LossScalingState` inside ``opt_state``, wherever it sits.
+# ---------------------------------------------------------------------------------------------
+# Readers of any optimizer state
 
-    It is found inside ``optax.chain`` tuples, ``optax.MultiSteps`` and master-weights states,
-    or any other pytree.
 
-    Raises:
-      ValueError: if ``opt_state`` holds none, or more than one.
+class LossScalingInfo(NamedTuple):
+    """What a training loop reads from the loss scaling: see :func:`loss_scaling_info`.
 
-    >>> import optax
-    >>> state = optax.chain(optax.scale(1.0), loss_scaling(optax.sgd(1.0))).init(jnp.ones(1))
-    >>> find_loss_scaling_state(state).scale
-    Array(32768., dtype=float32)
+    Attributes:
+      loss_scale: float32 scalar; the scale the next loss will be multiplied by.
+      applied: bool scalar; whether the last optimizer step was applied.
+      skipped_steps: int32 scalar; optimizer steps skipped so far for non-finite gradients.
+      consecutive_skipped: int32 scalar; optimizer steps skipped in a row.
     """
-    is_state = lambda x: isinstance(x, LossScalingState)  # noqa: E731
-    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
-    if len(found) != 1:
+
+    loss_scale: jax.Array
+    applied: jax.Array
+    skipped_steps: jax.Array
+    consecutive_skipped: jax.Array
+
+
+def _is_loss_scaling_state(x: Any) -> bool:
+    return isinstance(x, LossScalingState)
+
+
+def _loss_scaling_states(opt_state: Any) -> list[LossScalingState]:
+    """Every :class:`LossScalingState` inside ``opt_state``, wherever it sits."""
+    leaves = jax.tree.leaves(opt_state, is_leaf=_is_loss_scaling_state)
+    return [x for x in leaves if _is_loss_scaling_state(x)]
+
+
+def _find_state(opt_state: Any) -> Optional[LossScalingState]:
+    """The one :class:`LossScalingState` inside ``opt_state``, or None when it holds none."""
+    found = _loss_scaling_states(opt_state)
+    if len(found) > 1:
         raise ValueError(
-            f"opt_state must hold exactly one LossScalingState, found {len(found)}. Build the "
+            f"opt_state must hold at most one LossScalingState, found {len(found)}. Build the "
             "optimizer with one mpjax.loss_scaling(...) and pass its full state."
         )
-    return found[0]
+    return found[0] if found else None
 
 
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     """Multiplies ``loss`` by the current loss scale found anywhere in ``opt_state``.
 
-    The product is computed in float32 and returned in the loss's dtype. Differentiate the
-    result, and pass the gradients to the :func:`loss_scaling` transformation's ``update``.
+    The state of :func:`loss_scaling` is found wherever it sits: inside ``optax.chain``
+    tuples, ``optax.MultiSteps``, :func:`mpjax.master_weights` states or any other pytree. The
+    product is computed in float32 and returned in the loss's dtype. Differentiate the result,
+    and pass the gradients to the optimizer's ``update``.
+
+    Without loss scaling in ``opt_state`` the loss is returned unchanged, as PyTorch's
+    ``GradScaler(enabled=False).scale`` does: one training step serves every policy, whether or
+    not its optimizer scales the loss.
+
+    Args:
+      loss: the loss, a floating-point scalar array.
+      opt_state: the full optimizer state.
 
     Raises:
-      ValueError: if ``opt_state`` does not hold exactly one :class:`LossScalingState`.
+      ValueError: if ``opt_state`` holds more than one :class:`LossScalingState`.
 
     >>> state = loss_scaling(optax.sgd(1.0), "static:4").init(jnp.ones(1))
-    >>> scale_loss(jnp.array(0.5), state)
+    >>> scale_loss(jnp.float32(0.5), state)
     Array(2., dtype=float32)
+    >>> scale_loss(jnp.float32(0.5), optax.sgd(1.0).init(jnp.ones(1)))  # no loss scaling
+    Array(0.5, dtype=float32)
     """
-    return find_loss_scaling_state(opt_state).loss_scale.scale(loss)
+    state = _find_state(opt_state)
+    return loss if state is None else state.loss_scale.scale(loss)
+
+
+def loss_scaling_info(opt_state: Any) -> LossScalingInfo:
+    """The current loss scale and skip counters, read from anywhere in ``opt_state``.
+
+    The state of :func:`loss_scaling` is found as by :func:`scale_loss`. Works inside and
+    outside ``jax.jit``: the fields are arrays, ready to log as metrics.
+
+    Without loss scaling in ``opt_state`` the neutral values come back: a scale of 1, every
+    step applied, nothing skipped. So a training step can log the same metrics for every
+    policy, as PyTorch's ``GradScaler(enabled=False).get_scale()`` gives 1.
+
+    Args:
+      opt_state: the full optimizer state.
+
+    Returns:
+      A :class:`LossScalingInfo`: ``loss_scale`` (float32), ``applied`` (bool),
+      ``skipped_steps`` and ``consecutive_skipped`` (int32), all scalar arrays.
+
+    Raises:
+      ValueError: if ``opt_state`` holds more than one :class:`LossScalingState`.
+
+    >>> tx = optax.chain(optax.clip(1.0), loss_scaling(optax.sgd(1.0)))
+    >>> loss_scaling_info(tx.init(jnp.ones(1))).loss_scale
+    Array(32768., dtype=float32)
+    >>> loss_scaling_info(optax.sgd(1.0).init(jnp.ones(1))).loss_scale  # no loss scaling
+    Array(1., dtype=float32)
+    """
+    state = _find_state(opt_state)
+    if state is None:
+        return LossScalingInfo(
+            loss_scale=jnp.ones((), jnp.float32),
+            applied=jnp.array(True),
+            skipped_steps=jnp.zeros((), jnp.int32),
+            consecutive_skipped=jnp.zeros((), jnp.int32),
+        )
+    return LossScalingInfo(
+        loss_scale=state.scale,
+        applied=state.applied,
+        skipped_steps=state.skipped_steps,
+        consecutive_skipped=state.consecutive_skipped,
+    )
+
+
+class PersistentOverflowError(RuntimeError):
+    """Raised by :func:`check_overflow` when too many optimizer steps in a row were skipped."""
 
 
 def check_overflow(opt_state: Any, max_consecutive: int) -> None:
@@ -279,39 +743,102 @@ def check_overflow(opt_state: Any, max_consecutive: int) -> None:
 
     Non-finite steps are expected and harmless in float16 training now and then, but when every
     step overflows, training silently stops. Call this outside ``jax.jit``, for example every
-    few steps in the training loop (it reads one scalar from the device).
+    few steps in the training loop (it reads one scalar from the device). The state of
+    :func:`loss_scaling` is found as by :func:`scale_loss`; without one nothing is ever
+    skipped, and this never raises.
 
     Args:
-      opt_state: an optimizer state holding one :class:`LossScalingState`.
-      max_consecutive: how many consecutive skipped optimizer steps to tolerate, at least 1.
+      opt_state: the full optimizer state.
+      max_consecutive: how many consecutive skipped optimizer steps to tolerate, an integer
+        (Python or NumPy) of at least 1.
 
     Raises:
       PersistentOverflowError: if ``max_consecutive`` or more steps in a row were skipped.
-      ValueError: for ``max_consecutive < 1`` or an ``opt_state`` without exactly one
+      ValueError: for ``max_consecutive < 1`` or an ``opt_state`` holding more than one
         :class:`LossScalingState`.
       TypeError: for a non-integer ``max_consecutive``, or when called inside ``jax.jit``.
 
     >>> state = loss_scaling(optax.sgd(1.0)).init(jnp.ones(1))
     >>> check_overflow(state, max_consecutive=100)  # nothing skipped: no error
     """
-    if isinstance(max_consecutive, bool) or not isinstance(max_consecutive, int):
+    if isinstance(max_consecutive, (bool, np.bool_)) or not isinstance(
+        max_consecutive, (int, np.integer)
+    ):
         raise TypeError(f"max_consecutive must be an integer >= 1, got {max_consecutive!r}.")
     if max_consecutive < 1:
         raise ValueError(f"max_consecutive must be an integer >= 1, got {max_consecutive!r}.")
-    state = find_loss_scaling_state(opt_state)
-    if jax_compat.is_tracer(state.consecutive_skipped):
+    info = loss_scaling_info(opt_state)
+    if jax_compat.is_tracer(info.consecutive_skipped):
         raise TypeError(
             "check_overflow reads values from the device: call it outside jax.jit, on the "
             "opt_state a jitted step returns."
         )
-    count = int(state.consecutive_skipped)
+    count = int(info.consecutive_skipped)
     if count >= max_consecutive:
         raise PersistentOverflowError(
             f"The last {count} optimizer steps were all skipped because the gradients had inf "
             f"or NaN (limit: {max_consecutive}); the loss scale is now "
-            f"{float(state.scale):g}. Nothing has been applied since. Remedies:\n"
+            f"{float(info.loss_scale):g}. Nothing has been applied since. Remedies:\n"
             "  1. check the loss and the forward pass for inf/NaN (they overflow at any scale);\n"
             "  2. keep overflow-prone ops (softmax, norms, losses) in float32 via the policy;\n"
             "  3. lower the learning rate if the params themselves diverged;\n"
             "  4. use bfloat16 instead of float16 where the hardware has it."
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Deprecated aliases: kept for one release, each warns and names its replacement.
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(
+        f"mpjax.{old} is deprecated and will be removed in the next release; {new}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+def get_loss_scale(spec: Union[LossScale, str, int, float]) -> LossScale:
+    """Deprecated: pass ``spec`` to :func:`loss_scaling` directly, or build the loss scale
+    with :class:`DynamicLossScale`, :class:`StaticLossScale` or :class:`NoOpLossScale`.
+
+    Returns the loss scale that ``spec`` names (same specs and errors as :func:`loss_scaling`).
+    """
+    _deprecated(
+        "get_loss_scale",
+        "pass the spec to mpjax.loss_scaling(inner, loss_scale=spec) directly, or build "
+        "mpjax.DynamicLossScale(), mpjax.StaticLossScale(N) or mpjax.NoOpLossScale().",
+    )
+    return _parse_loss_scale(spec)
+
+
+def loss_scale_for(policy: PolicyLike) -> LossScale:
+    """Deprecated: use :attr:`mpjax.Policy.needs_loss_scaling`.
+
+    Returns a :class:`DynamicLossScale` when the policy computes or stores params in float16,
+    a :class:`NoOpLossScale` otherwise.
+    """
+    _deprecated(
+        "loss_scale_for",
+        'use mpjax.loss_scaling(tx, "dynamic" if policy.needs_loss_scaling else "none").',
+    )
+    return DynamicLossScale() if get_policy(policy).needs_loss_scaling else NoOpLossScale()
+
+
+def find_loss_scaling_state(opt_state: Any) -> LossScalingState:
+    """Deprecated: use :func:`loss_scaling_info` (or :func:`scale_loss`).
+
+    Returns the one :class:`LossScalingState` inside ``opt_state``; ``ValueError`` if it holds
+    none or more than one.
+    """
+    _deprecated(
+        "find_loss_scaling_state",
+        "use mpjax.loss_scaling_info(opt_state) to read the scale and the skip counters.",
+    )
+    found = _loss_scaling_states(opt_state)
+    if len(found) != 1:
+        raise ValueError(
+            f"opt_state must hold exactly one LossScalingState, found {len(found)}. Build the "
+            "optimizer with one mpjax.loss_scaling(...) and pass its full state."
+        )
+    return found[0]

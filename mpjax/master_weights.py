@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mpjax.loss_scaling import _check_gradients
+from mpjax.gradient_checks import check_gradients
 
 
 class MasterWeightsState(NamedTuple):
@@ -99,7 +99,7 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
             raise ValueError(
                 "master_weights needs the params: call update(grads, opt_state, params)."
             )
-        _check_gradients(updates, params, "master_weights")
+        check_gradients(updates, params, "master_weights")
         grads = jax.tree.map(
             lambda g, p: g.astype(jnp.float32) if _needs_master(p) else g, updates, params
         )

@@ -148,6 +148,21 @@ class Policy:
                 "which a storage cast cannot provide)."
             )
 
+    @property
+    def needs_loss_scaling(self) -> bool:
+        """Whether training under this policy needs loss scaling: True when the compute or the
+        param dtype is float16.
+
+        float16's narrow exponent range lets small gradients underflow to zero. bfloat16 has
+        float32's exponent range and needs no loss scaling, nor does float32. Pick the loss
+        scale from it: ``mpjax.loss_scaling(tx, "dynamic" if policy.needs_loss_scaling else
+        "none")``.
+
+        >>> get_policy("mixed_float16").needs_loss_scaling, get_policy("bf16").needs_loss_scaling
+        (True, False)
+        """
+        return np.dtype(jnp.float16) in (self.compute_dtype, self.param_dtype)
+
     def cast_to_param(self, tree: T) -> T:
         """Casts the floating-point array leaves of ``tree`` to ``param_dtype``."""
         return cast_floating(tree, self.param_dtype)

@@ -1,5 +1,8 @@
-"""Loss-scale values and the loss_scaling optax transform: trajectories, skips, jit, sharding,
-checkpoints, MultiSteps and bad input."""
+"""Loss scaling: the scale values, the loss_scaling optax transform and the readers of its
+state: trajectories, skips, pytree behaviour, jit, sharding, checkpoints, MultiSteps, bad input
+and the deprecated aliases."""
+
+import warnings
 
 import flax.serialization
 import jax
@@ -12,14 +15,14 @@ import pytest
 import mpjax
 from mpjax import (
     DynamicLossScale,
+    LossScalingInfo,
     LossScalingState,
     NoOpLossScale,
     PersistentOverflowError,
     StaticLossScale,
     check_overflow,
-    find_loss_scaling_state,
-    loss_scale_for,
     loss_scaling,
+    loss_scaling_info,
     scale_loss,
 )
 
@@ -69,7 +72,8 @@ def run_adjust(loss_scale, finite_sequence):
 
 
 def test_reference_trajectory_pytorch_example():
-    # REFERENCE.md: init 16, interval 3, overflow at (0-indexed) steps 6, 9 and 10.
+    # PyTorch's rule worked by hand: init 16, interval 3, overflow at (0-indexed) steps 6, 9
+    # and 10. Growth after each third finite step in a row, halving on every overflow.
     finite = [i not in (6, 9, 10) for i in range(11)]
     used, after = run_adjust(DynamicLossScale(16, growth_interval=3), finite)
     assert after == [16, 16, 32, 32, 32, 64, 32, 32, 32, 16, 8]
@@ -200,21 +204,98 @@ def test_tree_operations_with_placeholders_do_not_validate():
     assert jax.tree.map(lambda _: None, ls).loss_scale is None
 
 
+@pytest.mark.parametrize(
+    "ls", [DynamicLossScale(8.0, growth_interval=5, max_scale=64.0), StaticLossScale(8.0)]
+)
+def test_unflatten_rebuilds_without_validation_but_the_constructor_validates(ls):
+    leaves, treedef = jax.tree.flatten(ls)
+    placeholders = [object() for _ in leaves]
+    rebuilt = jax.tree.unflatten(treedef, placeholders)  # would raise if it validated
+    assert type(rebuilt) is type(ls)
+    assert jax.tree.leaves(rebuilt) == placeholders
+    if isinstance(ls, DynamicLossScale):
+        assert (rebuilt.growth_interval, rebuilt.max_scale) == (5, 64.0)
+    # Values the constructor would reject and cast come back as they are.
+    negative = jax.tree.unflatten(treedef, [-1.0 for _ in leaves])
+    assert jax.tree.leaves(negative) == [-1.0 for _ in leaves]
+    with pytest.raises(TypeError, match="loss_scale must be a positive number, got <object"):
+        type(ls)(object())
+    with pytest.raises(ValueError, match="loss_scale must be positive"):
+        type(ls)(-1.0)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (jnp.array(jnp.nan), "loss_scale must be positive and finite in float32, got Array(nan"),
+        (jnp.array(-4.0), "loss_scale must be positive"),
+        (jnp.array(0.0, BF16), "loss_scale must be positive"),
+        (jnp.ones(2), "loss_scale must be a positive number, got Array"),
+    ],
+    ids=["nan", "negative", "zero_bf16", "not_scalar"],
+)
+@pytest.mark.parametrize("cls", [DynamicLossScale, StaticLossScale])
+def test_constructor_rejects_bad_concrete_jax_arrays(cls, bad, match):
+    with pytest.raises(ValueError, match=match.replace("(", r"\(")):
+        cls(bad)
+
+
+def test_constructor_checks_a_concrete_jax_counter_and_bounds():
+    with pytest.raises(ValueError, match="counter must be a non-negative integer"):
+        DynamicLossScale(counter=jnp.array(-1))
+    with pytest.raises(ValueError, match="counter must be a non-negative integer"):
+        DynamicLossScale(counter=jnp.array(1.0))
+    with pytest.raises(ValueError, match=r"outside \[min_scale, max_scale\]"):
+        DynamicLossScale(jnp.array(2.0), min_scale=4.0)
+
+
+def test_constructor_casts_tracers_without_checking_them():
+    # Inside jit the value is unknown: a NaN scale built there is cast, not rejected.
+    def build(scale, counter):
+        ls = DynamicLossScale(scale, counter, min_scale=1.0)
+        return ls, StaticLossScale(scale)
+
+    dynamic, static = jax.jit(build)(jnp.array(jnp.nan, BF16), jnp.array(3, jnp.int16))
+    assert dynamic.loss_scale.dtype == F32 and static.loss_scale.dtype == F32
+    assert dynamic.counter.dtype == jnp.int32 and int(dynamic.counter) == 3
+    assert bool(jnp.isnan(dynamic.loss_scale)) and dynamic.min_scale == 1.0
+
+
+def test_concrete_float32_jax_scale_keeps_its_sharding(mesh):
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    scale = jax.device_put(jnp.float32(16.0), replicated)
+    assert DynamicLossScale(scale).loss_scale.sharding == replicated
+
+
+def test_replace_builds_a_validated_copy():
+    ls = DynamicLossScale(8.0, growth_interval=3)
+    other = ls.replace(loss_scale=32)
+    assert float(other.loss_scale) == 32.0 and other.loss_scale.dtype == F32
+    assert other.growth_interval == 3
+    with pytest.raises(ValueError, match="growth_interval must be an integer >= 1"):
+        ls.replace(growth_interval=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Choosing a loss scale
 
 
+def initial_loss_scale(spec):
+    """The loss scale a loss_scaling transform built from ``spec`` starts with."""
+    return loss_scaling(optax.sgd(1.0), spec).init(jnp.ones(1)).loss_scale
+
+
 def test_loss_scale_specs():
-    assert isinstance(mpjax.get_loss_scale("dynamic"), DynamicLossScale)
-    assert float(mpjax.get_loss_scale("dynamic").loss_scale) == 2.0**15
-    assert isinstance(mpjax.get_loss_scale("none"), NoOpLossScale)
-    static = mpjax.get_loss_scale("static:512")
+    assert isinstance(initial_loss_scale("dynamic"), DynamicLossScale)
+    assert float(initial_loss_scale("dynamic").loss_scale) == 2.0**15
+    assert isinstance(initial_loss_scale("none"), NoOpLossScale)
+    static = initial_loss_scale("static:512")
     assert isinstance(static, StaticLossScale) and float(static.loss_scale) == 512.0
-    assert float(mpjax.get_loss_scale(8).loss_scale) == 8.0
+    assert float(initial_loss_scale(8).loss_scale) == 8.0
     custom = DynamicLossScale(4.0)
-    assert mpjax.get_loss_scale(custom) is custom
+    assert initial_loss_scale(custom) is custom
     for spec in ("dynamic", "none", "static:3", 3, 2.5, custom):
-        ls = mpjax.get_loss_scale(spec)
+        ls = initial_loss_scale(spec)
         assert ls.loss_scale.dtype == F32 and ls.counter.dtype == jnp.int32
 
 
@@ -232,8 +313,10 @@ def test_default_loss_scale_is_dynamic_at_2_to_15():
         ("bf16", NoOpLossScale), ("float32", NoOpLossScale), (jnp.float16, DynamicLossScale),
     ],
 )
-def test_loss_scale_for_policy(policy, expected):
-    ls = loss_scale_for(policy)
+def test_policy_needs_loss_scaling_picks_the_loss_scale(policy, expected):
+    policy = mpjax.get_policy(policy)
+    assert policy.needs_loss_scaling is (expected is DynamicLossScale)
+    ls = initial_loss_scale("dynamic" if policy.needs_loss_scaling else "none")
     assert type(ls) is expected and ls.loss_scale.dtype == F32
 
 
@@ -260,9 +343,9 @@ def test_loss_scale_for_policy(policy, expected):
         (lambda: DynamicLossScale(8.0, min_scale=16.0, max_scale=4.0), "min_scale must not exceed max_scale"),
         (lambda: DynamicLossScale(8.0, min_scale=16.0), r"outside \[min_scale, max_scale\]"),
         (lambda: DynamicLossScale(counter=-1), "counter must be a non-negative integer"),
-        (lambda: mpjax.get_loss_scale("dynamc"), "Unknown loss_scale 'dynamc'. Valid choices: 'dynamic', 'none', 'static:N'"),
-        (lambda: mpjax.get_loss_scale("static:abc"), "Malformed static loss scale 'static:abc'"),
-        (lambda: mpjax.get_loss_scale("static:0"), "loss_scale must be positive"),
+        (lambda: loss_scaling(optax.sgd(1.0), "dynamc"), "Unknown loss_scale 'dynamc'. Valid choices: 'dynamic', 'none', 'static:N'"),
+        (lambda: loss_scaling(optax.sgd(1.0), "static:abc"), "Malformed static loss scale 'static:abc'"),
+        (lambda: loss_scaling(optax.sgd(1.0), "static:0"), "loss_scale must be positive"),
         (lambda: loss_scaling(optax.sgd(1.0), "bogus"), "Valid choices"),
     ],
 )
@@ -276,8 +359,11 @@ def test_bad_loss_scale_arguments_raise_value_error(make, match):
     [
         (lambda: DynamicLossScale(growth_interval=2.5), "growth_interval must be an integer"),
         (lambda: DynamicLossScale(growth_factor="2"), "growth_factor must be a number"),
-        (lambda: mpjax.get_loss_scale(None), "loss_scale must be one of"),
-        (lambda: mpjax.get_loss_scale(True), "loss_scale must be one of"),
+        (lambda: DynamicLossScale("1024"), "loss_scale must be a positive number, got '1024'"),
+        (lambda: StaticLossScale(True), "loss_scale must be a positive number, got True"),
+        (lambda: DynamicLossScale(counter=None), "counter must be a non-negative integer"),
+        (lambda: loss_scaling(optax.sgd(1.0), None), "loss_scale must be one of"),
+        (lambda: loss_scaling(optax.sgd(1.0), True), "loss_scale must be one of"),
     ],
 )
 def test_bad_loss_scale_types_raise_type_error(make, match):
@@ -445,15 +531,21 @@ def test_check_overflow_reports_the_scale_and_rejects_bad_use():
         check_overflow(state, 0)
     with pytest.raises(TypeError, match="max_consecutive must be an integer"):
         check_overflow(state, 2.5)
+    with pytest.raises(TypeError, match="max_consecutive must be an integer"):
+        check_overflow(state, np.bool_(True))
+    # NumPy integers count as integers.
+    check_overflow(state, np.int64(13))
+    with pytest.raises(PersistentOverflowError, match=r"The last 12 .*limit: 10\)"):
+        check_overflow(state, np.int64(10))
     with pytest.raises(TypeError, match="outside jax.jit"):
         jax.jit(lambda s: check_overflow(s, 5))(state)
 
 
 # ---------------------------------------------------------------------------------------------
-# Finding the state and scaling the loss
+# Readers of any optimizer state: scale_loss, loss_scaling_info, check_overflow
 
 
-def test_scale_loss_finds_the_state_anywhere_and_keeps_the_loss_dtype():
+def test_readers_find_the_state_anywhere_and_scale_loss_keeps_the_loss_dtype():
     params = {"w": jnp.ones(2)}
     ls = loss_scaling(optax.sgd(1.0), "static:8")
     states = [
@@ -463,21 +555,78 @@ def test_scale_loss_finds_the_state_anywhere_and_keeps_the_loss_dtype():
         loss_scaling(optax.MultiSteps(optax.sgd(1.0), 2), "static:8").init(params),
         mpjax.master_weights(ls).init({"w": jnp.ones(2, BF16)}),
         {"opt": (optax.EmptyState(), ls.init(params))},
+        # Nested several levels: a chain holding MultiSteps of master weights of loss scaling.
+        optax.chain(
+            optax.clip(1.0), optax.MultiSteps(mpjax.master_weights(ls), 2)
+        ).init({"w": jnp.ones(2, F16)}),
     ]
     for state in states:
-        assert float(find_loss_scaling_state(state).scale) == 8.0
+        info = loss_scaling_info(state)
+        assert isinstance(info, LossScalingInfo)
+        assert float(info.loss_scale) == 8.0 and info.loss_scale.dtype == F32
+        assert bool(info.applied) and info.applied.dtype == jnp.bool_
+        assert int(info.skipped_steps) == 0 and info.skipped_steps.dtype == jnp.int32
+        assert int(info.consecutive_skipped) == 0 and info.consecutive_skipped.dtype == jnp.int32
+        check_overflow(state, 1)
         for dtype in (F32, BF16, F16):
             scaled = scale_loss(jnp.array(0.75, dtype), state)
             assert scaled.dtype == dtype and float(scaled) == 6.0
 
 
-def test_find_loss_scaling_state_needs_exactly_one():
+def test_loss_scaling_info_follows_skips_through_master_weights_under_jit():
+    tx = mpjax.master_weights(loss_scaling(optax.sgd(1.0), DynamicLossScale(64.0)))
+    params = {"w": jnp.ones(2, F16)}
+    state = tx.init(params)
+
+    @jax.jit
+    def step(state, poison):
+        grads = {"w": (jnp.ones(2) * 64.0 + poison).astype(F16)}
+        _, state = tx.update(grads, state, params)
+        return state, loss_scaling_info(state)
+
+    state, info = step(state, jnp.float32(jnp.inf))
+    assert (float(info.loss_scale), bool(info.applied)) == (32.0, False)
+    assert (int(info.skipped_steps), int(info.consecutive_skipped)) == (1, 1)
+    state, info = step(state, jnp.float32(0.0))
+    assert (float(info.loss_scale), bool(info.applied)) == (32.0, True)
+    assert (int(info.skipped_steps), int(info.consecutive_skipped)) == (1, 0)
+    assert info == loss_scaling_info(state)
+
+
+@pytest.mark.parametrize(
+    "make_state",
+    [
+        lambda p: optax.adam(1.0).init(p),
+        lambda p: optax.chain(optax.clip(1.0), optax.MultiSteps(optax.sgd(1.0), 2)).init(p),
+        lambda p: mpjax.master_weights(optax.sgd(1.0)).init(p),
+        lambda p: (),
+    ],
+    ids=["adam", "chain_multisteps", "master_weights", "empty"],
+)
+def test_readers_pass_through_without_loss_scaling(make_state):
+    state = make_state({"w": jnp.ones(2, BF16)})
+    for dtype in (F32, BF16, F16):
+        loss = jnp.array(0.75, dtype)
+        assert scale_loss(loss, state) is loss
+    info = loss_scaling_info(state)
+    assert jax.tree.map(jax.typeof, info) == jax.tree.map(
+        jax.typeof, LossScalingInfo(jnp.float32(1), jnp.bool_(True), jnp.int32(0), jnp.int32(0))
+    )
+    assert (float(info.loss_scale), bool(info.applied)) == (1.0, True)
+    assert (int(info.skipped_steps), int(info.consecutive_skipped)) == (0, 0)
+    check_overflow(state, 1)  # nothing is ever skipped without loss scaling
+    # The same jitted step serves states with and without loss scaling.
+    grads = jax.jit(jax.grad(lambda w, s: scale_loss(jnp.sum(w**2), s)))(jnp.ones(2), state)
+    np.testing.assert_array_equal(grads, np.full(2, 2.0, np.float32))
+
+
+def test_readers_reject_more_than_one_loss_scaling_state():
     params = jnp.ones(1)
-    with pytest.raises(ValueError, match="exactly one LossScalingState, found 0"):
-        find_loss_scaling_state(optax.adam(1.0).init(params))
     two = optax.chain(loss_scaling(optax.sgd(1.0)), loss_scaling(optax.sgd(1.0))).init(params)
-    with pytest.raises(ValueError, match="found 2"):
-        scale_loss(jnp.array(1.0), two)
+    for read in (lambda s: scale_loss(jnp.array(1.0), s), loss_scaling_info,
+                 lambda s: check_overflow(s, 1)):
+        with pytest.raises(ValueError, match="opt_state must hold at most one LossScalingState, found 2"):
+            read(two)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -666,6 +815,25 @@ def test_flax_serialization_resume_is_bit_identical(tmp_path):
     assert_trees_bitwise_equal(resumed, expected)
 
 
+def test_flax_state_dicts_name_the_array_fields_and_restore_the_targets_hyperparameters():
+    # The layout flax.struct dataclasses gave: checkpoints written before keep loading.
+    ls = DynamicLossScale(64.0, counter=3, growth_interval=7, min_scale=2.0)
+    state_dict = flax.serialization.to_state_dict(ls)
+    assert list(state_dict) == ["loss_scale", "counter"]
+    assert float(state_dict["loss_scale"]) == 64.0 and int(state_dict["counter"]) == 3
+    assert list(flax.serialization.to_state_dict(StaticLossScale(4.0))) == ["loss_scale"]
+    assert flax.serialization.to_state_dict(NoOpLossScale()) == {}
+    target = DynamicLossScale(8.0, growth_interval=7, min_scale=2.0)
+    restored = flax.serialization.from_bytes(target, flax.serialization.to_bytes(ls))
+    assert type(restored) is DynamicLossScale
+    assert_trees_bitwise_equal(restored, ls)
+    assert (restored.growth_interval, restored.min_scale) == (7, 2.0)
+    with pytest.raises(ValueError, match=r"Missing field\(s\) \['counter'\]"):
+        flax.serialization.from_state_dict(target, {"loss_scale": np.float32(1.0)})
+    with pytest.raises(ValueError, match=r"Unknown field\(s\) \['period'\]"):
+        flax.serialization.from_state_dict(target, {**state_dict, "period": 1})
+
+
 # ---------------------------------------------------------------------------------------------
 # Gradient accumulation with optax.MultiSteps
 
@@ -745,6 +913,39 @@ def test_readme_loss_scaling_example_runs(capsys):
     section = readme.split("## Loss scaling", 1)[1].split("\n## ", 1)[0]
     assert "scale -> grad -> unscale -> clip -> update" in section
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    with standard_promotion():
+    with standard_promotion(), warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # the README uses no deprecated name
         exec(compile(code, "README.md", "exec"), {})
     assert capsys.readouterr().out.split() == ["32768.0", "True", "0"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Deprecated aliases: they warn, naming the replacement, and still work
+
+
+def test_get_loss_scale_is_deprecated_and_still_works():
+    with pytest.warns(DeprecationWarning, match=r"get_loss_scale is deprecated.*mpjax.loss_scaling\(inner, loss_scale=spec\)"):
+        ls = mpjax.get_loss_scale("static:512")
+    assert isinstance(ls, StaticLossScale) and float(ls.loss_scale) == 512.0
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="Unknown loss_scale 'dynamc'"):
+        mpjax.get_loss_scale("dynamc")
+
+
+def test_loss_scale_for_is_deprecated_and_still_works():
+    with pytest.warns(DeprecationWarning, match=r"loss_scale_for is deprecated.*policy.needs_loss_scaling"):
+        ls = mpjax.loss_scale_for("mixed_float16")
+    assert type(ls) is DynamicLossScale and float(ls.loss_scale) == 2.0**15
+    with pytest.warns(DeprecationWarning):
+        assert type(mpjax.loss_scale_for("bf16")) is NoOpLossScale
+
+
+def test_find_loss_scaling_state_is_deprecated_and_still_works():
+    params = jnp.ones(1)
+    state = optax.chain(optax.clip(1.0), loss_scaling(optax.sgd(1.0), "static:8")).init(params)
+    with pytest.warns(DeprecationWarning, match=r"find_loss_scaling_state is deprecated.*loss_scaling_info"):
+        found = mpjax.find_loss_scaling_state(state)
+    assert isinstance(found, LossScalingState) and float(found.scale) == 8.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(ValueError, match="exactly one LossScalingState, found 0"):
+            mpjax.find_loss_scaling_state(optax.adam(1.0).init(params))

@@ -30,7 +30,7 @@ def assert_bitwise_equal(x, y):
 
 
 def test_small_updates_are_kept_by_the_master_and_lost_without_it():
-    # REFERENCE.md: 100 updates of -1e-4 to a bf16 param at 1.0.
+    # 100 updates of -1e-4 to a bf16 param at 1.0: 1.0 - 1e-4 rounds back to 1.0 in bf16.
     grads = {"w": jnp.ones(1, BF16)}
     plain, mw = optax.sgd(1e-4), master_weights(optax.sgd(1e-4))
     p_plain = p_mw = {"w": jnp.ones(1, BF16)}
