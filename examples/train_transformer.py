@@ -298,19 +298,32 @@ def build_model(config: GPTConfig, policy: mpjax.Policy, mode: str = MODE):
 
 
 def resolve_loss_scale(text: str, policy: mpjax.Policy) -> mpjax.LossScale:
-    """The loss scale ``--loss-scale`` names; ``auto`` is ``mpjax.loss_scale_for(policy)``.
+    """The loss scale ``--loss-scale`` names; ``auto`` is dynamic where the policy needs loss
+    scaling (``policy.needs_loss_scaling``: float16 compute or params), none elsewhere.
 
     Raises:
       ValueError: naming the flag, for anything but auto, none, dynamic or static:N (N > 0).
     """
     if text == "auto":
-        return mpjax.loss_scale_for(policy)
-    try:
-        return mpjax.get_loss_scale(text)
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            f"--loss-scale must be auto, none, dynamic or static:N with N > 0, got {text!r} ({e})"
-        ) from None
+        text = "dynamic" if policy.needs_loss_scaling else "none"
+    if text == "dynamic":
+        return mpjax.DynamicLossScale()
+    if text == "none":
+        return mpjax.NoOpLossScale()
+    kind, _, value = text.partition(":")
+    problem = "unknown value"
+    if kind == "static":
+        try:
+            return mpjax.StaticLossScale(float(value))
+        except ValueError as e:
+            problem = str(e)
+    raise ValueError(
+        f"--loss-scale must be auto, none, dynamic or static:N with N > 0, got {text!r} ({problem})"
+    )
+
+
+def uses_loss_scaling(cfg: TrainConfig, policy: mpjax.Policy) -> bool:
+    return not isinstance(resolve_loss_scale(cfg.loss_scale, policy), mpjax.NoOpLossScale)
 
 
 def make_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -337,9 +350,8 @@ def make_optimizer(cfg: TrainConfig, policy: mpjax.Policy) -> optax.GradientTran
     )
     clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
     tx = optax.chain(clip, adamw)
-    loss_scale = resolve_loss_scale(cfg.loss_scale, policy)
-    if not isinstance(loss_scale, mpjax.NoOpLossScale):
-        tx = mpjax.loss_scaling(tx, loss_scale)
+    if uses_loss_scaling(cfg, policy):
+        tx = mpjax.loss_scaling(tx, resolve_loss_scale(cfg.loss_scale, policy))
     if uses_master_weights(cfg, policy):
         tx = mpjax.master_weights(tx)
     return tx
@@ -378,29 +390,6 @@ def loss_fn(model: GPT, params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def loss_scaling_state(opt_state: Any) -> mpjax.LossScalingState | None:
-    """The optimizer's loss-scaling state, or None when it runs without loss scaling."""
-    is_state = lambda x: isinstance(x, mpjax.LossScalingState)  # noqa: E731
-    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
-    return found[0] if found else None
-
-
-def _loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
-    """Loss scale and skipped-step counters; 1, 0 and 0 without loss scaling."""
-    ls = loss_scaling_state(opt_state)
-    if ls is None:
-        return {
-            "loss_scale": jnp.ones((), jnp.float32),
-            "skipped_steps": jnp.zeros((), jnp.int32),
-            "consecutive_skipped": jnp.zeros((), jnp.int32),
-        }
-    return {
-        "loss_scale": ls.scale,
-        "skipped_steps": ls.skipped_steps,
-        "consecutive_skipped": ls.consecutive_skipped,
-    }
-
-
 def make_train_step(model: GPT, tx: optax.GradientTransformation):
     """Returns ``train_step(state, x, y) -> (state, metrics)`` with ``x, y`` of shape
     ``[grad_accum, batch, seq_len]``.
@@ -414,8 +403,9 @@ def make_train_step(model: GPT, tx: optax.GradientTransformation):
     def micro_grads(params, opt_state, x, y):
         def scaled_loss(p):
             loss = loss_fn(model, p, x, y)
-            # The scale that the loss-scaling transform will divide by in this step's update.
-            scaled = loss if loss_scaling_state(opt_state) is None else mpjax.scale_loss(loss, opt_state)
+            # The scale that the loss-scaling transform will divide by in this step's update
+            # (the loss as it is when the optimizer has no loss scaling).
+            scaled = mpjax.scale_loss(loss, opt_state)
             return scaled, loss
 
         grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
@@ -442,7 +432,14 @@ def make_train_step(model: GPT, tx: optax.GradientTransformation):
         with jax.numpy_dtype_promotion("standard"):
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, **_loss_scale_metrics(opt_state)}
+        # Loss scale and skip counters; 1, 0 and 0 without loss scaling.
+        info = mpjax.loss_scaling_info(opt_state)
+        metrics = {
+            "loss": loss,
+            "loss_scale": info.loss_scale,
+            "skipped_steps": info.skipped_steps,
+            "consecutive_skipped": info.consecutive_skipped,
+        }
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return train_step
@@ -789,7 +786,7 @@ def sample_text(model: GPT, params: Any, cfg: TrainConfig, key: jax.Array) -> st
 def _check_health(cfg: TrainConfig, policy: mpjax.Policy, state: TrainState, step: int,
                   loss: float) -> None:
     """Stops a run that can no longer learn, with a message saying why and what to try."""
-    if loss_scaling_state(state.opt_state) is not None:
+    if uses_loss_scaling(cfg, policy):
         # Skipped steps leave the params alone, so a non-finite loss is survivable; a long run
         # of them means nothing is being learned any more.
         try:

@@ -163,13 +163,15 @@ def test_train_steps_under_each_policy(policy_name, mode, corpus):
     assert loss.dtype == jnp.float32
 
     # Loss scaling where the policy computes in float16 (auto), nowhere else.
-    ls = tt.loss_scaling_state(state.opt_state)
+    states = [x for x in jax.tree.leaves(state.opt_state, is_leaf=_is_loss_scaling)
+              if _is_loss_scaling(x)]
+    info = mpjax.loss_scaling_info(state.opt_state)
     if policy_name == "mixed_float16":
-        assert isinstance(ls.loss_scale, mpjax.DynamicLossScale)
-        assert ls.scale.dtype == jnp.float32 and float(ls.scale) == 2.0**15
-        assert int(ls.skipped_steps) == 0 and float(metrics["loss_scale"]) == 2.0**15
+        assert len(states) == 1 and isinstance(states[0].loss_scale, mpjax.DynamicLossScale)
+        assert info.loss_scale.dtype == jnp.float32 and float(info.loss_scale) == 2.0**15
+        assert int(info.skipped_steps) == 0 and float(metrics["loss_scale"]) == 2.0**15
     else:
-        assert ls is None and float(metrics["loss_scale"]) == 1.0
+        assert states == [] and float(metrics["loss_scale"]) == 1.0
     # An f32 master copy (and so f32 Adam moments) exactly where params are stored narrower.
     masters = [x for x in jax.tree.leaves(state.opt_state, is_leaf=_is_master) if _is_master(x)]
     moments = {a.dtype for a in jax.tree.leaves(state.opt_state) if a.ndim >= 1}
@@ -191,6 +193,10 @@ def test_pure_bfloat16_without_master_weights_keeps_bfloat16_adam_moments():
     assert not any(_is_master(x) for x in jax.tree.leaves(opt_state, is_leaf=_is_master))
     moments = {a.dtype for a in jax.tree.leaves(opt_state) if a.ndim >= 1}
     assert moments == {np.dtype(jnp.bfloat16)}
+
+
+def _is_loss_scaling(x):
+    return isinstance(x, mpjax.LossScalingState)
 
 
 def _is_master(x):
