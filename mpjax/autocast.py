@@ -867,8 +867,9 @@ def describe_autocast(fn: Callable[..., Any]) -> Callable[..., AutocastReport]:
     """What :func:`autocast` does to each kind of equation of ``fn``; the :func:`mpjax.describe`
     of autocast functions.
 
-    Returns a function that takes ``fn``'s arguments (arrays or ``jax.ShapeDtypeStruct``,
-    exactly as ``fn`` takes them), traces ``fn`` abstractly (nothing is computed) and returns an
+    Returns a function that takes ``fn``'s arguments exactly as ``fn`` takes them (arrays or
+    ``jax.ShapeDtypeStruct``; other leaves are static values, as when ``fn`` is called), traces
+    ``fn`` abstractly (nothing is computed) and returns an
     :class:`AutocastReport`: one row per (scope, primitive, category, traced input dtypes, run
     input dtypes), with a count. Use :func:`mpjax.inspect_matmuls` on the autocast function for
     the matmuls' dtypes, forward and backward.
@@ -897,12 +898,21 @@ def describe_autocast(fn: Callable[..., Any]) -> Callable[..., AutocastReport]:
 
     def report(*args, **kwargs) -> AutocastReport:
         record: collections.Counter = collections.Counter()
+        # Traced as the autocast function traces its arguments: arrays (and shape structs, for
+        # an abstract trace) are traced; any other leaf is a static value.
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        arrays = [i for i, leaf in enumerate(leaves)
+                  if _is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)]
 
-        def recorded(*a, **k):
+        def recorded(array_leaves):
+            merged = list(leaves)
+            for i, leaf in zip(arrays, array_leaves):
+                merged[i] = leaf
+            a, k = jax.tree.unflatten(tree, merged)
             traced, dynamic = _trace(info.fn, info.traces, a, k)
             return _Interpreter(info.settings, {}, record).run(traced.closed, dynamic, ())
 
-        jax.eval_shape(recorded, *args, **kwargs)
+        jax.eval_shape(recorded, [leaves[i] for i in arrays])
         return AutocastReport(AutocastRow(*key, count) for key, count in record.items())
 
     return report

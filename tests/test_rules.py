@@ -176,6 +176,8 @@ def test_precision_report_table_and_totals():
     assert lines[7] == "warning: rule 'x' matches no module."
 
 
-def test_describe_rejects_non_flax_models():
-    with pytest.raises(TypeError, match="describe\\(\\) takes a flax.linen or flax.nnx module"):
+def test_describe_rejects_what_it_cannot_describe_listing_what_it_can():
+    with pytest.raises(TypeError, match=r"describe\(\) takes .*; got <object") as error:
         mpjax.describe(object())
+    for kind in ("a function made by mpjax.autocast", "a flax.linen module", "a flax.nnx module"):
+        assert kind in str(error.value)
