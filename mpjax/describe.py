@@ -164,10 +164,10 @@ def describe(
                 f"apply to {describer.kind} ({type(target).__name__}); {takes}."
             )
         return describer.build(target, **{name: given[name] for name in describer.options})
-    raise TypeError(
-        f"describe() takes {_kinds()}; got {target!r} of type {type(target).__name__}."
-        + _flax_hint(target)
-    )
+    text = repr(target)
+    got = (f"{text} of type {type(target).__name__}" if len(text) <= 80 and "\n" not in text
+           else f"a {type(target).__name__}")
+    raise TypeError(f"describe() takes {_kinds()}; got {got}." + _flax_hint(target))
 
 
 register_describer(engine.is_autocast, engine.describe_autocast,

@@ -42,8 +42,8 @@ from flax.linen import transforms as nn_transforms
 
 from mpjax import autocast as engine
 from mpjax import regions
-from mpjax.policy import Policy, PolicyLike, cast_floating
 from mpjax.describe import register_describer
+from mpjax.policy import Policy, PolicyLike, cast_floating
 from mpjax.report import ModuleRow, PrecisionReport, eval_shape_of, matmuls_by_region
 from mpjax.rules import Resolution, Rules, RuleWarning, as_rules
 

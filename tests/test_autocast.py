@@ -524,7 +524,7 @@ def test_describe_rejects_autocast_functions_it_did_not_make_and_options():
         mpjax.describe(jnp.sin)
     # A decorator that copies the autocast function's attributes does not pass for it.
     wrapper = functools.wraps(auto)(lambda x: auto(x) + 1)
-    with pytest.raises(TypeError, match=r"got <function"):
+    with pytest.raises(TypeError, match=r"describe\(\) takes .*; got "):
         mpjax.describe(wrapper)
     with pytest.raises(TypeError, match=r"`rules`, which does not apply to a function made by "
                                         r"mpjax\.autocast \(function\); it takes none"):

@@ -516,7 +516,8 @@ def test_describe_to_dict_is_plain_json():
     assert json.loads(json.dumps(data)) == data
     assert data["rows"][1] == {
         "path": "proj", "type": "Dense",
-        "policy": {"param_dtype": "float32", "compute_dtype": "bfloat16", "output_dtype": "float32"},
+        "policy": {"param_dtype": "float32", "compute_dtype": "bfloat16",
+                   "output_dtype": "float32"},
         "rule": "default", "param_count": 16, "param_bytes": 64, "matmuls": [["bf16,bf16", 3]]}
     assert data["problems"] == [] and data["matmuls_traced"] is True
     assert (data["total_params"], data["total_bytes"]) == (44, 176)

@@ -438,7 +438,8 @@ def test_describe_to_dict_is_plain_json():
     assert json.loads(json.dumps(data)) == data
     assert data["rows"][2] == {
         "path": "conv", "type": "Conv",
-        "policy": {"param_dtype": "float32", "compute_dtype": "bfloat16", "output_dtype": "float32"},
+        "policy": {"param_dtype": "float32", "compute_dtype": "bfloat16",
+                   "output_dtype": "float32"},
         "rule": "default", "param_count": 112, "param_bytes": 448, "matmuls": [["bf16,bf16", 3]]}
     assert data["matmuls_traced"] is True and data["total_params"] == 130
     untraced = mpjax.describe(model, rules="mixed_bfloat16")().to_dict()
