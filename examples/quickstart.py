@@ -27,4 +27,4 @@ def step(params, opt_state):
 for i in range(301):
     params, opt_state, loss = step(params, opt_state)
     if i % 100 == 0: print(f"step {i:3d}  loss {loss:.4f}")
-print(mpjax.inspect_matmuls(jax.grad(loss_fn), params))  # every matmul, forward and backward: bf16
+print(mpjax.inspect_matmuls(jax.grad(loss_fn))(params))  # every matmul, forward and backward: bf16

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
@@ -173,10 +174,17 @@ class AutocastRow:
 
 
 class AutocastReport(tuple):
-    """A tuple of :class:`AutocastRow`; ``str`` prints a table in which ``*`` marks the rows
-    that run in other dtypes than traced."""
+    """A tuple of :class:`AutocastRow`, made by :func:`mpjax.describe` of an autocast function.
+
+    ``str`` gives :meth:`table`; :meth:`to_dict` gives the rows as plain data.
+    """
 
     def __str__(self) -> str:
+        return self.table()
+
+    def table(self) -> str:
+        """The rows as a text table, in which ``*`` marks the rows whose inputs ran in other
+        dtypes than traced."""
         header = ("scope", "primitive", "category", "traced inputs", "ran in", "count")
         rows = [(r.scope or "-", r.primitive, r.category, ",".join(r.traced) or "-",
                  ("* " if r.traced != r.ran else "") + (",".join(r.ran) or "-"), str(r.count))
@@ -184,6 +192,13 @@ class AutocastReport(tuple):
         if not rows:
             return "no equations"
         return format_table(header, rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The rows as JSON-serialisable data: ``{"rows": [{"scope": ..., "primitive": ...,
+        "category": ..., "traced": ["bf16", ...], "ran": [...], "count": 3}, ...]}``."""
+        return {"rows": [{"scope": r.scope, "primitive": r.primitive, "category": r.category,
+                          "traced": list(r.traced), "ran": list(r.ran), "count": r.count}
+                         for r in self]}
 
 
 def _dtype_names(avals: Sequence[Any]) -> tuple[str, ...]:
@@ -735,7 +750,7 @@ def autocast(
     >>> w, x = jnp.ones((3, 3)), jnp.ones((2, 3))
     >>> autocast(mlp)(w, x).dtype
     dtype('float32')
-    >>> mpjax.inspect_matmuls(jax.grad(lambda w: autocast(mlp)(w, x).sum()), w).operand_dtypes()
+    >>> mpjax.inspect_matmuls(jax.grad(lambda w: autocast(mlp)(w, x).sum()))(w).operand_dtypes()
     Counter({('bfloat16', 'bfloat16'): 5})
     """
     settings = _settings(fn, policy, rules, categories)
@@ -748,8 +763,37 @@ def autocast(
         outs = [_to_output(x, a, settings.policy) for x, a in zip(outs, traced.closed.out_avals)]
         return jax.tree.unflatten(traced.out_tree, outs)
 
-    autocast_fn.__mpjax_autocast__ = (fn, settings, traces)
+    _autocast_functions[autocast_fn] = _AutocastFunction(fn, settings, traces)
     return autocast_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class _AutocastFunction:
+    """What :func:`describe_autocast` needs of a function :func:`autocast` returned."""
+
+    fn: Callable[..., Any]
+    settings: _Settings
+    traces: _TraceCache
+
+
+# The functions autocast() returned, to what they wrap. Kept beside them rather than as an
+# attribute: functools.wraps copies a function's attributes onto a user's decorator, which would
+# then pass for the autocast function it wraps.
+_autocast_functions: weakref.WeakKeyDictionary[Callable[..., Any], _AutocastFunction] = (
+    weakref.WeakKeyDictionary())
+
+
+def is_autocast(fn: Any) -> bool:
+    """Whether ``fn`` is a function returned by :func:`autocast`.
+
+    >>> import jax.numpy as jnp
+    >>> is_autocast(autocast(jnp.tanh)), is_autocast(jnp.tanh)
+    (True, False)
+    """
+    try:
+        return fn in _autocast_functions
+    except TypeError:  # unhashable or not weak-referenceable: not ours
+        return False
 
 
 def _to_output(x: Any, traced_aval: Any, policy: Policy) -> Any:
@@ -819,45 +863,88 @@ def _trace(fn, traces: _TraceCache | None, args, kwargs) -> tuple[_Traced, list]
     return traced, dynamic
 
 
-def autocast_report(fn: Callable[..., Any], *args, print_table: bool = True, **kwargs
-                    ) -> AutocastReport:
-    """Returns, and prints, what :func:`autocast` does to each kind of equation of ``fn``.
+def describe_autocast(fn: Callable[..., Any]) -> Callable[..., AutocastReport]:
+    """What :func:`autocast` does to each kind of equation of ``fn``; the :func:`mpjax.describe`
+    of autocast functions.
 
-    One row per (scope, primitive, category, traced input dtypes, run input dtypes), with a
-    count; rows where autocast cast an input are marked ``*`` in the printed table. Use
-    :func:`mpjax.inspect_matmuls` on the autocast function for the matmuls' dtypes, forward and
-    backward.
+    Returns a function that takes ``fn``'s arguments exactly as ``fn`` takes them (arrays or
+    ``jax.ShapeDtypeStruct``; other leaves are static values, as when ``fn`` is called), traces
+    ``fn`` abstractly (nothing is computed) and returns an
+    :class:`AutocastReport`: one row per (scope, primitive, category, traced input dtypes, run
+    input dtypes), with a count. Use :func:`mpjax.inspect_matmuls` on the autocast function for
+    the matmuls' dtypes, forward and backward.
 
     Args:
       fn: a function returned by :func:`autocast`.
-      *args, **kwargs: example arguments (arrays or ``jax.ShapeDtypeStruct``); nothing is
-        computed, the function is traced abstractly.
-      print_table: print the report (the default) as well as returning it.
+
+    Returns:
+      A function of ``fn``'s arguments that returns an :class:`AutocastReport`.
 
     Raises:
       TypeError: if ``fn`` was not made by :func:`autocast`.
 
     >>> import jax.numpy as jnp
     >>> f = autocast(lambda w, x: jnp.exp(x @ w))
-    >>> report = autocast_report(f, jnp.ones((2, 2)), jnp.ones((2, 2)), print_table=False)
+    >>> report = describe_autocast(f)(jnp.ones((2, 2)), jnp.ones((2, 2)))
     >>> [(r.primitive, r.category, r.ran) for r in report]
     [('dot_general', 'lower', ('bf16', 'bf16')), ('exp', 'f32', ('f32',))]
     """
-    info = getattr(fn, "__mpjax_autocast__", None)
-    if info is None:
+    if not is_autocast(fn):
+        raise TypeError(
+            f"describe_autocast() takes a function made by mpjax.autocast; got {fn!r}. Wrap it "
+            "first: mpjax.describe(mpjax.autocast(fn))(*args)."
+        )
+    info = _autocast_functions[fn]
+
+    def report(*args, **kwargs) -> AutocastReport:
+        record: collections.Counter = collections.Counter()
+        # Traced as the autocast function traces its arguments: arrays (and shape structs, for
+        # an abstract trace) are traced; any other leaf is a static value.
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        arrays = [i for i, leaf in enumerate(leaves)
+                  if _is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)]
+
+        def recorded(array_leaves):
+            merged = list(leaves)
+            for i, leaf in zip(arrays, array_leaves):
+                merged[i] = leaf
+            a, k = jax.tree.unflatten(tree, merged)
+            traced, dynamic = _trace(info.fn, info.traces, a, k)
+            return _Interpreter(info.settings, {}, record).run(traced.closed, dynamic, ())
+
+        jax.eval_shape(recorded, [leaves[i] for i in arrays])
+        return AutocastReport(AutocastRow(*key, count) for key, count in record.items())
+
+    return report
+
+
+# --- Deprecated -------------------------------------------------------------------------------
+
+
+def autocast_report(fn: Callable[..., Any], *args, print_table: bool = True, **kwargs
+                    ) -> AutocastReport:
+    """Deprecated: use ``mpjax.describe(fn)(*args, **kwargs)`` (and print the report).
+
+    Returns, and by default prints, the :class:`AutocastReport` of ``fn``, a function made by
+    :func:`autocast`, for the example arguments. Its ``print_table`` keyword takes the name
+    from ``fn``'s own keywords; the replacement takes ``fn``'s arguments exactly.
+
+    Raises:
+      TypeError: if ``fn`` was not made by :func:`autocast`.
+    """
+    warnings.warn(
+        "mpjax.autocast_report(fn, *args, **kwargs) is deprecated: use "
+        "mpjax.describe(fn)(*args, **kwargs), which returns the report without printing it "
+        "(print it, or call its .table()).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    if not is_autocast(fn):
         raise TypeError(
             f"autocast_report takes a function made by mpjax.autocast; got {fn!r}. Wrap it "
-            "first: mpjax.autocast_report(mpjax.autocast(fn), *args)."
+            "first: mpjax.describe(mpjax.autocast(fn))(*args)."
         )
-    inner, settings, traces = info
-    record: collections.Counter = collections.Counter()
-
-    def recorded(*a, **k):
-        traced, dynamic = _trace(inner, traces, a, k)
-        return _Interpreter(settings, {}, record).run(traced.closed, dynamic, ())
-
-    jax.eval_shape(recorded, *args, **kwargs)
-    report = AutocastReport(AutocastRow(*key, count) for key, count in record.items())
+    report = describe_autocast(fn)(*args, **kwargs)
     if print_table:
         print(report)
     return report

@@ -1,39 +1,174 @@
 """``mpjax.describe``: one entry point for the precision report of anything mpjax runs.
 
-It sits above the integrations (:mod:`mpjax.linen`, :mod:`mpjax.nnx`, :mod:`mpjax.autocast`),
-which build their reports from the types in :mod:`mpjax.report`.
+:func:`describe` knows no model library itself. What it can describe is registered with
+:func:`register_describer`: functions made by :func:`mpjax.autocast` here, linen modules by
+:mod:`mpjax.linen` and NNX modules by :mod:`mpjax.nnx` when they are imported (importing
+:mod:`mpjax` imports them). So this module sits below the Flax integrations, which import it to
+register, and imports only the casting engine and the report types.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
-import flax.linen as nn
-from flax import nnx
+from mpjax import autocast as engine
+from mpjax.report import Report
 
-from mpjax import linen as mp_linen
-from mpjax import nnx as mp_nnx
-from mpjax.autocast import autocast_report
+# The options describe() takes, in the order its signature lists them.
+_OPTIONS = ("rules", "variables", "rngs", "method")
 
 
-def describe(model: Any, *args, **kwargs) -> Any:
-    """Returns (and prints) the precision report of a linen or NNX model wrapped by mpjax, or of
-    a function made by :func:`mpjax.autocast`.
+@dataclasses.dataclass(frozen=True)
+class _Describer:
+    kind: str
+    matches: Callable[[Any], bool]
+    build: Callable[..., Callable[..., Report]]
+    options: frozenset[str]
 
-    Dispatches to :func:`mpjax.linen.describe` for linen modules, to :func:`mpjax.nnx.describe`
-    for NNX modules and to :func:`mpjax.autocast_report` for autocast functions; see those for
-    the arguments.
+
+_describers: list[_Describer] = []
+# Top-level packages whose classes a describer was registered for ("flax").
+_packages: set[str] = set()
+
+
+def register_describer(
+    target: type | Callable[[Any], bool],
+    build: Callable[..., Callable[..., Report]],
+    *,
+    kind: str,
+    options: tuple[str, ...] = (),
+) -> None:
+    """Teaches :func:`describe` a kind of target. For integrations: :mod:`mpjax.linen` and
+    :mod:`mpjax.nnx` call it when imported.
+
+    Args:
+      target: a class (its instances and subclasses are described) or a predicate on the
+        target.
+      build: called as ``build(target, **options)`` with the options of ``options`` (None where
+        the user gave none); returns the function of the example inputs that makes the report.
+        It checks the target and options and raises there, at the ``describe`` call.
+      kind: what the target is, for error messages: ``"a flax.linen module"``.
+      options: the names among ``rules``, ``variables``, ``rngs``, ``method`` that apply to
+        this kind; :func:`describe` rejects the others with a TypeError.
 
     Raises:
-      TypeError: if ``model`` is none of these.
+      ValueError: if an option is not one :func:`describe` takes.
     """
-    if hasattr(model, "__mpjax_autocast__"):
-        return autocast_report(model, *args, **kwargs)
-    if isinstance(model, nnx.Module):
-        return mp_nnx.describe(model, *args, **kwargs)
-    if isinstance(model, nn.Module):
-        return mp_linen.describe(model, *args, **kwargs)
-    raise TypeError(
-        "describe() takes a flax.linen or flax.nnx module or a function made by mpjax.autocast; "
-        f"got {type(model).__name__}."
-    )
+    unknown = set(options) - set(_OPTIONS)
+    if unknown:
+        raise ValueError(
+            f"register_describer(options=...) got {sorted(unknown)}; describe() takes only "
+            f"{list(_OPTIONS)}."
+        )
+    if isinstance(target, type):
+        cls = target
+        _packages.add(cls.__module__.split(".")[0])
+
+        def matches(value: Any) -> bool:
+            return isinstance(value, cls) or (isinstance(value, type) and issubclass(value, cls))
+    else:
+        matches = target
+    _describers.append(_Describer(kind, matches, build, frozenset(options)))
+
+
+def _flax_hint(target: Any) -> str:
+    cls = target if isinstance(target, type) else type(target)
+    from_flax = any(c.__module__.split(".")[0] == "flax" for c in cls.__mro__)
+    if from_flax and "flax" not in _packages:
+        return (" Flax modules are described once mpjax.linen (linen) or mpjax.nnx (NNX) is "
+                "imported: `import mpjax.linen`.")
+    return ""
+
+
+def _kinds() -> str:
+    kinds = [d.kind for d in _describers]
+    return kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"
+
+
+def describe(
+    target: Any,
+    *,
+    rules: Any = None,
+    variables: Any = None,
+    rngs: Any = None,
+    method: Any = None,
+) -> Callable[..., Report]:
+    """The precision report of a model or function mpjax runs, curried like ``jax.make_jaxpr``:
+    ``describe(target, ...)(*example_inputs)``.
+
+    ``describe(target)`` returns a function that takes the example inputs exactly as the model
+    or function takes them (arrays or ``jax.ShapeDtypeStruct``, keywords included), traces it
+    abstractly (nothing is computed) and returns the report. Nothing is printed: ``print`` the
+    report for its table, or use its ``table()`` and ``to_dict()``.
+
+    - A linen module, wrapped by :func:`mpjax.linen.apply_policy` or unwrapped with ``rules``:
+      its ``init`` (or ``apply`` with ``variables``) is traced with the inputs, and the
+      :class:`mpjax.PrecisionReport` lists each module called with its policy, the rule that
+      decided it, the params it owns and the dtypes its matmuls ran in, forward and backward.
+    - An NNX module, with a policy applied or with ``rules``: the same report, one row per
+      module; called without inputs, ``describe(model)()`` does not trace the model and the
+      table has no matmul column.
+    - A function made by :func:`mpjax.autocast`: an :class:`mpjax.AutocastReport`, one row per
+      scope, primitive, category and dtypes, traced and run.
+
+    Args:
+      target: the model or autocast function.
+      rules: rules or a policy for a linen or NNX module that has none applied (for an NNX
+        module with a policy applied, reports what these rules would do, without changing it).
+      variables: for a linen module, its variables (arrays or ``jax.ShapeDtypeStruct``) to
+        report instead of initializing.
+      rngs: for a linen module, the PRNG key or ``{name: key}`` dict for ``init`` (defaults to
+        ``jax.random.key(0)``).
+      method: for a linen module, the method to trace, as for ``Module.init``/``Module.apply``.
+
+    Returns:
+      A function of the example inputs that returns the report (:class:`mpjax.PrecisionReport`
+      or :class:`mpjax.AutocastReport`).
+
+    Raises:
+      TypeError: if ``target`` is not something described (the message lists what is), or an
+        option does not apply to its kind (``variables`` for an NNX module).
+      ValueError: if the target cannot be described with these options (an unwrapped linen
+        module without ``rules``, a wrapped one with them).
+
+    >>> import jax.numpy as jnp, flax.linen as nn, mpjax
+    >>> class MLP(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         return nn.Dense(2, name="out")(nn.LayerNorm(name="norm")(x))
+    >>> model = mpjax.linen.apply_policy(MLP(), "mixed_bfloat16")
+    >>> print(describe(model)(jnp.ones((1, 3))))
+    path    type       params   compute   output    rule                             #params  bytes  matmuls ran in
+    ------  ---------  -------  --------  --------  -------------------------------  -------  -----  --------------
+    <root>  MLP        float32  bfloat16  float32   default                                0    0 B  -
+    norm    LayerNorm  float32  float32   bfloat16  builtin: linen.LayerNorm in f32        6   24 B  -
+    out     Dense      float32  bfloat16  float32   default                                8   32 B  3x bf16,bf16
+    ------  ---------  -------  --------  --------  -------------------------------  -------  -----  --------------
+    total                                                                                 14   56 B
+    >>> report = describe(mpjax.autocast(lambda x: jnp.exp(x)))(jnp.ones(2))
+    >>> report.to_dict()["rows"][0]["ran"]
+    ['f32']
+    """
+    given = {"rules": rules, "variables": variables, "rngs": rngs, "method": method}
+    for describer in _describers:
+        if not describer.matches(target):
+            continue
+        wrong = [name for name in _OPTIONS if given[name] is not None
+                 and name not in describer.options]
+        if wrong:
+            takes = (f"it takes only {', '.join(o for o in _OPTIONS if o in describer.options)}"
+                     if describer.options else "it takes none")
+            raise TypeError(
+                f"describe() got {', '.join(f'`{name}`' for name in wrong)}, which does not "
+                f"apply to {describer.kind} ({type(target).__name__}); {takes}."
+            )
+        return describer.build(target, **{name: given[name] for name in describer.options})
+    text = repr(target)
+    got = (f"{text} of type {type(target).__name__}" if len(text) <= 80 and "\n" not in text
+           else f"a {type(target).__name__}")
+    raise TypeError(f"describe() takes {_kinds()}; got {got}." + _flax_hint(target))
+
+
+register_describer(engine.is_autocast, engine.describe_autocast,
+                   kind="a function made by mpjax.autocast")

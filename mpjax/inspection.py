@@ -11,7 +11,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
-from typing import Any, Callable, Iterator
+import warnings
+from typing import Any, Callable, Iterator, overload
 
 import jax
 import numpy as np
@@ -106,30 +107,8 @@ def iter_equations(fn: Callable[..., Any], *args, **kwargs) -> Iterator[tuple[An
     yield from _iter_eqns(closed.jaxpr, ())
 
 
-def inspect_matmuls(
-    fn: Callable[..., Any],
-    *args,
-    primitives: frozenset[str] = MATMUL_PRIMITIVES,
-    **kwargs,
-) -> MatmulReport:
-    """Lists every matmul/convolution ``fn`` performs on the given arguments, with dtypes.
-
-    To see the backward pass, inspect the gradient function, for example
-    ``inspect_matmuls(jax.grad(loss), params, batch)``.
-
-    Args:
-      fn: any function JAX can trace.
-      *args, **kwargs: example arguments (arrays or ``jax.ShapeDtypeStruct``).
-      primitives: the primitive names to report.
-
-    Returns:
-      A :class:`MatmulReport` (a tuple of :class:`MatmulInfo`, printed as a table).
-
-    >>> import jax.numpy as jnp
-    >>> report = inspect_matmuls(jnp.dot, jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 4), jnp.bfloat16))
-    >>> [(m.lhs_dtype.name, m.rhs_dtype.name, m.out_dtype.name) for m in report]
-    [('bfloat16', 'bfloat16', 'bfloat16')]
-    """
+def _matmuls(fn: Callable[..., Any], primitives: frozenset[str], args: tuple, kwargs: dict
+             ) -> MatmulReport:
     found = []
     for eqn, context in iter_equations(fn, *args, **kwargs):
         if eqn.primitive.name not in primitives:
@@ -155,22 +134,72 @@ def inspect_matmuls(
     return MatmulReport(found)
 
 
+def _warn_uncurried(name: str, option: str) -> None:
+    warnings.warn(
+        f"{name}(fn, *args, **kwargs) is deprecated: use {name}(fn)(*args, **kwargs) (and "
+        f"{name}(fn, {option}=...)(*args, **kwargs) for the option), so that none of fn's own "
+        "keywords is taken for an option.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+@overload
+def inspect_matmuls(fn: Callable[..., Any], *,
+                    primitives: frozenset[str] = ...) -> Callable[..., MatmulReport]: ...
+
+
+@overload
+def inspect_matmuls(fn: Callable[..., Any], arg: Any, /, *args: Any,
+                    primitives: frozenset[str] = ..., **kwargs: Any) -> MatmulReport: ...
+
+
+def inspect_matmuls(
+    fn: Callable[..., Any],
+    *args: Any,
+    primitives: frozenset[str] = MATMUL_PRIMITIVES,
+    **kwargs: Any,
+) -> Callable[..., MatmulReport] | MatmulReport:
+    """Lists every matmul/convolution ``fn`` performs, with dtypes; curried like
+    ``jax.make_jaxpr``: ``inspect_matmuls(fn)(*args, **kwargs)``.
+
+    To see the backward pass, inspect the gradient function, for example
+    ``inspect_matmuls(jax.grad(loss))(params, batch)``. The returned function takes ``fn``'s
+    arguments exactly as ``fn`` does, so any keyword reaches ``fn``.
+
+    Args:
+      fn: any function JAX can trace.
+      primitives: the primitive names to report.
+
+    Returns:
+      A function that takes example arguments of ``fn`` (arrays or ``jax.ShapeDtypeStruct``),
+      traces it (nothing is computed) and returns a :class:`MatmulReport` (a tuple of
+      :class:`MatmulInfo`, printed as a table).
+
+    The form ``inspect_matmuls(fn, *args, **kwargs)``, with the example arguments after ``fn``,
+    still returns the report directly for one release, with a ``DeprecationWarning``.
+
+    >>> import jax.numpy as jnp
+    >>> x, w = jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 4), jnp.bfloat16)
+    >>> report = inspect_matmuls(jnp.dot)(x, w)
+    >>> [(m.lhs_dtype.name, m.rhs_dtype.name, m.out_dtype.name) for m in report]
+    [('bfloat16', 'bfloat16', 'bfloat16')]
+    """
+    if args or kwargs:
+        _warn_uncurried("inspect_matmuls", "primitives")
+        return _matmuls(fn, primitives, args, kwargs)
+
+    def report(*args: Any, **kwargs: Any) -> MatmulReport:
+        return _matmuls(fn, primitives, args, kwargs)
+
+    return report
+
+
 _HLO_OP = re.compile(r"=\s*[^=]*?\s([a-z][a-z0-9\-_]*)\(")
 
 
-def hlo_op_counts(fn: Callable[..., Any], *args, compiled: bool = True, **kwargs) -> collections.Counter:
-    """Counts HLO instructions by opcode in ``jax.jit(fn)`` for the given arguments.
-
-    Args:
-      fn: the function to lower.
-      *args, **kwargs: example arguments.
-      compiled: count in the optimized HLO XLA runs (True), or in the HLO JAX emits before
-        optimization (False).
-
-    Use it to compare two ways of writing the same model, for example
-    ``hlo_op_counts(f, x)["convert"]``. Compare counts taken on the same backend only: XLA's
-    CPU backend, which has no bf16 GEMM, adds converts around bf16 dots that GPUs do not.
-    """
+def _hlo_op_counts(fn: Callable[..., Any], compiled: bool, args: tuple, kwargs: dict
+                   ) -> collections.Counter:
     lowered = jax.jit(fn).lower(*args, **kwargs)
     text = lowered.compile().as_text() if compiled else lowered.as_text(dialect="hlo")
     counts: collections.Counter = collections.Counter()
@@ -178,4 +207,53 @@ def hlo_op_counts(fn: Callable[..., Any], *args, compiled: bool = True, **kwargs
         match = _HLO_OP.search(line)
         if match and not line.startswith("HloModule"):
             counts[match.group(1)] += 1
+    return counts
+
+
+@overload
+def hlo_op_counts(fn: Callable[..., Any], *,
+                  compiled: bool = ...) -> Callable[..., collections.Counter]: ...
+
+
+@overload
+def hlo_op_counts(fn: Callable[..., Any], arg: Any, /, *args: Any, compiled: bool = ...,
+                  **kwargs: Any) -> collections.Counter: ...
+
+
+def hlo_op_counts(
+    fn: Callable[..., Any],
+    *args: Any,
+    compiled: bool = True,
+    **kwargs: Any,
+) -> Callable[..., collections.Counter] | collections.Counter:
+    """Counts HLO instructions by opcode in ``jax.jit(fn)``; curried like ``jax.make_jaxpr``:
+    ``hlo_op_counts(fn)(*args, **kwargs)``.
+
+    Use it to compare two ways of writing the same model, for example
+    ``hlo_op_counts(f)(x)["convert"]``. Compare counts taken on the same backend only: XLA's
+    CPU backend, which has no bf16 GEMM, adds converts around bf16 dots that GPUs do not.
+
+    Args:
+      fn: the function to lower.
+      compiled: count in the optimized HLO XLA runs (True), or in the HLO JAX emits before
+        optimization (False).
+
+    Returns:
+      A function that takes example arguments of ``fn``, exactly as ``fn`` takes them, lowers
+      ``jax.jit(fn)`` for them and returns a ``collections.Counter`` of opcodes.
+
+    The form ``hlo_op_counts(fn, *args, **kwargs)``, with the example arguments after ``fn``,
+    still returns the counts directly for one release, with a ``DeprecationWarning``.
+
+    >>> import jax.numpy as jnp
+    >>> hlo_op_counts(jnp.sin, compiled=False)(jnp.ones(3))["sine"]
+    1
+    """
+    if args or kwargs:
+        _warn_uncurried("hlo_op_counts", "compiled")
+        return _hlo_op_counts(fn, compiled, args, kwargs)
+
+    def counts(*args: Any, **kwargs: Any) -> collections.Counter:
+        return _hlo_op_counts(fn, compiled, args, kwargs)
+
     return counts

@@ -42,8 +42,9 @@ from flax.linen import transforms as nn_transforms
 
 from mpjax import autocast as engine
 from mpjax import regions
+from mpjax.describe import register_describer
 from mpjax.policy import Policy, PolicyLike, cast_floating
-from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
+from mpjax.report import ModuleRow, PrecisionReport, eval_shape_of, matmuls_by_region
 from mpjax.rules import Resolution, Rules, RuleWarning, as_rules
 
 _RESOLUTION = "_mpjax_resolution"  # instance-dict key marking a configured bound module
@@ -342,17 +343,15 @@ def _owned_params(params: Any, path: str, module_paths: set[str]) -> list[Any]:
             for leaf in jax.tree.leaves(value)]
 
 
-def describe(
+def _report_of(
     model: nn.Module,
-    *args,
-    rules: Rules | PolicyLike | None = None,
-    variables: Any = None,
-    rngs: Any = None,
-    method: Callable[..., Any] | str | None = None,
-    print_table: bool = True,
-    **kwargs,
-) -> PrecisionReport:
-    """Returns, and prints, what the rules of a wrapped linen model resolve to, module by module.
+    *,
+    rules: Rules | PolicyLike | None,
+    variables: Any,
+    rngs: Any,
+    method: Callable[..., Any] | str | None,
+) -> Callable[..., PrecisionReport]:
+    """:func:`mpjax.describe` of a linen module.
 
     The model is traced abstractly with ``jax.eval_shape`` (nothing is allocated or computed):
     ``model.init(rngs, *args, **kwargs)``, or ``model.apply(variables, *args, **kwargs)`` when
@@ -364,67 +363,97 @@ def describe(
 
     Args:
       model: a model returned by :func:`apply_policy`, or an unwrapped module with ``rules``.
-      *args: example inputs: arrays or ``jax.ShapeDtypeStruct``.
       rules: rules or a policy for an unwrapped ``model``; must be None for a wrapped one.
       variables: the model's variables (arrays or ``jax.ShapeDtypeStruct``) to count instead of
         initializing; the params of a bf16-stored model count 2 bytes each.
-      rngs: the PRNG key or ``{name: key}`` dict for ``init``; defaults to ``jax.random.key(0)``.
+      rngs: the PRNG key or ``{name: key}`` dict for ``init`` and ``apply``; defaults to
+        ``jax.random.key(0)``.
       method: the method to trace, as for ``Module.init``/``Module.apply``.
-      print_table: print the report (the default) as well as returning it.
-      **kwargs: further keyword arguments of the method (static values such as
-        ``deterministic=True``).
 
     Returns:
-      A :class:`mpjax.PrecisionReport`.
+      A function of the method's arguments (arrays or ``jax.ShapeDtypeStruct``, and static
+      values such as ``deterministic=True``) that returns a :class:`mpjax.PrecisionReport`.
 
     Raises:
       TypeError: if ``model`` is not a linen module.
       ValueError: if ``model`` is wrapped and ``rules`` is given, or unwrapped and it is not.
-
-    >>> import jax.numpy as jnp, flax.linen as nn
-    >>> class MLP(nn.Module):
-    ...     @nn.compact
-    ...     def __call__(self, x):
-    ...         return nn.Dense(2, name="out")(nn.LayerNorm(name="norm")(x))
-    >>> report = describe(apply_policy(MLP(), "mixed_bfloat16"), jnp.ones((1, 3)))
-    path    type       params   compute   output    rule                             #params  bytes  matmuls ran in
-    ------  ---------  -------  --------  --------  -------------------------------  -------  -----  --------------
-    <root>  MLP        float32  bfloat16  float32   default                                0    0 B  -
-    norm    LayerNorm  float32  float32   bfloat16  builtin: linen.LayerNorm in f32        6   24 B  -
-    out     Dense      float32  bfloat16  float32   default                                8   32 B  3x bf16,bf16
-    ------  ---------  -------  --------  --------  -------------------------------  -------  -----  --------------
-    total                                                                                 14   56 B
     """
     model = _wrapped_for_report(model, rules)
     state = type(model)._mpjax_state
-    if variables is None:
-        rngs = jax.random.key(0) if rngs is None else rngs
-        init = functools.partial(model.init, method=method, **kwargs)
-        variables = jax.eval_shape(lambda *a: init(rngs, *a), *args)
-    apply = functools.partial(model.apply, method=method, rngs=rngs, mutable=True, **kwargs)
-    matmuls = matmuls_by_region(apply, variables, *args)
-    params = nn.meta.unbox(variables).get("params", {}) if isinstance(variables, Mapping) else {}
-    seen = state.seen
-    rows = []
-    for path, (module_type, resolution) in seen.items():
-        leaves = _owned_params(params, path, set(seen))
-        rows.append(ModuleRow(
-            path=path, type_name=module_type.__name__, policy=resolution.policy,
-            rule=resolution.rule_name,
-            param_count=sum(int(np.prod(leaf.shape)) for leaf in leaves),
-            param_bytes=sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
-                            for leaf in leaves),
-            matmuls=matmuls.get(path, ()),
-        ))
-    problems = state.rules.problems((path, cls) for path, (cls, _) in seen.items())
-    report = PrecisionReport(tuple(rows), tuple(problems))
+
+    def report(*args, **kwargs) -> PrecisionReport:
+        keys = jax.random.key(0) if rngs is None else rngs
+        known = variables
+        if known is None:
+            init = functools.partial(model.init, keys, method=method)
+            known = eval_shape_of(init, *args, **kwargs)
+
+        def apply(variables, *args, **kwargs):
+            return model.apply(variables, *args, method=method, rngs=keys, mutable=True,
+                               **kwargs)
+
+        matmuls = matmuls_by_region(apply, known, *args, **kwargs)
+        params = nn.meta.unbox(known).get("params", {}) if isinstance(known, Mapping) else {}
+        seen = state.seen
+        rows = []
+        for path, (module_type, resolution) in seen.items():
+            leaves = _owned_params(params, path, set(seen))
+            rows.append(ModuleRow(
+                path=path, type_name=module_type.__name__, policy=resolution.policy,
+                rule=resolution.rule_name,
+                param_count=sum(int(np.prod(leaf.shape)) for leaf in leaves),
+                param_bytes=sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+                                for leaf in leaves),
+                matmuls=matmuls.get(path, ()),
+            ))
+        problems = state.rules.problems((path, cls) for path, (cls, _) in seen.items())
+        return PrecisionReport(tuple(rows), tuple(problems))
+
+    return report
+
+
+def describe(
+    model: nn.Module,
+    *args,
+    rules: Rules | PolicyLike | None = None,
+    variables: Any = None,
+    rngs: Any = None,
+    method: Callable[..., Any] | str | None = None,
+    print_table: bool = True,
+    **kwargs,
+) -> PrecisionReport:
+    """Deprecated: use ``mpjax.describe(model, rules=..., variables=..., rngs=...,
+    method=...)(*args, **kwargs)`` (and print the report).
+
+    Returns, and by default prints, the :class:`mpjax.PrecisionReport` of a linen model for the
+    example inputs ``*args, **kwargs``; see :func:`mpjax.describe`. Its keywords take their
+    names from the model's own keywords; the replacement takes the inputs exactly.
+
+    Raises:
+      TypeError: if ``model`` is not a linen module.
+      ValueError: if ``model`` is wrapped and ``rules`` is given, or unwrapped and it is not.
+    """
+    warnings.warn(
+        "mpjax.linen.describe(model, *args, rules=..., **kwargs) is deprecated: use "
+        "mpjax.describe(model, rules=...)(*args, **kwargs), which returns the report without "
+        "printing it (print it, or call its .table()).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    report = _report_of(model, rules=rules, variables=variables, rngs=rngs,
+                        method=method)(*args, **kwargs)
     if print_table:
         print(report)
     return report
 
 
 def _wrapped_for_report(model: Any, rules: Rules | PolicyLike | None) -> nn.Module:
-    if not isinstance(model, nn.Module) or isinstance(model, type):
+    if isinstance(model, type):
+        raise TypeError(
+            f"describe() takes a flax.linen Module instance, got the class {model.__name__}. "
+            f"Pass an instance: mpjax.describe({model.__name__}(...), rules=policy)(x)."
+        )
+    if not isinstance(model, nn.Module):
         raise TypeError(
             f"describe() takes a flax.linen Module instance as `model`; got {model!r} of type "
             f"{type(model).__name__}."
@@ -441,3 +470,7 @@ def _wrapped_for_report(model: Any, rules: Rules | PolicyLike | None) -> nn.Modu
             "policy), or the model returned by mpjax.linen.apply_policy(model, rules)."
         )
     return model if wrapped else apply_policy(model, rules)
+
+
+register_describer(nn.Module, _report_of, kind="a flax.linen module",
+                   options=("rules", "variables", "rngs", "method"))

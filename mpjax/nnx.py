@@ -36,7 +36,7 @@ import dataclasses
 import functools
 import types
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -46,6 +46,7 @@ from flax import nnx
 
 from mpjax import autocast as engine
 from mpjax import jax_compat, regions
+from mpjax.describe import register_describer
 from mpjax.policy import Policy, PolicyLike
 from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
 from mpjax.rules import Resolution, Rules, RuleWarning, as_rules
@@ -291,33 +292,32 @@ def _applied_rules(model: nnx.Module) -> Rules:
         raise ValueError(
             f"The {type(model).__name__} passed as `model` has no policy applied. Either call "
             "mpjax.nnx.apply_policy(model, policy) first, or pass the rules to report: "
-            "describe(model, rules)."
+            "mpjax.describe(model, rules=...)."
         )
     return plan.rules
 
 
-def describe(model: nnx.Module, rules: Rules | PolicyLike | None = None, *,
-             inputs: tuple = (), print_table: bool = True) -> PrecisionReport:
-    """The precision report of an NNX model: each module's path, type, policy, rule, params
+def _report_of(model: nnx.Module, *, rules: Rules | PolicyLike | None
+               ) -> Callable[..., PrecisionReport]:
+    """:func:`mpjax.describe` of an NNX model: each module's path, type, policy, rule, params
     and, given example inputs, the dtypes its matmuls ran in.
 
     One row per module in pre-order (the root first, children in attribute-name order,
     shared modules once), with the Params it owns directly (those in ``nnx.List`` /
     ``nnx.Dict`` containers count for the module holding the container), plus the problems
-    :meth:`mpjax.Rules.problems` finds. With ``inputs``, ``model(*inputs)`` and its gradient
-    are traced (nothing is computed) and each row lists the operand dtypes of the matmuls and
-    convolutions that ran in the module's region, forward and backward.
+    :meth:`mpjax.Rules.problems` finds. Called with example inputs, ``model(*args, **kwargs)``
+    and its gradient are traced (nothing is computed) and each row lists the operand dtypes of
+    the matmuls and convolutions that ran in the module's region, forward and backward; called
+    without, the model is not traced and the report has no matmul column.
 
     Args:
       model: an ``nnx.Module`` instance.
       rules: the policy or rules to report; by default the ones :func:`apply_policy` applied
         to ``model``. Passing them reports what they would do without changing the model.
-      inputs: example positional arguments of ``model(...)`` (arrays or
-        ``jax.ShapeDtypeStruct``), for the matmul column.
-      print_table: print the table as well.
 
     Returns:
-      A :class:`mpjax.PrecisionReport`.
+      A function of ``model``'s call arguments (arrays or ``jax.ShapeDtypeStruct``) that
+      returns a :class:`mpjax.PrecisionReport`.
 
     Raises:
       TypeError: ``model`` is not an ``nnx.Module`` instance.
@@ -325,41 +325,76 @@ def describe(model: nnx.Module, rules: Rules | PolicyLike | None = None, *,
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
-    >>> report = describe(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), "mixed_bfloat16",
-    ...                   inputs=(jnp.ones((1, 4)),), print_table=False)
+    >>> report = _report_of(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), rules="mixed_bfloat16")(
+    ...     jnp.ones((1, 4)))
     >>> row = report.rows[0]
     >>> print(row.type_name, row.policy, report.total_params, row.matmuls)
     Linear p=f32,c=bf16,o=f32 10 (('bf16,bf16', 3),)
     """
+    if isinstance(model, type):
+        raise TypeError(
+            f"describe() takes an nnx.Module instance, got the class {model.__name__}. Build "
+            f"the model first: mpjax.describe({model.__name__}(..., rngs=nnx.Rngs(0)))(x)."
+        )
     _check_model(model, "describe")
     rules = _applied_rules(model) if rules is None else as_rules(rules)
-    nodes = _walk(model)
-    resolved = _resolve(nodes, rules)
-    matmuls = _matmuls(model, rules, inputs) if inputs else {}
-    rows = []
-    for node in nodes:
-        values = [v.get_value() for _, v in node.params]
-        rows.append(ModuleRow(
-            path=node.path,
-            type_name=_base_class(node.module).__name__,
-            policy=resolved[node.path].policy,
-            rule=resolved[node.path].rule_name,
-            param_count=sum(int(np.size(x)) for x in values),
-            param_bytes=sum(int(np.size(x)) * np.dtype(x.dtype).itemsize for x in values),
-            matmuls=matmuls.get(node.path, ()),
-        ))
-    report = PrecisionReport(tuple(rows),
-                             tuple(rules.problems((n.path, _base_class(n.module)) for n in nodes)))
+
+    def report(*args, **kwargs) -> PrecisionReport:
+        traced = bool(args or kwargs)
+        nodes = _walk(model)
+        resolved = _resolve(nodes, rules)
+        matmuls = _matmuls(model, rules, args, kwargs) if traced else {}
+        rows = []
+        for node in nodes:
+            values = [v.get_value() for _, v in node.params]
+            rows.append(ModuleRow(
+                path=node.path,
+                type_name=_base_class(node.module).__name__,
+                policy=resolved[node.path].policy,
+                rule=resolved[node.path].rule_name,
+                param_count=sum(int(np.size(x)) for x in values),
+                param_bytes=sum(int(np.size(x)) * np.dtype(x.dtype).itemsize for x in values),
+                matmuls=matmuls.get(node.path, ()),
+            ))
+        problems = rules.problems((n.path, _base_class(n.module)) for n in nodes)
+        return PrecisionReport(tuple(rows), tuple(problems), matmuls_traced=traced)
+
+    return report
+
+
+def describe(model: nnx.Module, rules: Rules | PolicyLike | None = None, *,
+             inputs: tuple = (), print_table: bool = True) -> PrecisionReport:
+    """Deprecated: use ``mpjax.describe(model, rules=...)(*inputs)`` (and print the report).
+
+    Returns, and by default prints, the :class:`mpjax.PrecisionReport` of an NNX model; see
+    :func:`mpjax.describe`. ``inputs`` are example positional arguments of ``model(...)``.
+
+    Raises:
+      TypeError: ``model`` is not an ``nnx.Module`` instance.
+      ValueError: ``rules`` is None and no policy was applied to ``model``.
+    """
+    warnings.warn(
+        "mpjax.nnx.describe(model, rules, inputs=(...)) is deprecated: use "
+        "mpjax.describe(model, rules=...)(*inputs), which returns the report without printing "
+        "it (print it, or call its .table()).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    report = _report_of(model, rules=rules)(*inputs)
     if print_table:
         print(report)
     return report
 
 
-def _matmuls(model: nnx.Module, rules: Rules, inputs: tuple) -> dict:
+def _matmuls(model: nnx.Module, rules: Rules, args: tuple, kwargs: dict) -> dict:
     """:func:`mpjax.report.matmuls_by_region` of a copy of ``model`` under ``rules``."""
     copy = nnx.clone(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuleWarning)  # describe() reports them itself
         apply_policy(copy, rules)
     graphdef, state = nnx.split(copy)
-    return matmuls_by_region(lambda state, *xs: nnx.merge(graphdef, state)(*xs), state, *inputs)
+    return matmuls_by_region(lambda state, *a, **k: nnx.merge(graphdef, state)(*a, **k), state,
+                             *args, **kwargs)
+
+
+register_describer(nnx.Module, _report_of, kind="a flax.nnx module", options=("rules",))

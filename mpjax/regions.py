@@ -75,7 +75,7 @@ def full_precision():
     ...     with full_precision():
     ...         y = x @ x
     ...     return y + x @ x
-    >>> [m.lhs_dtype.name for m in mpjax.inspect_matmuls(mpjax.autocast(f), jnp.ones((2, 2)))]
+    >>> [m.lhs_dtype.name for m in mpjax.inspect_matmuls(mpjax.autocast(f))(jnp.ones((2, 2)))]
     ['float32', 'bfloat16']
     """
     return jax.named_scope(FULL_PRECISION_SCOPE)

@@ -1,14 +1,18 @@
 """The precision report: what rules resolved to, module by module, for linen and NNX models,
-and the dtypes each module's matmuls ran in, read from the jaxpr."""
+and the dtypes each module's matmuls ran in, read from the jaxpr.
+
+:mod:`mpjax.linen` and :mod:`mpjax.nnx` build it; :func:`mpjax.describe` returns it.
+"""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mpjax.inspection import inspect_matmuls
 from mpjax.policy import Policy, short_dtype_name
@@ -28,7 +32,8 @@ class ModuleRow:
       param_bytes: bytes those parameters take in their stored dtypes.
       matmuls: the matmuls and convolutions that ran in the module's region (its own code,
         not its children's), forward and backward, counted by operand dtypes:
-        ``(("bf16,bf16", 3),)``. Empty when the report was made without example inputs.
+        ``(("bf16,bf16", 3),)``. Empty when the report was made without example inputs
+        (see :attr:`PrecisionReport.matmuls_traced`).
     """
 
     path: str
@@ -38,6 +43,34 @@ class ModuleRow:
     param_count: int
     param_bytes: int
     matmuls: tuple[tuple[str, int], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The row as JSON-serialisable data (dtype names as strings, tuples as lists)."""
+        policy = self.policy
+        return {
+            "path": self.path,
+            "type": self.type_name,
+            "policy": {"param_dtype": policy.param_dtype.name,
+                       "compute_dtype": policy.compute_dtype.name,
+                       "output_dtype": policy.output_dtype.name},
+            "rule": self.rule,
+            "param_count": self.param_count,
+            "param_bytes": self.param_bytes,
+            "matmuls": [[dtypes, count] for dtypes, count in self.matmuls],
+        }
+
+
+class Report(Protocol):
+    """What :func:`mpjax.describe` returns, whatever it describes: ``str(report)`` is
+    ``report.table()``."""
+
+    def table(self) -> str:
+        """The report as a text table."""
+        ...
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-serialisable data."""
+        ...
 
 
 def _human_bytes(n: int) -> str:
@@ -53,15 +86,19 @@ def _human_bytes(n: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionReport:
-    """A table of modules with their resolved dtypes and parameter sizes; ``str`` prints it.
+    """The modules of a model with their resolved dtypes, parameter sizes and the dtypes their
+    matmuls ran in; made by :func:`mpjax.describe`. ``str`` gives :meth:`table`.
 
     Attributes:
       rows: one :class:`ModuleRow` per module, in traversal order.
       problems: rules that never matched or were shadowed (see :meth:`mpjax.Rules.problems`).
+      matmuls_traced: whether the model was traced with example inputs, so that the rows'
+        ``matmuls`` are known; the table has its "matmuls ran in" column only then.
     """
 
     rows: tuple[ModuleRow, ...]
     problems: tuple[str, ...] = ()
+    matmuls_traced: bool = True
 
     @property
     def total_params(self) -> int:
@@ -79,6 +116,10 @@ class PrecisionReport:
         raise KeyError(f"No module at path {path!r}. Paths: {[r.path for r in self.rows]}")
 
     def __str__(self) -> str:
+        return self.table()
+
+    def table(self) -> str:
+        """The rows as a text table with a total, then the problems as warnings."""
         header = ("path", "type", "params", "compute", "output", "rule", "#params", "bytes",
                   "matmuls ran in")
         body = [
@@ -90,33 +131,75 @@ class PrecisionReport:
         ]
         total = ("total", "", "", "", "", "", f"{self.total_params:,}",
                  _human_bytes(self.total_bytes), "")
-        lines = [format_table(header, body, footer=total, right=frozenset({6, 7}))]
+        columns = len(header) if self.matmuls_traced else len(header) - 1
+        lines = [format_table(header[:columns], [row[:columns] for row in body],
+                              footer=total[:columns], right=frozenset({6, 7}))]
         lines += [f"warning: {p}" for p in self.problems]
         return "\n".join(lines)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-serialisable data: ``{"rows": [...], "problems": [...],
+        "matmuls_traced": ..., "total_params": ..., "total_bytes": ...}``, each row as
+        :meth:`ModuleRow.to_dict` gives it."""
+        return {
+            "rows": [r.to_dict() for r in self.rows],
+            "problems": list(self.problems),
+            "matmuls_traced": self.matmuls_traced,
+            "total_params": self.total_params,
+            "total_bytes": self.total_bytes,
+        }
 
-def matmuls_by_region(fn: Callable[..., Any], *args) -> dict[str, tuple[tuple[str, int], ...]]:
+
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def eval_shape_of(fn: Callable[..., Any], *args, **kwargs) -> Any:
+    """``jax.eval_shape(fn, *args, **kwargs)`` with the leaves that are not arrays or
+    ``jax.ShapeDtypeStruct`` (flags such as ``deterministic=True``) passed as static values."""
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+
+    def traced(array_leaves):
+        merged = list(leaves)
+        for i, leaf in zip(arrays, array_leaves):
+            merged[i] = leaf
+        call_args, call_kwargs = jax.tree.unflatten(tree, merged)
+        return fn(*call_args, **call_kwargs)
+
+    return jax.eval_shape(traced, [leaves[i] for i in arrays])
+
+
+def matmuls_by_region(fn: Callable[..., Any], *args, **kwargs
+                      ) -> dict[str, tuple[tuple[str, int], ...]]:
     """The matmuls and convolutions of ``fn`` and of its gradient, by the module path of the
     precision region they ran in, counted by operand dtypes.
 
-    Read from the jaxpr of ``jax.grad`` of the sum of ``fn``'s floating outputs with respect to
-    the floating leaves of ``args`` (arrays or ``jax.ShapeDtypeStruct``): forward and backward
-    matmuls, nothing computed. A matmul outside any region counts for the root (``""``).
+    Read from the jaxpr of ``jax.grad`` of the sum of ``fn(*args, **kwargs)``'s floating outputs
+    with respect to the floating array leaves of the arguments (arrays or
+    ``jax.ShapeDtypeStruct``): forward and backward matmuls, nothing computed. Leaves that are
+    not arrays (flags such as ``deterministic=True``) are static. A matmul outside any region
+    counts for the root (``""``).
     """
-    leaves, tree = jax.tree.flatten(args)
-    floating = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+    floating = [i for i in arrays if jnp.issubdtype(leaves[i].dtype, jnp.floating)]
 
-    def loss(float_leaves, all_leaves):
-        merged = list(all_leaves)
+    def loss(float_leaves, array_leaves):
+        merged = list(leaves)
+        for i, leaf in zip(arrays, array_leaves):
+            merged[i] = leaf
         for i, leaf in zip(floating, float_leaves):
             merged[i] = leaf
-        outs = jax.tree.leaves(fn(*jax.tree.unflatten(tree, merged)))
+        call_args, call_kwargs = jax.tree.unflatten(tree, merged)
+        outs = jax.tree.leaves(fn(*call_args, **call_kwargs))
         outs = [x for x in outs if jnp.issubdtype(x.dtype, jnp.floating)]
         return sum((jnp.sum(x.astype(jnp.float32)) for x in outs), jnp.zeros((), jnp.float32))
 
     counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for m in inspect_matmuls(jax.grad(loss), [leaves[i] for i in floating], leaves):
+    report = inspect_matmuls(jax.grad(loss))([leaves[i] for i in floating],
+                                             [leaves[i] for i in arrays])
+    for m in report:
         dtypes = ",".join(short_dtype_name(d) for d in m.operand_dtypes)
         counts[m.region or ""][dtypes] += 1
     return {path: tuple(sorted(c.items())) for path, c in counts.items()}
-

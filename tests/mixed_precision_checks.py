@@ -84,8 +84,8 @@ def dtypes(tree: Any) -> set[np.dtype]:
 
 
 def _matmuls(subject: Subject, fn: Callable[..., Any]) -> tuple:
-    forward = mpjax.inspect_matmuls(fn, subject.params, *subject.inputs)
-    backward = mpjax.inspect_matmuls(subject.grad(fn), subject.params, *subject.inputs)
+    forward = mpjax.inspect_matmuls(fn)(subject.params, *subject.inputs)
+    backward = mpjax.inspect_matmuls(subject.grad(fn))(subject.params, *subject.inputs)
     return forward, backward
 
 

@@ -1,5 +1,7 @@
 """mpjax.autocast: dtypes read back from the transformed jaxpr/HLO, numerics against f32."""
 
+import functools
+import json
 import warnings
 
 import flax.linen as nn
@@ -37,7 +39,8 @@ def _assert_bf16_matmuls(report, count=None):
     assert report, "no matmuls found"
     assert report.operand_dtypes() == {("bfloat16", "bfloat16"): len(report)}, str(report)
     assert all(m.out_dtype == BF16 for m in report), str(report)
-    # JAX's default (None) or the compute dtype, never f32: see REFERENCE.md's trap.
+    # JAX's default (None) or the compute dtype, never f32: an f32 accumulation type on a bf16
+    # dot makes its cotangent f32, so the backward matmuls would run in f32.
     assert all(m.preferred_element_type in (None, BF16) for m in report), str(report)
     if count is not None:
         assert len(report) == count, str(report)
@@ -104,12 +107,12 @@ CASES = {
 def test_matmuls_run_in_bf16_forward_and_backward_inside_higher_order_primitives(case):
     fn, context = CASES[case]
     auto = mpjax.autocast(fn)
-    forward = mpjax.inspect_matmuls(auto, W, X)
+    forward = mpjax.inspect_matmuls(auto)(W, X)
     _assert_bf16_matmuls(forward)
     assert all(context in "/".join(m.context) or context == "checkpoint" for m in forward)
 
     loss = lambda w: jnp.sum(auto(w, X) ** 2)  # noqa: E731
-    backward = mpjax.inspect_matmuls(jax.grad(loss), W)
+    backward = mpjax.inspect_matmuls(jax.grad(loss))(W)
     # Forward and backward matmuls alike: bf16 operands, never an f32 x bf16 dot.
     _assert_bf16_matmuls(backward)
     assert len(backward) > len(forward)
@@ -142,7 +145,7 @@ def test_call_primitives_inside_a_traced_gradient_are_autocast():
     with warnings.catch_warnings():
         warnings.simplefilter("error", mpjax.AutocastWarning)
         auto = mpjax.autocast(grad)
-        report = mpjax.inspect_matmuls(auto, W, X)
+        report = mpjax.inspect_matmuls(auto)(W, X)
         _close(auto(W, X), grad(W, X), rtol=0.1)
     _assert_bf16_matmuls(report)
 
@@ -153,7 +156,7 @@ def test_while_loop_matmuls_run_in_bf16_and_carries_keep_their_dtype():
                               (0, x))
 
     auto = mpjax.autocast(fn)
-    report = mpjax.inspect_matmuls(auto, W, X)
+    report = mpjax.inspect_matmuls(auto)(W, X)
     _assert_bf16_matmuls(report, count=1)
     assert report[0].context == ("while",)
     (loop,) = [e for e, _ in iter_equations(auto, W, X) if e.primitive.name == "while"]
@@ -289,7 +292,7 @@ def test_floating_outputs_take_the_output_dtype_and_matmuls_the_compute_dtype(po
     out, idx = auto(W, X)
     assert out.dtype == dtype and idx.dtype == jnp.int32
     compute = mpjax.get_policy(policy).compute_dtype
-    assert {m.lhs_dtype for m in mpjax.inspect_matmuls(auto, W, X)} == {compute}
+    assert {m.lhs_dtype for m in mpjax.inspect_matmuls(auto)(W, X)} == {compute}
 
 
 # --- Composition. ------------------------------------------------------------------------------
@@ -323,7 +326,7 @@ def test_jit_grad_vmap_of_autocast_and_no_retrace():
     assert batched.shape == (4, 1, 8) and batched.dtype == F32
     _close(batched[:, 0], _mlp(MLP_PARAMS, X))
     _assert_bf16_matmuls(mpjax.inspect_matmuls(
-        jax.grad(lambda p: jax.vmap(auto, in_axes=(None, 0))(p, X[:, None]).sum()), MLP_PARAMS))
+        jax.grad(lambda p: jax.vmap(auto, in_axes=(None, 0))(p, X[:, None]).sum()))(MLP_PARAMS))
 
 
 def test_gradients_match_finite_differences():
@@ -350,7 +353,7 @@ def test_flax_linen_apply_needs_no_change():
     auto = mpjax.autocast(model.apply)
     loss = lambda v: jnp.sum(auto(v, x) ** 2)  # noqa: E731
     # q, k, v, scores, weights x values, out, two Dense: 8 forward, 2 backward each.
-    _assert_bf16_matmuls(mpjax.inspect_matmuls(jax.grad(loss), variables), count=8 * 3)
+    _assert_bf16_matmuls(mpjax.inspect_matmuls(jax.grad(loss))(variables), count=8 * 3)
     grads = jax.grad(loss)(variables)
     assert {g.dtype for g in jax.tree.leaves(grads)} == {F32}
     _close(auto(variables, x), model.apply(variables, x))
@@ -362,13 +365,13 @@ def test_nnx_module_call_and_split_merge_need_no_change():
     out = mpjax.autocast(model)(X)  # the module itself: its params are read as constants
     assert out.dtype == F32
     _close(out, model(X))
-    _assert_bf16_matmuls(mpjax.inspect_matmuls(mpjax.autocast(model), X), count=2)
+    _assert_bf16_matmuls(mpjax.inspect_matmuls(mpjax.autocast(model))(X), count=2)
 
     graphdef, state = nnx.split(model)
     auto = mpjax.autocast(lambda state, x: nnx.merge(graphdef, state)(x))
     loss = lambda s: jnp.mean(auto(s, X) ** 2)  # noqa: E731
     # 2 forward; backward 2 for the last layer, 1 for the first (x needs no gradient).
-    _assert_bf16_matmuls(mpjax.inspect_matmuls(jax.grad(loss), state), count=2 + 3)
+    _assert_bf16_matmuls(mpjax.inspect_matmuls(jax.grad(loss))(state), count=2 + 3)
     assert {g.dtype for g in jax.tree.leaves(jax.grad(loss)(state))} == {F32}
 
 
@@ -387,8 +390,8 @@ def test_jitted_train_step_with_loss_scaling_and_mixed_float16():
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    report = mpjax.inspect_matmuls(jax.grad(lambda p: mpjax.scale_loss(loss_fn(p), tx.init(p))),
-                                   MLP_PARAMS)
+    grad = jax.grad(lambda p: mpjax.scale_loss(loss_fn(p), tx.init(p)))
+    report = mpjax.inspect_matmuls(grad)(MLP_PARAMS)
     assert report.operand_dtypes() == {("float16", "float16"): len(report)} and len(report) == 5
     params, opt_state = MLP_PARAMS, tx.init(MLP_PARAMS)
     first = loss_fn(params)
@@ -434,10 +437,10 @@ def test_full_precision_region_keeps_its_matmuls_f32_even_in_nested_jit():
             h = jax.jit(lambda h: jax.nn.relu(h @ w))(h)
         return h @ w
 
-    report = mpjax.inspect_matmuls(mpjax.autocast(fn), W, X)
+    report = mpjax.inspect_matmuls(mpjax.autocast(fn))(W, X)
     assert [(m.lhs_dtype, m.rhs_dtype, m.out_dtype) for m in report] == [
         (BF16, BF16, BF16), (F32, F32, F32), (BF16, BF16, BF16)]
-    backward = mpjax.inspect_matmuls(jax.grad(lambda w: mpjax.autocast(fn)(w, X).sum()), W)
+    backward = mpjax.inspect_matmuls(jax.grad(lambda w: mpjax.autocast(fn)(w, X).sum()))(W)
     # bf16: 2 forward, 2 + 1 backward (the first matmul's x needs no gradient); f32: 1 + 2.
     assert backward.operand_dtypes() == {("bfloat16", "bfloat16"): 5, ("float32", "float32"): 3}
 
@@ -450,7 +453,7 @@ def test_scope_rules_give_regions_their_own_policy():
 
     variables = Net().init(K3, X)
     auto = mpjax.autocast(Net().apply, rules={"*/head": "float32"})
-    report = mpjax.inspect_matmuls(auto, variables, X)
+    report = mpjax.inspect_matmuls(auto)(variables, X)
     assert {m.scope: m.lhs_dtype for m in report} == {"Net/body": BF16, "Net/head": F32}
 
     def fn(w, x):
@@ -459,7 +462,7 @@ def test_scope_rules_give_regions_their_own_policy():
         return x @ w
 
     rules = mpjax.Rules({"attn": "float32"}, default="mixed_float16")
-    found = [m.lhs_dtype for m in mpjax.inspect_matmuls(mpjax.autocast(fn, rules=rules), W, X)]
+    found = [m.lhs_dtype for m in mpjax.inspect_matmuls(mpjax.autocast(fn, rules=rules))(W, X)]
     assert found == [F32, F16]
 
 
@@ -469,7 +472,7 @@ def test_category_overrides_apply_per_primitive():
     assert _inputs(mpjax.autocast(fn, categories={"tanh": "f32"}), W, X, primitive="tanh") == [
         (F32,)]
     promoted = mpjax.autocast(fn, categories={"dot_general": "promote"})
-    assert {m.lhs_dtype for m in mpjax.inspect_matmuls(promoted, W, X)} == {F32}
+    assert {m.lhs_dtype for m in mpjax.inspect_matmuls(promoted)(W, X)} == {F32}
     assert mpjax.DEFAULT_OP_CATEGORIES["dot_general"] == "lower"
     assert mpjax.DEFAULT_OP_CATEGORIES["exp"] == "f32"
 
@@ -491,13 +494,53 @@ def test_bad_arguments_raise_errors_naming_them():
 
 def test_report_shows_what_autocast_did(capsys):
     auto = mpjax.autocast(lambda w, x: jax.nn.softmax(x @ w))
-    report = mpjax.describe(auto, W, X)
-    printed = capsys.readouterr().out
+    report = mpjax.describe(auto)(W, X)
+    assert capsys.readouterr().out == ""
     rows = {(r.primitive, r.category): r for r in report}
     assert rows["dot_general", "lower"].ran == ("bf16", "bf16")
     assert rows["exp", "f32"].ran == ("f32",)
-    assert "* bf16,bf16" in printed and "reduce_max" in printed
-    with pytest.raises(TypeError, match="autocast"):
+    table = report.table()
+    assert str(report) == table and "* bf16,bf16" in table and "reduce_max" in table
+    data = report.to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert {"scope": "", "primitive": "dot_general", "category": "lower", "traced": ["f32", "f32"],
+            "ran": ["bf16", "bf16"], "count": 1} in data["rows"]
+    assert len(data["rows"]) == len(report)
+
+
+def test_describe_passes_every_keyword_to_the_autocast_function():
+    def fn(w, x, *, rules, print_table):  # keywords named like describe's options
+        return jnp.tanh(x @ w) * rules if print_table else x
+
+    report = mpjax.describe(mpjax.autocast(fn))(W, X, rules=2.0, print_table=True)
+    assert [r.primitive for r in report] == ["dot_general", "tanh", "mul"]
+    report = mpjax.describe(mpjax.autocast(fn))(W, X, rules=2.0, print_table=False)
+    assert list(report) == []
+
+
+def test_describe_rejects_autocast_functions_it_did_not_make_and_options():
+    auto = mpjax.autocast(jnp.sin)
+    with pytest.raises(TypeError, match=r"describe\(\) takes .*a function made by mpjax\.autocast"):
+        mpjax.describe(jnp.sin)
+    # A decorator that copies the autocast function's attributes does not pass for it.
+    wrapper = functools.wraps(auto)(lambda x: auto(x) + 1)
+    with pytest.raises(TypeError, match=r"describe\(\) takes .*; got "):
+        mpjax.describe(wrapper)
+    with pytest.raises(TypeError, match=r"`rules`, which does not apply to a function made by "
+                                        r"mpjax\.autocast \(function\); it takes none"):
+        mpjax.describe(auto, rules="float32")
+
+
+def test_deprecated_autocast_report_warns_prints_and_returns_the_report(capsys):
+    auto = mpjax.autocast(lambda w, x: jax.nn.softmax(x @ w))
+    with pytest.warns(DeprecationWarning, match=r"use mpjax\.describe\(fn\)\(\*args, \*\*kwargs\)"):
+        report = mpjax.autocast_report(auto, W, X)
+    assert capsys.readouterr().out == str(report) + "\n"
+    assert report == mpjax.describe(auto)(W, X)
+    with pytest.warns(DeprecationWarning):
+        quiet = mpjax.autocast_report(auto, W, X, print_table=False)
+    assert quiet == report and capsys.readouterr().out == ""
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="autocast"):
         mpjax.autocast_report(jnp.sin, X)
 
 
@@ -527,8 +570,8 @@ def test_train_step_has_no_more_converts_than_hand_written_bf16_and_same_matmuls
         for name, apply in (("autocast", mpjax.autocast(Block().apply)),
                             ("by_hand", HandWrittenBlock(dtype=jnp.bfloat16).apply)):
             step, tx, loss = _train_step(apply, x)
-            converts = mpjax.hlo_op_counts(step, params, jax.eval_shape(tx.init, params))
-            matmuls = mpjax.inspect_matmuls(jax.grad(loss), params).operand_dtypes()
+            converts = mpjax.hlo_op_counts(step)(params, jax.eval_shape(tx.init, params))
+            matmuls = mpjax.inspect_matmuls(jax.grad(loss))(params).operand_dtypes()
             found[name] = converts["convert"], matmuls
     (auto_converts, auto_matmuls), (hand_converts, hand_matmuls) = found.values()
     assert 0 < auto_converts <= hand_converts, found

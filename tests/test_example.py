@@ -153,7 +153,7 @@ def test_train_steps_under_each_policy(policy_name, mode, corpus):
         assert p.dtype == _expected_param_dtype(path, policy, mode), jax.tree_util.keystr(path)
     # The jaxpr says which dtype every matmul ran in, forward and backward.
     grad_fn = jax.grad(lambda p: tt.loss_fn(model, p, x[0], y[0]))
-    report = mpjax.inspect_matmuls(grad_fn, state.params)
+    report = mpjax.inspect_matmuls(grad_fn)(state.params)
     compute = policy.compute_dtype.name
     assert len(report) > 0
     assert set(report.operand_dtypes()) == {(compute, compute)}, str(report)
@@ -342,8 +342,8 @@ def test_train_step_costs_no_more_converts_than_the_hand_written_bf16_model(mode
     converts, matmuls = {}, {}
     for name in ("hand", mode):
         _, model, tx, state, _ = _setup("mixed_bfloat16", name)
-        converts[name] = mpjax.hlo_op_counts(tt.make_train_step(model, tx), state, x, y)["convert"]
+        converts[name] = mpjax.hlo_op_counts(tt.make_train_step(model, tx))(state, x, y)["convert"]
         grad_fn = jax.grad(lambda p: tt.loss_fn(model, p, x[0], y[0]))
-        matmuls[name] = mpjax.inspect_matmuls(grad_fn, state.params).operand_dtypes()
+        matmuls[name] = mpjax.inspect_matmuls(grad_fn)(state.params).operand_dtypes()
     assert converts[mode] <= converts["hand"], converts
     assert matmuls[mode] == matmuls["hand"] == {("bfloat16", "bfloat16"): sum(matmuls["hand"].values())}

@@ -62,7 +62,7 @@ def test_autocast_keeps_f32_computations_finite_in_f16(name):
     fn = lambda x, w: COMPUTATIONS[name](x @ w)  # noqa: E731
     out = jax.jit(mpjax.autocast(fn, "mixed_float16"))(x, w)
     _check(name, out, fn(x, w))
-    (dot,) = mpjax.inspect_matmuls(mpjax.autocast(fn, "mixed_float16"), x, w)
+    (dot,) = mpjax.inspect_matmuls(mpjax.autocast(fn, "mixed_float16"))(x, w)
     assert dot.operand_dtypes == (np.dtype(jnp.float16),) * 2  # the matmul itself stays f16
 
 
@@ -101,7 +101,7 @@ def test_wrapped_modules_keep_f32_computations_finite_in_f16(name):
     _check(f"linen {name}", jax.jit(model.apply)(variables, x, w), ref)
     module = mpjax.nnx.apply_policy(NNXHead(w, name), "mixed_float16")
     _check(f"nnx {name}", module(x), ref)
-    report = mpjax.inspect_matmuls(lambda x: module(x), x)
+    report = mpjax.inspect_matmuls(lambda x: module(x))(x)
     assert report.operand_dtypes() == {("float16", "float16"): 1}
 
 
@@ -126,6 +126,6 @@ def test_a_host_callback_is_warned_about_with_the_module_path():
         variables = model.init(jax.random.key(0), x)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", mpjax.AutocastWarning)
-        report = mpjax.inspect_matmuls(lambda v: model.apply(v, x), variables)
+        report = mpjax.inspect_matmuls(lambda v: model.apply(v, x))(variables)
     # The matmuls around the callback still run in bf16.
     assert report.operand_dtypes() == {("bfloat16", "bfloat16"): 2}

@@ -51,7 +51,7 @@ _custom_vjp_matmul.defvjp(lambda x, w: (x @ w, (x, w)), lambda res, g: (g @ res[
     ],
 )
 def test_finds_matmuls_in_nested_jaxprs(name, fn, context):
-    report = mpjax.inspect_matmuls(fn, *_x_w())
+    report = mpjax.inspect_matmuls(fn)(*_x_w())
     assert len(report) >= 1, name
     first = report[0]
     assert first.primitive == "dot_general"
@@ -63,18 +63,19 @@ def test_finds_matmuls_in_nested_jaxprs(name, fn, context):
 def test_finds_matmuls_inside_shard_map():
     mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
     fn = shard_map(lambda x, w: x @ w, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"))
-    (m,) = mpjax.inspect_matmuls(fn, *_x_w())
+    (m,) = mpjax.inspect_matmuls(fn)(*_x_w())
     assert m.context == ("shard_map",) and m.lhs_shape == (1, 4)
 
 
 def test_backward_matmuls_are_reported_with_their_dtypes():
-    # The trap from REFERENCE.md: an f32 accumulation type gives f32 cotangents backward.
+    # An f32 accumulation type (preferred_element_type) on a bf16 dot gives f32 cotangents, so
+    # the backward matmuls run with an f32 operand.
     def loss(w, x):
         y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
         return jnp.sum(y.astype(jnp.float32))
 
     x, w = _x_w()
-    report = mpjax.inspect_matmuls(jax.grad(loss), w, x)
+    report = mpjax.inspect_matmuls(jax.grad(loss))(w, x)
     assert report[0].preferred_element_type == F32
     backward = report[1:]
     assert backward and all(F32 in m.operand_dtypes for m in backward)
@@ -87,7 +88,7 @@ def test_reports_convolutions():
     k = jnp.ones((3, 3, 3, 4), jnp.bfloat16)
     conv = lambda x, k: jax.lax.conv_general_dilated(x, k, (1, 1), "SAME",
                                                      dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    (m,) = mpjax.inspect_matmuls(conv, x, k)
+    (m,) = mpjax.inspect_matmuls(conv)(x, k)
     assert m.primitive == "conv_general_dilated" and m.out_shape == (1, 8, 8, 4)
 
 
@@ -96,30 +97,64 @@ def test_scope_comes_from_named_scopes():
         with jax.named_scope("mlp"):
             return x @ w
 
-    (m,) = mpjax.inspect_matmuls(f, *_x_w())
+    (m,) = mpjax.inspect_matmuls(f)(*_x_w())
     assert "mlp" in m.scope
 
 
 def test_report_prints_a_table():
-    text = str(mpjax.inspect_matmuls(lambda x, w: x @ w, *_x_w()))
+    text = str(mpjax.inspect_matmuls(lambda x, w: x @ w)(*_x_w()))
     header, rule, row = text.splitlines()
     assert header.split() == ["primitive", "lhs", "rhs", "out", "preferred", "context", "scope"]
     assert set(rule.replace(" ", "")) == {"-"}
     assert row.split()[:4] == ["dot_general", "bfloat16[2,", "4]", "bfloat16[4,"]
-    assert str(mpjax.inspect_matmuls(jnp.sin, jnp.ones(2))) == "no matmuls or convolutions"
+    assert str(mpjax.inspect_matmuls(jnp.sin)(jnp.ones(2))) == "no matmuls or convolutions"
 
 
 def test_accepts_shape_dtype_structs():
     spec = jax.ShapeDtypeStruct((2, 4), jnp.float16), jax.ShapeDtypeStruct((4, 4), jnp.float16)
-    (m,) = mpjax.inspect_matmuls(lambda x, w: x @ w, *spec)
+    (m,) = mpjax.inspect_matmuls(lambda x, w: x @ w)(*spec)
     assert m.lhs_dtype == np.dtype(jnp.float16)
 
 
 def test_hlo_op_counts_counts_converts():
     x, w = _x_w(jnp.float32)
-    plain = mpjax.hlo_op_counts(lambda x, w: x @ w, x, w, compiled=False)
+    plain = mpjax.hlo_op_counts(lambda x, w: x @ w, compiled=False)(x, w)
     cast = mpjax.hlo_op_counts(
-        lambda x, w: x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16), x, w, compiled=False)
+        lambda x, w: x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16), compiled=False)(x, w)
     assert plain["dot"] == cast["dot"] == 1
     assert plain["convert"] == 0 and cast["convert"] == 2
-    assert mpjax.hlo_op_counts(lambda x, w: x @ w, x, w)["dot"] >= 1
+    assert mpjax.hlo_op_counts(lambda x, w: x @ w)(x, w)["dot"] >= 1
+
+
+def test_every_keyword_reaches_the_function_through_the_curried_call():
+    def fn(x, w, *, primitives, compiled):  # keywords named like the options
+        return (x @ w) * primitives * compiled
+
+    x, w = _x_w(jnp.float32)
+    one = jnp.ones((), jnp.float32)
+    (m,) = mpjax.inspect_matmuls(fn)(x, w, primitives=one, compiled=one)
+    assert m.lhs_dtype == F32
+    assert mpjax.hlo_op_counts(fn, compiled=False)(x, w, primitives=one, compiled=one)["dot"] == 1
+
+
+def test_options_go_with_the_function():
+    x, w = _x_w()
+    assert mpjax.inspect_matmuls(lambda x, w: x @ w, primitives=frozenset({"conv_general_dilated"})
+                                 )(x, w) == ()
+    lowered = mpjax.hlo_op_counts(lambda x, w: x.astype(jnp.float32) @ w.astype(jnp.float32),
+                                  compiled=False)(x, w)
+    assert lowered["convert"] == 2
+
+
+def test_uncurried_calls_still_work_with_a_deprecation_warning():
+    x, w = _x_w()
+    with pytest.warns(DeprecationWarning, match=r"use inspect_matmuls\(fn\)\(\*args, \*\*kwargs\)"):
+        (m,) = mpjax.inspect_matmuls(lambda x, w: x @ w, x, w)
+    assert m.operand_dtypes == (BF16, BF16)
+    with pytest.warns(DeprecationWarning, match=r"inspect_matmuls\(fn\)"):
+        assert mpjax.inspect_matmuls(lambda x, *, w: x @ w, x, w=w,
+                                     primitives=frozenset({"conv_general_dilated"})) == ()
+    with pytest.warns(DeprecationWarning, match=r"use hlo_op_counts\(fn\)\(\*args, \*\*kwargs\)"):
+        counts = mpjax.hlo_op_counts(lambda x, w: x @ w, x, w, compiled=False)
+    assert counts == mpjax.hlo_op_counts(lambda x, w: x @ w, compiled=False)(x, w)
+

@@ -2,6 +2,7 @@
 describe() tables."""
 
 import functools
+import json
 import pathlib
 import re
 import warnings
@@ -63,9 +64,9 @@ def _loss(model, ids):
 
 def _forward_and_backward(model, params, x):
     """The matmuls of the forward pass, and of the gradient w.r.t. params and input."""
-    fwd = mpjax.inspect_matmuls(lambda p: model.apply({"params": p}, x), params)
+    fwd = mpjax.inspect_matmuls(lambda p: model.apply({"params": p}, x))(params)
     loss = lambda p, x: model.apply({"params": p}, x).sum()  # noqa: E731
-    bwd = mpjax.inspect_matmuls(jax.grad(loss, argnums=(0, 1)), params, x)
+    bwd = mpjax.inspect_matmuls(jax.grad(loss, argnums=(0, 1)))(params, x)
     return fwd, bwd
 
 
@@ -84,11 +85,11 @@ def _equations(fn, *args, primitive):
             for eqn, _ in iter_equations(fn, *args) if eqn.primitive.name == primitive]
 
 
-# --- The transformer block of the issue's "Done when". -----------------------------------------
+# --- A transformer block: attention, MLP, norms, scan, remat, a tied head. ---------------------
 
 def test_every_matmul_forward_and_backward_runs_in_bf16(lm):
     model, variables, ids = lm
-    report = mpjax.inspect_matmuls(jax.grad(_loss(model, ids)), variables["params"])
+    report = mpjax.inspect_matmuls(jax.grad(_loss(model, ids)))(variables["params"])
     # q, k, v, scores, weights x values, out, up, down, scale, head: 10 forward, 2 backward each.
     assert len(report) == 10 + 2 * 10
     assert report.operand_dtypes() == {("bfloat16", "bfloat16"): len(report)}, str(report)
@@ -98,7 +99,7 @@ def test_a_user_rule_keeps_the_head_in_f32(lm):
     _, variables, ids = lm
     rules = Rules({"head": "float32"}, default="mixed_bfloat16")
     model = mpl.apply_policy(LM(), rules)
-    report = mpjax.inspect_matmuls(jax.grad(_loss(model, ids)), variables["params"])
+    report = mpjax.inspect_matmuls(jax.grad(_loss(model, ids)))(variables["params"])
     head = [m for m in report if m.region == "head"]
     assert len(head) == 3  # forward, and the two gradients
     assert {m.operand_dtypes for m in head} == {(F32, F32)}
@@ -123,8 +124,8 @@ def test_attention_softmax_runs_in_f32(lm):
         attn = [d for d, scope in found if "/attn" in scope]
         assert len(attn) == 1 and attn[0] == {F32}, found
     # The weights go back to bf16 after the f32 softmax: both attention dots stay bf16.
-    dots = [m for m in mpjax.inspect_matmuls(lambda p: model.apply({"params": p}, ids),
-                                             variables["params"]) if "/attn/..." in m.scope]
+    forward = mpjax.inspect_matmuls(lambda p: model.apply({"params": p}, ids))(variables["params"])
+    dots = [m for m in forward if "/attn/..." in m.scope]
     assert [m.operand_dtypes for m in dots] == [(BF16, BF16)] * 2
 
 
@@ -138,7 +139,7 @@ def test_a_user_attention_fn_is_called_and_its_matmuls_run_in_bf16():
     x = jnp.ones((2, SEQ, DIM))
     model = mpl.apply_policy(Block(attention_fn=my_attention), "mixed_bfloat16")
     variables = _init(model, x)
-    fwd = mpjax.inspect_matmuls(lambda v: model.apply(v, x), variables)
+    fwd = mpjax.inspect_matmuls(lambda v: model.apply(v, x))(variables)
     assert calls and set(calls) == {F32}  # the model is traced in its own dtypes...
     attn = [m for m in fwd if m.region == "attn"]
     assert len(attn) == 2 and {m.operand_dtypes for m in attn} == {(BF16, BF16)}  # ...cast at ops
@@ -221,7 +222,7 @@ def test_embed_lookup_gathers_rows_of_the_f32_table_and_attend_runs_in_bf16():
     assert jax.eval_shape(model.apply, variables, ids).dtype == F32
     query = jnp.ones((2, DIM))
     for method in ("attend", nn.Embed.attend):  # by name or as Flax's own function
-        fwd = mpjax.inspect_matmuls(lambda v: model.apply(v, query, method=method), variables)
+        fwd = mpjax.inspect_matmuls(lambda v: model.apply(v, query, method=method))(variables)
         assert [m.operand_dtypes for m in fwd] == [(BF16, BF16)]
         assert jax.eval_shape(functools.partial(model.apply, method=method), variables,
                               query).dtype == F32
@@ -264,7 +265,7 @@ def test_layer_norm_rms_norm_and_batch_norm_keep_f32_params_and_stats():
     before, after = variables["batch_stats"]["BatchNorm_0"], updated["batch_stats"]["BatchNorm_0"]
     assert not np.allclose(before["mean"], after["mean"])
     fn = lambda v: model.apply(v, x, train=True, mutable=["batch_stats"])[0]  # noqa: E731
-    convs = mpjax.inspect_matmuls(fn, variables)
+    convs = mpjax.inspect_matmuls(fn)(variables)
     assert [m.operand_dtypes for m in convs] == [(BF16, BF16)]
     stats = [d for d, scope in _equations(fn, variables, primitive="reduce_sum")]
     assert len(stats) == 5 and all(d == {F32} for d in stats)  # mean, mean square; RMS: one
@@ -325,7 +326,7 @@ def test_scan_remat_vmap_shared_and_setup_modules_run_in_bf16(transformed):
 
 def test_transformed_modules_are_resolved_at_their_paths(transformed):
     model, variables, x = transformed
-    report = mpl.describe(model, x, print_table=False)
+    report = mpjax.describe(model)(x)
     assert [r.path for r in report.rows] == [
         "", "scan", "scan/Dense_0", "scan/Scale_0", "remat", "vmap", "shared", "setup",
         "setup/dense", "setup/scale"]
@@ -338,7 +339,7 @@ def test_a_rule_on_a_path_inside_scan_applies_there(transformed):
     _, variables, x = transformed
     model = mpl.apply_policy(Transformed(), Rules({"scan/Dense_0": "float32"},
                                                   default="mixed_bfloat16"))
-    fwd = mpjax.inspect_matmuls(lambda v: model.apply(v, x), variables)
+    fwd = mpjax.inspect_matmuls(lambda v: model.apply(v, x))(variables)
     assert [m.operand_dtypes for m in fwd].count((F32, F32)) == 1
     assert jax.eval_shape(model.apply, variables, x).dtype == F32
 
@@ -395,7 +396,7 @@ def test_the_model_is_traced_in_its_own_dtypes_and_cast_at_the_operations():
     out = jax.eval_shape(model.apply, variables, x)
     # The module's code sees f32 (init and apply); the dot ran in bf16; the root returns f32.
     assert seen == [F32, F32] and out.dtype == F32
-    (dot,) = mpjax.inspect_matmuls(lambda v: model.apply(v, x), variables)
+    (dot,) = mpjax.inspect_matmuls(lambda v: model.apply(v, x))(variables)
     assert dot.operand_dtypes == (BF16, BF16) and dot.region == "dense"
 
 
@@ -407,7 +408,7 @@ def test_wrapped_model_works_as_a_submodule_of_an_unwrapped_one_under_jit():
 
     x = jnp.ones((2, SEQ, DIM))
     variables = jax.eval_shape(jax.jit(Outer().init), KEY, x)
-    fwd = mpjax.inspect_matmuls(jax.jit(Outer().apply), variables, x)
+    fwd = mpjax.inspect_matmuls(jax.jit(Outer().apply))(variables, x)
     inner = [m for m in fwd if "/inner/" in m.scope]
     assert len(inner) == 8 and {m.operand_dtypes for m in inner} == {(BF16, BF16)}
     assert fwd[-1].operand_dtypes == (F32, F32)  # Outer's own Dense, outside the policy
@@ -427,7 +428,7 @@ def test_wrapping_again_replaces_the_rules():
     model = mpl.apply_policy(mpl.apply_policy(nn.Dense(4), "float32"), "mixed_bfloat16")
     x = jnp.ones((1, 2))
     params = _init(model, x)["params"]
-    fwd = mpjax.inspect_matmuls(lambda p: model.apply({"params": p}, x), params)
+    fwd = mpjax.inspect_matmuls(lambda p: model.apply({"params": p}, x))(params)
     assert [m.operand_dtypes for m in fwd] == [(BF16, BF16)]
 
 
@@ -464,7 +465,7 @@ def _train_step_converts(model, x):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    return mpjax.hlo_op_counts(step, params, jax.eval_shape(tx.init, params))["convert"]
+    return mpjax.hlo_op_counts(step)(params, jax.eval_shape(tx.init, params))["convert"]
 
 
 def test_wrapped_train_step_has_no_more_converts_than_hand_written_bf16():
@@ -487,10 +488,10 @@ class Tiny(nn.Module):
         return Scale(name="scale")(x)
 
 
-def test_describe_prints_the_table(capsys):
+def test_describe_returns_the_table_and_prints_nothing(capsys):
     rules = Rules({"scale": "float32", "decoder": "float16"}, default="mixed_bfloat16")
     with pytest.warns(mpjax.RuleWarning, match="'decoder' matches no module"):
-        report = mpl.describe(mpl.apply_policy(Tiny(), rules), jnp.ones((1, 3)))
+        report = mpjax.describe(mpl.apply_policy(Tiny(), rules))(jnp.ones((1, 3)))
     expected = [
         "path    type       params   compute   output    rule                             #params  bytes  matmuls ran in",
         "------  ---------  -------  --------  --------  -------------------------------  -------  -----  --------------",
@@ -502,23 +503,81 @@ def test_describe_prints_the_table(capsys):
         "total                                                                                 44  176 B",
         "warning: rule 'decoder' matches no module.",
     ]
-    assert str(report).splitlines() == expected
-    assert capsys.readouterr().out.splitlines() == expected
+    assert capsys.readouterr().out == ""
+    assert report.table().splitlines() == expected and str(report) == report.table()
     with pytest.warns(mpjax.RuleWarning):  # a new wrap warns again
-        again = mpjax.describe(mpl.apply_policy(Tiny(), rules), jnp.ones((1, 3)),
-                               print_table=False)  # the top-level dispatcher
+        again = mpjax.describe(Tiny(), rules=rules)(jnp.ones((1, 3)))  # wrapped by describe
     assert again == report
+
+
+def test_describe_to_dict_is_plain_json():
+    report = mpjax.describe(Tiny(), rules="mixed_bfloat16")(jnp.ones((1, 3)))
+    data = report.to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert data["rows"][1] == {
+        "path": "proj", "type": "Dense",
+        "policy": {"param_dtype": "float32", "compute_dtype": "bfloat16",
+                   "output_dtype": "float32"},
+        "rule": "default", "param_count": 16, "param_bytes": 64, "matmuls": [["bf16,bf16", 3]]}
+    assert data["problems"] == [] and data["matmuls_traced"] is True
+    assert (data["total_params"], data["total_bytes"]) == (44, 176)
+
+
+def test_describe_passes_every_keyword_to_the_model():
+    class Keywords(nn.Module):  # keywords named like describe's options and old print_table
+        @nn.compact
+        def __call__(self, x, *, rules, print_table, mask):
+            x = nn.Dense(4, name="proj")(x) * mask
+            return nn.Dense(2, name="extra")(x) if rules == "extra" and print_table else x
+
+    model = mpl.apply_policy(Keywords(), "mixed_bfloat16")
+    x, mask = jnp.ones((1, 3)), jax.ShapeDtypeStruct((1, 4), jnp.float32)  # an abstract array
+    report = mpjax.describe(model)(x, rules="extra", print_table=True, mask=mask)
+    assert [r.path for r in report.rows] == ["", "proj", "extra"]
+    report = mpjax.describe(model)(x, rules="none", print_table=True, mask=mask)
+    assert [r.path for r in report.rows] == ["", "proj"]
+
+
+def test_describe_method_and_rngs_options():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dropout(0.5, deterministic=False)(nn.Dense(4, name="proj")(x))
+
+        def project(self, x):
+            return x
+
+    model = mpl.apply_policy(Net(), "mixed_bfloat16")
+    x = jnp.ones((1, 3))
+    report = mpjax.describe(model, rngs={"params": jax.random.key(1),
+                                         "dropout": jax.random.key(2)})(x)
+    assert report.row("proj").matmuls == (("bf16,bf16", 3),)
+    variables = jax.eval_shape(model.init, {"params": jax.random.key(0),
+                                            "dropout": jax.random.key(0)}, x)
+    report = mpjax.describe(model, variables=variables, method="project")(x)
+    assert [r.path for r in report.rows] == [""]  # project calls no submodule
 
 
 def test_describe_counts_given_variables_in_their_stored_dtype():
     model = mpl.apply_policy(Tiny(), "bfloat16")
     x = jax.ShapeDtypeStruct((1, 3), jnp.float32)
     variables = jax.eval_shape(model.init, jax.random.key(0), x)
-    report = mpl.describe(model, x, variables=variables, print_table=False)
+    report = mpjax.describe(model, variables=variables)(x)
     assert [(r.path, r.param_count, r.param_bytes) for r in report.rows] == [
         ("", 0, 0), ("proj", 16, 32), ("norm", 8, 32), ("scale", 20, 40)]
-    unwrapped = mpl.describe(Tiny(), x, rules="bfloat16", print_table=False)
+    unwrapped = mpjax.describe(Tiny(), rules="bfloat16")(x)
     assert unwrapped.rows == report.rows
+
+
+def test_deprecated_linen_describe_warns_prints_and_returns_the_report(capsys):
+    x = jnp.ones((1, 3))
+    with pytest.warns(DeprecationWarning, match=r"use mpjax\.describe\(model, rules=\.\.\.\)"):
+        report = mpl.describe(Tiny(), x, rules="mixed_bfloat16")
+    assert capsys.readouterr().out == str(report) + "\n"
+    assert report == mpjax.describe(Tiny(), rules="mixed_bfloat16")(x)
+    with pytest.warns(DeprecationWarning):
+        mpl.describe(Tiny(), x, rules="mixed_bfloat16", print_table=False)
+    assert capsys.readouterr().out == ""
 
 
 # --- Bad input. --------------------------------------------------------------------------------
@@ -535,12 +594,13 @@ def test_bad_input_raises_clear_errors():
     bound = nn.Dense(2).bind({"params": {}})
     with pytest.raises(ValueError, match=r"(?s)already bound.*apply_policy\(nn\.Dense, rules\)"):
         mpl.apply_policy(bound, "mixed_bfloat16")
+    # describe() checks the model and options when called, before any inputs.
     with pytest.raises(ValueError, match=r"unwrapped Dense: pass `rules=`"):
-        mpl.describe(nn.Dense(2), jnp.ones((1, 2)))
+        mpjax.describe(nn.Dense(2))
     with pytest.raises(ValueError, match=r"already wrapped"):
-        mpl.describe(mpl.apply_policy(nn.Dense(2), "bf16"), jnp.ones((1, 2)), rules="f32")
-    with pytest.raises(TypeError, match=r"Module instance as `model`"):
-        mpl.describe(nn.Dense, jnp.ones((1, 2)), rules="f32")
+        mpjax.describe(mpl.apply_policy(nn.Dense(2), "bf16"), rules="f32")
+    with pytest.raises(TypeError, match=r"got the class Dense\. Pass an instance"):
+        mpjax.describe(nn.Dense, rules="f32")
 
 
 def test_readme_flax_linen_example_runs_and_prints_its_table(capsys):
@@ -567,5 +627,5 @@ def test_a_method_reaching_into_a_submodule_runs_under_the_rules():
     x = jnp.ones((2, 3))
     variables = _init(model, x)
     fwd = mpjax.inspect_matmuls(
-        lambda v: model.apply(v, x, method=lambda m, x: m.encoder(x)), variables)
+        lambda v: model.apply(v, x, method=lambda m, x: m.encoder(x)))(variables)
     assert [m.operand_dtypes for m in fwd] == [(BF16, BF16)]

@@ -1,8 +1,9 @@
 """Flax NNX integration: matmul dtypes read from the jaxpr (forward and backward), f32 norm
 statistics and softmax, f32 master params across optax steps, custom Param modules, BatchNorm,
 bf16 storage, rule warnings, convert counts against a hand-written bf16 model, the describe
-table and bad input."""
+report and bad input."""
 
+import json
 import pathlib
 import re
 import warnings
@@ -113,8 +114,8 @@ def adam_update(opt, model, grads):
 
 def test_every_block_matmul_forward_and_backward_runs_in_bf16():
     model, x = block(), x_seq()
-    forward = mpjax.inspect_matmuls(loss, model, x)
-    backward = mpjax.inspect_matmuls(grad_fn, model, x)
+    forward = mpjax.inspect_matmuls(loss)(model, x)
+    backward = mpjax.inspect_matmuls(grad_fn)(model, x)
     assert len(forward) == 8  # q, k, v, logits, weights @ v, out, fc1, fc2
     assert len(backward) == 8 * 3  # each forward matmul and its two transposes
     assert dtypes_of(forward) == dtypes_of(backward) == {("bfloat16", "bfloat16")}
@@ -123,7 +124,7 @@ def test_every_block_matmul_forward_and_backward_runs_in_bf16():
 def test_a_user_rule_keeps_one_layer_in_f32():
     rules = Rules({"fc2": "p=f32,c=f32,o=bf16"}, default="mixed_bfloat16")
     model, x = block(rules), x_seq()
-    report = mpjax.inspect_matmuls(grad_fn, model, x)
+    report = mpjax.inspect_matmuls(grad_fn)(model, x)
     # fc2's forward matmul and its two transposes run in f32, every other one in bf16.
     assert report.operand_dtypes() == {("float32", "float32"): 3, ("bfloat16", "bfloat16"): 21}
     f32 = [m for m in report if m.lhs_dtype == F32]
@@ -167,7 +168,7 @@ def test_a_users_own_attention_function_is_kept_and_cast_at_its_matmuls():
     model, x = block(attention_fn=my_attention), x_seq()
     assert model.attn.attention_fn is my_attention and block().attn.attention_fn is (
         nnx.dot_product_attention)  # apply_policy changes no function of a module
-    report = mpjax.inspect_matmuls(grad_fn, model, x)
+    report = mpjax.inspect_matmuls(grad_fn)(model, x)
     assert calls and dtypes_of(report) == {("bfloat16", "bfloat16")}
 
 
@@ -236,7 +237,7 @@ def test_applying_again_replaces_the_policy():
     model, x = block(), x_seq()
     mpnnx.apply_policy(model, "float32")
     assert type(model).__mro__[1] is Block and type(model.fc1).__mro__[1] is nnx.Linear
-    assert dtypes_of(mpjax.inspect_matmuls(loss, model, x)) == {("float32", "float32")}
+    assert dtypes_of(mpjax.inspect_matmuls(loss)(model, x)) == {("float32", "float32")}
 
 
 # --- the other stock layers, the custom module, BatchNorm, storage -----------------------------
@@ -245,7 +246,7 @@ def test_applying_again_replaces_the_policy():
 def test_custom_module_params_are_cast_at_use_and_never_overwritten():
     model = mpnnx.apply_policy(Dense(4, 3, nnx.Rngs(0)), "mixed_bfloat16")
     stored, x = model.w, jnp.ones((2, 4))
-    report = mpjax.inspect_matmuls(grad_fn, model, x)
+    report = mpjax.inspect_matmuls(grad_fn)(model, x)
     assert len(report) == 2 and dtypes_of(report) == {("bfloat16", "bfloat16")}  # x @ w, dw
     grads = grad_fn(model, x)
     assert grads["w"][...].dtype == F32 and grads["b"][...].dtype == F32
@@ -267,7 +268,7 @@ def test_params_in_a_list_are_cast_at_use():
             return x @ self.ws[0][...] @ self.ws[1][...]
 
     model = mpnnx.apply_policy(Stack(), "mixed_bfloat16")
-    report = mpjax.inspect_matmuls(grad_fn, model, jnp.ones((1, 4)))
+    report = mpjax.inspect_matmuls(grad_fn)(model, jnp.ones((1, 4)))
     assert len(report) == 5 and dtypes_of(report) == {("bfloat16", "bfloat16")}
     assert {v.dtype for v in jax.tree.leaves(nnx.state(model))} == {F32}
 
@@ -306,7 +307,7 @@ class ScannedStack(nnx.Module):
 def test_scan_remat_vmap_stacks_and_rng_counters_work():
     model = mpnnx.apply_policy(ScannedStack(nnx.Rngs(0, dropout=1)), "mixed_bfloat16")
     x = normal(2, D)
-    report = mpjax.inspect_matmuls(grad_fn, model, x)
+    report = mpjax.inspect_matmuls(grad_fn)(model, x)
     assert report.operand_dtypes() == {("bfloat16", "bfloat16"): 6}
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     step = nnx.jit(lambda m, o, x: o.update(m, nnx.grad(loss)(m, x)))
@@ -319,7 +320,7 @@ def test_scan_remat_vmap_stacks_and_rng_counters_work():
 def test_batchnorm_keeps_f32_running_stats_and_updates_them_in_train_mode():
     model = mpnnx.apply_policy(ConvNet(nnx.Rngs(0)), "mixed_bfloat16")
     x = normal(2, 6, 6, 3, seed=2)
-    report = mpjax.inspect_matmuls(grad_fn, model, x)
+    report = mpjax.inspect_matmuls(grad_fn)(model, x)
     assert {m.primitive for m in report} == {"conv_general_dilated", "dot_general"}
     assert dtypes_of(report) == {("bfloat16", "bfloat16")}
     before = model.bn.mean[...]
@@ -346,7 +347,7 @@ def test_embed_attend_linear_general_and_rmsnorm_run_in_bf16():
 
     model = mpnnx.apply_policy(TiedLM(nnx.Rngs(0)), "mixed_bfloat16")
     tokens = jnp.array([[1, 2, 3], [4, 5, 10]])
-    report = mpjax.inspect_matmuls(grad_fn, model, tokens)
+    report = mpjax.inspect_matmuls(grad_fn)(model, tokens)
     assert len(report) == 6 and dtypes_of(report) == {("bfloat16", "bfloat16")}
     # The lookup gathers rows of the f32 table (no cast of the whole table); attend is bf16.
     assert run(model, tokens).dtype == F32 and run(model.embed, tokens).dtype == F32
@@ -388,7 +389,7 @@ def test_wrapped_block_compiles_to_no_more_converts_than_the_hand_written_one():
         # Flax's own LayerNorm(dtype=bf16) and attention mix bf16 and f32 operands, which strict
         # promotion rejects: count both models under standard promotion.
         with jax.numpy_dtype_promotion("standard"):
-            return mpjax.hlo_op_counts(grad, state, x)["convert"]
+            return mpjax.hlo_op_counts(grad)(state, x)["convert"]
 
     wrapped = converts(block())
     hand = converts(Block(nnx.Rngs(0), dtype=jnp.bfloat16))
@@ -408,17 +409,79 @@ total                                                                           
 warning: rule 'decoder/*' matches no module."""
 
 
-def test_describe_prints_the_expected_table(capsys):
+def test_describe_returns_the_expected_table_and_prints_nothing(capsys):
     rules = Rules({"head": "float32", "decoder/*": "float32"}, default="mixed_bfloat16")
     with pytest.warns(RuleWarning):
         model = mpnnx.apply_policy(ConvNet(nnx.Rngs(0)), rules)
     x = jax.ShapeDtypeStruct((2, 6, 6, 3), jnp.float32)
-    report = mpjax.describe(model, inputs=(x,))  # with inputs: the matmuls that ran, per module
-    assert capsys.readouterr().out == EXPECTED_TABLE + "\n"
-    assert str(report) == EXPECTED_TABLE
+    report = mpjax.describe(model)(x)  # with inputs: the matmuls that ran, per module
+    assert capsys.readouterr().out == ""
+    assert report.table() == str(report) == EXPECTED_TABLE
     assert report.row("head").policy == Policy(F32, F32, F32)
-    quiet = mpnnx.describe(ConvNet(nnx.Rngs(0)), rules, inputs=(x,), print_table=False)  # dry
-    assert str(quiet) == EXPECTED_TABLE and capsys.readouterr().out == ""
+    dry = ConvNet(nnx.Rngs(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a dry run changes nothing, so warns about nothing
+        assert str(mpjax.describe(dry, rules=rules)(x)) == EXPECTED_TABLE
+    assert type(dry.head) is Dense and capsys.readouterr().out == ""
+    # Without inputs nothing is traced, and the table has no matmul column.
+    untraced = mpjax.describe(model)()
+    assert not untraced.matmuls_traced
+    *table, warning = EXPECTED_TABLE.splitlines()
+    column = table[0].index("matmuls ran in")
+    assert untraced.table().splitlines() == [line[:column].rstrip() for line in table] + [warning]
+
+
+def test_describe_to_dict_is_plain_json():
+    model = ConvNet(nnx.Rngs(0))
+    x = jax.ShapeDtypeStruct((2, 6, 6, 3), jnp.float32)
+    data = mpjax.describe(model, rules="mixed_bfloat16")(x).to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert data["rows"][2] == {
+        "path": "conv", "type": "Conv",
+        "policy": {"param_dtype": "float32", "compute_dtype": "bfloat16",
+                   "output_dtype": "float32"},
+        "rule": "default", "param_count": 112, "param_bytes": 448, "matmuls": [["bf16,bf16", 3]]}
+    assert data["matmuls_traced"] is True and data["total_params"] == 130
+    untraced = mpjax.describe(model, rules="mixed_bfloat16")().to_dict()
+    assert untraced["matmuls_traced"] is False and untraced["rows"][2]["matmuls"] == []
+
+
+def test_describe_passes_every_keyword_to_the_model():
+    class Keywords(nnx.Module):  # keywords named like describe's options and old print_table
+        def __init__(self, rngs):
+            self.proj = Dense(D, D, rngs)
+            self.extra = Dense(D, D, rngs)
+
+        def __call__(self, x, *, rules, variables, print_table):
+            x = self.proj(x) * variables
+            return self.extra(x) if rules == "extra" and print_table else x
+
+    model = Keywords(nnx.Rngs(0))
+    x, scale = normal(2, D), jax.ShapeDtypeStruct((2, D), jnp.float32)
+    describe = mpjax.describe(model, rules="mixed_bfloat16")
+    report = describe(x, rules="extra", variables=scale, print_table=True)
+    assert report.row("extra").matmuls == report.row("proj").matmuls == (("bf16,bf16", 3),)
+    report = describe(x, rules="none", variables=scale, print_table=True)
+    assert report.row("extra").matmuls == () and report.row("proj").matmuls
+
+
+def test_describe_rejects_linen_options_for_nnx_models():
+    model = ConvNet(nnx.Rngs(0))
+    for option in ("variables", "rngs", "method"):
+        with pytest.raises(TypeError, match=rf"`{option}`, which does not apply to a "
+                                            r"flax\.nnx module \(ConvNet\); it takes only rules"):
+            mpjax.describe(model, rules="mixed_bfloat16", **{option: {}})
+
+
+def test_deprecated_nnx_describe_warns_prints_and_returns_the_report(capsys):
+    x = jax.ShapeDtypeStruct((2, 6, 6, 3), jnp.float32)
+    with pytest.warns(DeprecationWarning, match=r"use mpjax\.describe\(model, rules=\.\.\.\)"):
+        report = mpnnx.describe(ConvNet(nnx.Rngs(0)), "mixed_bfloat16", inputs=(x,))
+    assert capsys.readouterr().out == str(report) + "\n"
+    assert report == mpjax.describe(ConvNet(nnx.Rngs(0)), rules="mixed_bfloat16")(x)
+    with pytest.warns(DeprecationWarning):
+        quiet = mpnnx.describe(ConvNet(nnx.Rngs(0)), "mixed_bfloat16", print_table=False)
+    assert capsys.readouterr().out == "" and not quiet.matmuls_traced
 
 
 def test_describe_paths_go_through_lists():
@@ -426,7 +489,7 @@ def test_describe_paths_go_through_lists():
         def __init__(self, rngs):
             self.blocks = nnx.List([Dense(2, 2, rngs), Dense(2, 2, rngs)])
 
-    report = mpnnx.describe(Stack(nnx.Rngs(0)), "mixed_bfloat16", print_table=False)
+    report = mpjax.describe(Stack(nnx.Rngs(0)), rules="mixed_bfloat16")()
     assert [(r.path, r.type_name, r.param_count) for r in report.rows] == [
         ("", "Stack", 0), ("blocks", "List", 0), ("blocks/0", "Dense", 6), ("blocks/1", "Dense", 6)]
 
@@ -441,9 +504,9 @@ def test_bad_input_raises_errors_naming_the_argument():
     with pytest.raises(ValueError, match="mixed_bfloat61"):
         mpnnx.apply_policy(block(policy=None), "mixed_bfloat61")
     with pytest.raises(ValueError, match="no policy applied"):
-        mpnnx.describe(block(policy=None))
-    with pytest.raises(TypeError, match="mpjax.linen.describe"):
-        mpnnx.describe(nn.Dense(3))
+        mpjax.describe(block(policy=None))
+    with pytest.raises(TypeError, match="got the class Block. Build the model first"):
+        mpjax.describe(Block)
 
 
 def test_readme_nnx_example_runs_and_prints_its_table(capsys):

@@ -29,7 +29,7 @@ def test_autocast_runs_each_region_under_its_policy_forward_and_backward():
         return (x @ w + y).sum()
 
     w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
-    report = mpjax.inspect_matmuls(jax.grad(mpjax.autocast(f, "mixed_bfloat16")), w, x)
+    report = mpjax.inspect_matmuls(jax.grad(mpjax.autocast(f, "mixed_bfloat16")))(w, x)
     by_region = {}
     for m in report:
         by_region.setdefault(m.region, set()).add(m.operand_dtypes)

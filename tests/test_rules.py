@@ -2,6 +2,7 @@
 problem reports; and the precision report table."""
 
 import re
+import sys
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -176,6 +177,21 @@ def test_precision_report_table_and_totals():
     assert lines[7] == "warning: rule 'x' matches no module."
 
 
-def test_describe_rejects_non_flax_models():
-    with pytest.raises(TypeError, match="describe\\(\\) takes a flax.linen or flax.nnx module"):
+def test_describe_rejects_what_it_cannot_describe_listing_what_it_can():
+    with pytest.raises(TypeError, match=r"describe\(\) takes .*; got <object") as error:
         mpjax.describe(object())
+    for kind in ("a function made by mpjax.autocast", "a flax.linen module", "a flax.nnx module"):
+        assert kind in str(error.value)
+
+
+def test_describe_says_which_import_describes_flax_modules(monkeypatch):
+    # As with Flax installed but neither mpjax.linen nor mpjax.nnx imported.
+    describing = sys.modules["mpjax.describe"]
+    unregistered = [d for d in describing._describers if "flax" not in d.kind]
+    monkeypatch.setattr(describing, "_describers", unregistered)
+    monkeypatch.setattr(describing, "_packages", set())
+    for model in (nn.Dense(2), nnx.Linear(2, 2, rngs=nnx.Rngs(0))):
+        with pytest.raises(TypeError, match=r"takes a function made by mpjax\.autocast; got a "
+                                            rf"{type(model).__name__}\. Flax modules are described "
+                                            r"once mpjax\.linen \(linen\) or mpjax\.nnx \(NNX\)"):
+            mpjax.describe(model)
