@@ -1,13 +1,18 @@
-"""mpjax: mixed-precision training for JAX, Flax and optax."""
+"""mpjax: mixed-precision training for JAX, Flax and optax.
 
-from mpjax import linen, nnx
-from mpjax.autocast import (
-    AutocastReport,
-    AutocastRow,
-    AutocastWarning,
-    autocast,
-    autocast_report,
-)
+The core (policies, rules, autocast, reports, loss scaling, master weights) needs only JAX and
+optax. The Flax integrations, :mod:`mpjax.linen` and :mod:`mpjax.nnx`, are imported here when
+Flax is installed (``pip install "mpjax[flax]"``); importing them registers their built-in
+rules, their :func:`describe` support and the loss scales' ``flax.serialization`` support.
+"""
+
+from typing import Any
+
+from mpjax import autocast as _autocast_module
+from mpjax import loss_scaling as _loss_scaling_module
+from mpjax.autocast import AutocastReport, AutocastRow, AutocastWarning, autocast
+from mpjax.deprecation import MpjaxDeprecationWarning
+from mpjax.describe import describe
 from mpjax.inspection import MatmulInfo, MatmulReport, hlo_op_counts, inspect_matmuls
 from mpjax.loss_scaling import (
     DynamicLossScale,
@@ -22,12 +27,6 @@ from mpjax.loss_scaling import (
     loss_scaling_info,
     scale_loss,
 )
-from mpjax.loss_scaling import (  # deprecated aliases, kept for one release
-    find_loss_scaling_state,
-    get_loss_scale,
-    loss_scale_for,
-)
-from mpjax import flax_serialization  # noqa: F401  (registers the loss scales with Flax)
 from mpjax.master_weights import MasterWeightsState, master_weights
 from mpjax.op_categories import DEFAULT_OP_CATEGORIES
 from mpjax.policy import (
@@ -39,11 +38,37 @@ from mpjax.policy import (
     get_policy,
 )
 from mpjax.regions import FULL_PRECISION_SCOPE, full_precision
-from mpjax.describe import describe
 from mpjax.report import ModuleRow, PrecisionReport
 from mpjax.rules import Resolution, Rule, Rules, RuleWarning, as_rules, norm_policy
 
+try:
+    import flax as _flax
+except ImportError:  # the core works without Flax; mpjax.linen and mpjax.nnx need it
+    _flax = None
+else:
+    from mpjax import flax_serialization, linen, nnx  # noqa: F401  (they register themselves)
+
 __version__ = "0.1.0"
+
+# Deprecated names, kept for one release: each warns when called and names its replacement.
+_DEPRECATED = {
+    "autocast_report": _autocast_module,
+    "find_loss_scaling_state": _loss_scaling_module,
+    "get_loss_scale": _loss_scaling_module,
+    "loss_scale_for": _loss_scaling_module,
+}
+_NEED_FLAX = ("linen", "nnx", "flax_serialization")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        return getattr(_DEPRECATED[name], name)
+    if name in _NEED_FLAX and _flax is None:
+        raise ImportError(
+            f'mpjax.{name} needs Flax, which is not installed: pip install "mpjax[flax]".'
+        )
+    raise AttributeError(f"module 'mpjax' has no attribute {name!r}")
+
 
 __all__ = [
     "linen",
@@ -63,6 +88,7 @@ __all__ = [
     "MatmulInfo",
     "MatmulReport",
     "ModuleRow",
+    "MpjaxDeprecationWarning",
     "NoOpLossScale",
     "PersistentOverflowError",
     "Policy",
@@ -75,17 +101,13 @@ __all__ = [
     "StaticLossScale",
     "as_rules",
     "autocast",
-    "autocast_report",
     "cast_floating",
     "check_overflow",
     "describe",
-    "find_loss_scaling_state",
     "full_precision",
-    "get_loss_scale",
     "get_policy",
     "hlo_op_counts",
     "inspect_matmuls",
-    "loss_scale_for",
     "loss_scaling",
     "loss_scaling_info",
     "master_weights",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from mpjax import autocast as engine
+from mpjax.autocast import describe_autocast, is_autocast
 from mpjax.report import Report
 
 # The options describe() takes, in the order its signature lists them.
@@ -170,5 +170,5 @@ def describe(
     raise TypeError(f"describe() takes {_kinds()}; got {got}." + _flax_hint(target))
 
 
-register_describer(engine.is_autocast, engine.describe_autocast,
+register_describer(is_autocast, describe_autocast,
                    kind="a function made by mpjax.autocast")

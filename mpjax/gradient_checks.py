@@ -11,6 +11,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from mpjax.policy import is_floating
+
 
 def check_gradients(grads: Any, params: Any, where: str) -> None:
     """Rejects non-floating gradients and gradients whose tree differs from the params.
@@ -32,7 +34,7 @@ def check_gradients(grads: Any, params: Any, where: str) -> None:
     """
     for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
         dtype = jnp.result_type(leaf)
-        if not jnp.issubdtype(dtype, jnp.floating):
+        if not is_floating(dtype):
             raise TypeError(
                 f"{where}: gradients must be floating-point, got {dtype} at "
                 f"grads{jax.tree_util.keystr(path)}. Differentiate with respect to the "

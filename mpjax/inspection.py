@@ -11,13 +11,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
-import warnings
 from typing import Any, Callable, Iterator, overload
 
 import jax
 import numpy as np
 
 from mpjax import jax_compat
+from mpjax.deprecation import warn_deprecated
 from mpjax.regions import innermost
 from mpjax.table import format_table
 
@@ -135,11 +135,10 @@ def _matmuls(fn: Callable[..., Any], primitives: frozenset[str], args: tuple, kw
 
 
 def _warn_uncurried(name: str, option: str) -> None:
-    warnings.warn(
-        f"{name}(fn, *args, **kwargs) is deprecated: use {name}(fn)(*args, **kwargs) (and "
-        f"{name}(fn, {option}=...)(*args, **kwargs) for the option), so that none of fn's own "
-        "keywords is taken for an option.",
-        DeprecationWarning,
+    warn_deprecated(
+        f"{name}(fn, *args, **kwargs)",
+        f"{name}(fn)(*args, **kwargs) (and {name}(fn, {option}=...)(*args, **kwargs) for the "
+        "option), so that none of fn's own keywords is taken for an option",
         stacklevel=3,
     )
 

@@ -40,12 +40,20 @@ from flax import nnx
 from flax.core import lift
 from flax.linen import transforms as nn_transforms
 
-from mpjax import autocast as engine
 from mpjax import regions
+from mpjax.autocast import run_in_regions
+from mpjax.deprecation import warn_deprecated
 from mpjax.describe import register_describer
 from mpjax.policy import Policy, PolicyLike, cast_floating
 from mpjax.report import ModuleRow, PrecisionReport, eval_shape_of, matmuls_by_region
-from mpjax.rules import Resolution, Rules, RuleWarning, as_rules
+from mpjax.rules import (
+    Resolution,
+    Rules,
+    RuleWarning,
+    as_rules,
+    norm_rules,
+    register_builtin_rules,
+)
 
 _RESOLUTION = "_mpjax_resolution"  # instance-dict key marking a configured bound module
 
@@ -191,7 +199,7 @@ def _lifted_engine(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]
             y = fn(scope, *args, **kwargs)
             return y, repack_fn(scope)
 
-        return engine.run_in_regions(run, policy, variable_groups, rng_groups, *args, **kwargs)
+        return run_in_regions(run, policy, variable_groups, rng_groups, *args, **kwargs)
 
     return lift.pack(inner, (True,), (True,), (True,), name="mpjax", enable_kwargs=True)
 
@@ -207,7 +215,7 @@ class _PolicyMixin:
     def _mpjax_run(self, fn: Callable[..., Any], *args, **kwargs):
         state = type(self)._mpjax_state
         with _policy_call(state, (), report=True):
-            return engine.run_in_regions(fn, state.rules.default, *args, **kwargs)
+            return run_in_regions(fn, state.rules.default, *args, **kwargs)
 
     # A top-level init/apply runs entirely through the engine, so functions passed as
     # `method=` that reach into submodules (`lambda m, x: m.encoder(x)`) are covered too.
@@ -433,12 +441,10 @@ def describe(
       TypeError: if ``model`` is not a linen module.
       ValueError: if ``model`` is wrapped and ``rules`` is given, or unwrapped and it is not.
     """
-    warnings.warn(
-        "mpjax.linen.describe(model, *args, rules=..., **kwargs) is deprecated: use "
+    warn_deprecated(
+        "mpjax.linen.describe(model, *args, rules=..., **kwargs)",
         "mpjax.describe(model, rules=...)(*args, **kwargs), which returns the report without "
-        "printing it (print it, or call its .table()).",
-        DeprecationWarning,
-        stacklevel=2,
+        "printing it (print it, or call its .table())",
     )
     report = _report_of(model, rules=rules, variables=variables, rngs=rngs,
                         method=method)(*args, **kwargs)
@@ -474,3 +480,4 @@ def _wrapped_for_report(model: Any, rules: Rules | PolicyLike | None) -> nn.Modu
 
 register_describer(nn.Module, _report_of, kind="a flax.linen module",
                    options=("rules", "variables", "rngs", "method"))
+register_builtin_rules(*norm_rules(nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm))

@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 from typing import Any, NamedTuple, Optional, TypeVar, Union
 
 import jax
@@ -48,8 +47,9 @@ import numpy as np
 import optax
 
 from mpjax import jax_compat
+from mpjax.deprecation import warn_deprecated
 from mpjax.gradient_checks import check_gradients
-from mpjax.policy import PolicyLike, get_policy
+from mpjax.policy import PolicyLike, get_policy, is_floating
 
 __all__ = [
     "DynamicLossScale",
@@ -143,7 +143,7 @@ def _multiply_floating(tree: T, factor: jax.Array, divide: bool, keep_dtype: boo
     def apply(x):
         if isinstance(x, (float, np.ndarray, np.generic)):
             x = jnp.asarray(x)
-        if not isinstance(x, jax.Array) or not jnp.issubdtype(x.dtype, jnp.floating):
+        if not isinstance(x, jax.Array) or not is_floating(x):
             return x
         # Explicit: strict dtype promotion has no bfloat16 -> float32 path.
         wide = x.dtype if jnp.finfo(x.dtype).bits > 32 else np.dtype(jnp.float32)
@@ -790,24 +790,16 @@ def check_overflow(opt_state: Any, max_consecutive: int) -> None:
 # Deprecated aliases: kept for one release, each warns and names its replacement.
 
 
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(
-        f"mpjax.{old} is deprecated and will be removed in the next release; {new}",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-
-
 def get_loss_scale(spec: Union[LossScale, str, int, float]) -> LossScale:
     """Deprecated: pass ``spec`` to :func:`loss_scaling` directly, or build the loss scale
     with :class:`DynamicLossScale`, :class:`StaticLossScale` or :class:`NoOpLossScale`.
 
     Returns the loss scale that ``spec`` names (same specs and errors as :func:`loss_scaling`).
     """
-    _deprecated(
-        "get_loss_scale",
-        "pass the spec to mpjax.loss_scaling(inner, loss_scale=spec) directly, or build "
-        "mpjax.DynamicLossScale(), mpjax.StaticLossScale(N) or mpjax.NoOpLossScale().",
+    warn_deprecated(
+        "mpjax.get_loss_scale(spec)",
+        "mpjax.loss_scaling(inner, loss_scale=spec) with the spec directly, or build "
+        "mpjax.DynamicLossScale(), mpjax.StaticLossScale(N) or mpjax.NoOpLossScale()",
     )
     return _parse_loss_scale(spec)
 
@@ -818,9 +810,9 @@ def loss_scale_for(policy: PolicyLike) -> LossScale:
     Returns a :class:`DynamicLossScale` when the policy computes or stores params in float16,
     a :class:`NoOpLossScale` otherwise.
     """
-    _deprecated(
-        "loss_scale_for",
-        'use mpjax.loss_scaling(tx, "dynamic" if policy.needs_loss_scaling else "none").',
+    warn_deprecated(
+        "mpjax.loss_scale_for(policy)",
+        'mpjax.loss_scaling(tx, "dynamic" if policy.needs_loss_scaling else "none")',
     )
     return DynamicLossScale() if get_policy(policy).needs_loss_scaling else NoOpLossScale()
 
@@ -831,9 +823,9 @@ def find_loss_scaling_state(opt_state: Any) -> LossScalingState:
     Returns the one :class:`LossScalingState` inside ``opt_state``; ``ValueError`` if it holds
     none or more than one.
     """
-    _deprecated(
-        "find_loss_scaling_state",
-        "use mpjax.loss_scaling_info(opt_state) to read the scale and the skip counters.",
+    warn_deprecated(
+        "mpjax.find_loss_scaling_state(opt_state)",
+        "mpjax.loss_scaling_info(opt_state) to read the scale and the skip counters",
     )
     found = _loss_scaling_states(opt_state)
     if len(found) != 1:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from mpjax.gradient_checks import check_gradients
+from mpjax.policy import is_floating
 
 
 class MasterWeightsState(NamedTuple):
@@ -33,7 +34,7 @@ class MasterWeightsState(NamedTuple):
 
 def _needs_master(param: Any) -> bool:
     dtype = jnp.result_type(param)
-    return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
+    return is_floating(dtype) and jnp.finfo(dtype).bits < 32
 
 
 def _master_params(master: Any, params: Any) -> Any:

@@ -40,16 +40,23 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mpjax import autocast as engine
 from mpjax import jax_compat, regions
+from mpjax.autocast import run_in_regions, tracing
+from mpjax.deprecation import warn_deprecated
 from mpjax.describe import register_describer
-from mpjax.policy import Policy, PolicyLike
+from mpjax.policy import Policy, PolicyLike, is_floating
 from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
-from mpjax.rules import Resolution, Rules, RuleWarning, as_rules
+from mpjax.rules import (
+    Resolution,
+    Rules,
+    RuleWarning,
+    as_rules,
+    norm_rules,
+    register_builtin_rules,
+)
 
 __all__ = ["apply_policy", "describe"]
 
@@ -132,13 +139,9 @@ def _walk(model: nnx.Module) -> list[_Node]:
     return list(nodes.values())
 
 
-def _is_floating(value: Any) -> bool:
-    return hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating)
-
-
 def _store(variable: nnx.Variable, dtype: np.dtype) -> None:
     value = variable.get_value()
-    if _is_floating(value) and value.dtype != dtype:
+    if is_floating(value) and value.dtype != dtype:
         value = value.astype(dtype)
         variable.set_raw_value(jax_compat.ref_like(variable.get_raw_value(), value))
 
@@ -180,7 +183,7 @@ def _through_engine(module: nnx.Module, policy: Policy, args: tuple, kwargs: dic
         call_args, call_kwargs = jax.tree.unflatten(tree, leaves)
         return merged[0](*call_args, **call_kwargs), nnx.state(merged)
 
-    out, new_state = engine.run_in_regions(run, policy, state, leaves)
+    out, new_state = run_in_regions(run, policy, state, leaves)
     # Write back only what the call changed: a Variable returned untouched comes back as the
     # very array that went in, and writing it anyway would fail under a trace the model was
     # not created in (a closed-over model under jax.jit), where the call itself mutated nothing.
@@ -200,7 +203,7 @@ def _policy_call(original):
     @functools.wraps(original)
     def __call__(self, *args, **kwargs):
         plan: _Plan = type(self)._mpjax_plan
-        if not engine.tracing():
+        if not tracing():
             return _through_engine(self, plan.policy, args, kwargs)
         with regions.region(plan.policy, plan.path):
             out = original(self, *args, **kwargs)
@@ -373,12 +376,10 @@ def describe(model: nnx.Module, rules: Rules | PolicyLike | None = None, *,
       TypeError: ``model`` is not an ``nnx.Module`` instance.
       ValueError: ``rules`` is None and no policy was applied to ``model``.
     """
-    warnings.warn(
-        "mpjax.nnx.describe(model, rules, inputs=(...)) is deprecated: use "
+    warn_deprecated(
+        "mpjax.nnx.describe(model, rules, inputs=(...))",
         "mpjax.describe(model, rules=...)(*inputs), which returns the report without printing "
-        "it (print it, or call its .table()).",
-        DeprecationWarning,
-        stacklevel=2,
+        "it (print it, or call its .table())",
     )
     report = _report_of(model, rules=rules)(*inputs)
     if print_table:
@@ -398,3 +399,4 @@ def _matmuls(model: nnx.Module, rules: Rules, args: tuple, kwargs: dict) -> dict
 
 
 register_describer(nnx.Module, _report_of, kind="a flax.nnx module", options=("rules",))
+register_builtin_rules(*norm_rules(nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm))

@@ -10,11 +10,16 @@ through it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar, Union
+from typing import Any, Protocol, TypeVar, Union, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+try:  # jmp is optional: only Policy.to_jmp needs it (the mpjax[jmp] extra).
+    import jmp
+except ImportError:
+    jmp = None
 
 T = TypeVar("T")
 
@@ -97,7 +102,7 @@ def _to_dtype(value: Any, role: str) -> np.dtype:
 
 
 def _check_floating(dtype: np.dtype, role: str) -> None:
-    if not jnp.issubdtype(dtype, jnp.floating):
+    if not is_floating(dtype):
         raise ValueError(
             f"{role} must be a floating-point dtype, got {dtype.name}. "
             f"Valid names: {_valid_names()}."
@@ -203,10 +208,14 @@ class Policy:
         """Converts a ``jmp.Policy`` to an mpjax :class:`Policy`."""
         return cls(policy.param_dtype, policy.compute_dtype, policy.output_dtype)
 
-    def to_jmp(self):
-        """Returns the equivalent ``jmp.Policy``."""
-        import jmp  # Deferred: jmp is only needed for interop.
+    def to_jmp(self) -> Any:
+        """Returns the equivalent ``jmp.Policy``.
 
+        Raises:
+          ImportError: if jmp is not installed (``pip install "mpjax[jmp]"``).
+        """
+        if jmp is None:
+            raise ImportError('Policy.to_jmp needs jmp: pip install "mpjax[jmp]" (or jmp).')
         return jmp.Policy(
             param_dtype=jnp.dtype(self.param_dtype),
             compute_dtype=jnp.dtype(self.compute_dtype),
@@ -214,8 +223,33 @@ class Policy:
         )
 
 
-PolicyLike = Union[Policy, str, np.dtype, type, Any]
+@runtime_checkable
+class DtypePolicy(Protocol):
+    """Any policy object with jmp's three dtype attributes, ``jmp.Policy`` among them."""
+
+    param_dtype: Any
+    compute_dtype: Any
+    output_dtype: Any
+
+
+PolicyLike = Union[Policy, str, np.dtype, type, DtypePolicy]
 """Anything :func:`get_policy` accepts: a Policy, a policy string, a dtype or a jmp.Policy."""
+
+
+def is_floating(x: Any) -> bool:
+    """Whether ``x``, a dtype or anything with a ``dtype`` (arrays, tracers, ``ShapeDtypeStruct``,
+    ``float0`` excluded), is floating-point: the one test mpjax uses to decide what a policy
+    may cast.
+
+    >>> import jax.numpy as jnp
+    >>> is_floating(jnp.bfloat16), is_floating(jnp.ones(2, jnp.int32)), is_floating("x")
+    (True, False, False)
+    """
+    dtype = getattr(x, "dtype", x)
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.floating))
+    except TypeError:
+        return False
 
 
 def _is_castable(x: Any) -> bool:
@@ -227,8 +261,8 @@ def _is_castable(x: Any) -> bool:
     does) would make a policy behave differently under jit.
     """
     if isinstance(x, jax.Array):
-        return jnp.issubdtype(x.dtype, jnp.floating) and not jax.typeof(x).weak_type
-    return isinstance(x, (np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.floating)
+        return is_floating(x) and not jax.typeof(x).weak_type
+    return isinstance(x, (np.ndarray, np.generic)) and is_floating(x)
 
 
 def cast_floating(tree: T, dtype: Any) -> T:

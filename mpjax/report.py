@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpjax.inspection import inspect_matmuls
-from mpjax.policy import Policy, short_dtype_name
+from mpjax.policy import Policy, is_floating, short_dtype_name
 from mpjax.table import format_table
 
 
@@ -183,7 +183,7 @@ def matmuls_by_region(fn: Callable[..., Any], *args, **kwargs
     """
     leaves, tree = jax.tree.flatten((args, kwargs))
     arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-    floating = [i for i in arrays if jnp.issubdtype(leaves[i].dtype, jnp.floating)]
+    floating = [i for i in arrays if is_floating(leaves[i])]
 
     def loss(float_leaves, array_leaves):
         merged = list(leaves)
@@ -193,7 +193,7 @@ def matmuls_by_region(fn: Callable[..., Any], *args, **kwargs
             merged[i] = leaf
         call_args, call_kwargs = jax.tree.unflatten(tree, merged)
         outs = jax.tree.leaves(fn(*call_args, **call_kwargs))
-        outs = [x for x in outs if jnp.issubdtype(x.dtype, jnp.floating)]
+        outs = [x for x in outs if is_floating(x)]
         return sum((jnp.sum(x.astype(jnp.float32)) for x in outs), jnp.zeros((), jnp.float32))
 
     counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)

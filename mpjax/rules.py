@@ -8,8 +8,10 @@ or a function of the default policy, plus optional module attributes to set (for
 ``precision="highest"``). The first matching rule wins; modules no rule matches use the
 default.
 
-Built-in rules come after the user's: normalization layers keep f32 parameters and compute
-their statistics in f32, returning the compute dtype.
+Built-in rules come after the user's. This module knows no model library: the integrations
+register theirs when imported (:mod:`mpjax.linen` and :mod:`mpjax.nnx` register that
+normalization layers keep f32 parameters and compute their statistics in f32, returning the
+compute dtype).
 """
 
 from __future__ import annotations
@@ -19,10 +21,8 @@ import fnmatch
 import re
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
-import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from mpjax.policy import Policy, PolicyLike, get_policy
 
@@ -116,16 +116,33 @@ def norm_policy(default: Policy) -> Policy:
     return Policy(f32, f32, default.compute_dtype)
 
 
-def _builtin_rules() -> tuple[Rule, ...]:
-    """Norms keep f32 params and compute in f32, handing the compute dtype back.
+_builtin_rules: list[Rule] = []
 
-    Softmax needs no rule: the casting engine runs its exp and sums in f32 wherever it is.
+
+def register_builtin_rules(*rules: Rule) -> None:
+    """Adds built-in rules, for integrations: :mod:`mpjax.linen` and :mod:`mpjax.nnx` call it
+    when imported. Every :class:`Rules` made afterwards with ``builtins=True`` appends them
+    after the user's rules, in registration order.
+
+    Raises:
+      TypeError: if an entry is not a :class:`Rule` made with ``builtin=True``.
     """
-    norms = [nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm,
-             nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm]
-    return tuple(Rule(cls, norm_policy,
-                      name=f"builtin: {cls.__module__.split('.')[1]}.{cls.__name__} in f32",
-                      builtin=True) for cls in norms)
+    for rule in rules:
+        if not isinstance(rule, Rule) or not rule.builtin:
+            raise TypeError(
+                f"register_builtin_rules takes Rule(..., builtin=True) values; got {rule!r}."
+            )
+    _builtin_rules.extend(rules)
+
+
+def norm_rules(*classes: type) -> tuple[Rule, ...]:
+    """The built-in rules that give normalization layer ``classes`` :func:`norm_policy`, named
+    after the class for reports (``"builtin: linen.LayerNorm in f32"``)."""
+    return tuple(
+        Rule(cls, norm_policy, name=f"builtin: {cls.__module__.split('.')[1]}.{cls.__name__} in f32",
+             builtin=True)
+        for cls in classes
+    )
 
 
 def _as_rule(entry: Any) -> Rule:
@@ -175,7 +192,7 @@ class Rules:
         duplicates = sorted({_key_text(k) for k in keys if keys.count(k) > 1})
         if duplicates:
             raise ValueError(f"Duplicate rule keys: {', '.join(duplicates)}. Give each key once.")
-        object.__setattr__(self, "rules", user + (_builtin_rules() if builtins else ()))
+        object.__setattr__(self, "rules", user + (tuple(_builtin_rules) if builtins else ()))
         object.__setattr__(self, "default", get_policy(default))
 
     @classmethod

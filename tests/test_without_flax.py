@@ -1,5 +1,7 @@
-"""The optax side of mpjax (policies, loss scaling, master weights) imports and trains with
-Flax unavailable: a subprocess blocks ``flax`` in ``sys.modules`` before importing anything."""
+"""mpjax works with Flax unavailable: the optax side (policies, loss scaling, master weights)
+imports and trains, and ``import mpjax`` gives the whole core, autocast included, with
+``mpjax.linen``/``mpjax.nnx`` raising a clear ImportError. Each check runs in a subprocess that
+blocks ``flax`` in ``sys.modules`` before importing anything."""
 
 import pathlib
 import subprocess
@@ -32,8 +34,8 @@ from mpjax.loss_scaling import DynamicLossScale, loss_scaling, loss_scaling_info
 from mpjax.master_weights import master_weights
 
 loaded = sorted(m for m in sys.modules if m.startswith("mpjax."))
-assert loaded == ["mpjax.gradient_checks", "mpjax.jax_compat", "mpjax.loss_scaling",
-                  "mpjax.master_weights", "mpjax.policy"], loaded
+assert loaded == ["mpjax.deprecation", "mpjax.gradient_checks", "mpjax.jax_compat",
+                  "mpjax.loss_scaling", "mpjax.master_weights", "mpjax.policy"], loaded
 assert not [m for m, v in sys.modules.items() if m.split(".")[0] == "flax" and v is not None]
 
 policy = mpjax.policy.get_policy("float16")
@@ -86,3 +88,54 @@ def test_policy_loss_scaling_and_master_weights_train_with_flax_blocked():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == "trained without flax", result.stdout + result.stderr
+
+
+# `import mpjax` itself, with Flax blocked: the core works and the integrations say what is
+# missing.
+IMPORT_WITHOUT_FLAX = r"""
+import sys, warnings
+
+sys.modules["flax"] = None
+import jax, jax.numpy as jnp, optax
+import mpjax
+
+assert not [m for m, v in sys.modules.items() if m.split(".")[0] == "flax" and v is not None]
+assert "mpjax.linen" not in sys.modules and "mpjax.nnx" not in sys.modules
+
+fast = mpjax.autocast(lambda w, x: jnp.tanh(x @ w).sum())
+w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+ops = mpjax.inspect_matmuls(jax.grad(fast))(w, x).operand_dtypes()
+assert set(ops) == {("bfloat16", "bfloat16")}, ops
+report = mpjax.describe(fast)(w, x)
+assert report.to_dict()["rows"], report
+assert mpjax.get_policy("mixed_float16").needs_loss_scaling
+tx = mpjax.loss_scaling(optax.sgd(0.1), "static:8")
+assert float(mpjax.loss_scaling_info(tx.init(w)).loss_scale) == 8.0
+
+for name in ("linen", "nnx"):
+    try:
+        getattr(mpjax, name)
+    except ImportError as error:
+        assert 'pip install "mpjax[flax]"' in str(error), error
+    else:
+        raise AssertionError(f"mpjax.{name} without flax")
+try:
+    mpjax.describe(object())
+except TypeError as error:
+    assert "mpjax.autocast" in str(error), error
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    mpjax.get_loss_scale("dynamic")
+assert caught and issubclass(caught[0].category, mpjax.MpjaxDeprecationWarning)
+print("mpjax without flax")
+"""
+
+
+def test_import_mpjax_with_flax_blocked():
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_WITHOUT_FLAX],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": ""},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "mpjax without flax", result.stdout + result.stderr
