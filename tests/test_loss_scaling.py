@@ -924,7 +924,7 @@ def test_readme_loss_scaling_example_runs(capsys):
 
 
 def test_get_loss_scale_is_deprecated_and_still_works():
-    with pytest.warns(DeprecationWarning, match=r"get_loss_scale is deprecated.*mpjax.loss_scaling\(inner, loss_scale=spec\)"):
+    with pytest.warns(mpjax.MpjaxDeprecationWarning, match=r"get_loss_scale\(spec\) is deprecated.*mpjax.loss_scaling\(inner, loss_scale=spec\)"):
         ls = mpjax.get_loss_scale("static:512")
     assert isinstance(ls, StaticLossScale) and float(ls.loss_scale) == 512.0
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="Unknown loss_scale 'dynamc'"):
@@ -932,7 +932,7 @@ def test_get_loss_scale_is_deprecated_and_still_works():
 
 
 def test_loss_scale_for_is_deprecated_and_still_works():
-    with pytest.warns(DeprecationWarning, match=r"loss_scale_for is deprecated.*policy.needs_loss_scaling"):
+    with pytest.warns(mpjax.MpjaxDeprecationWarning, match=r"loss_scale_for\(policy\) is deprecated.*policy.needs_loss_scaling"):
         ls = mpjax.loss_scale_for("mixed_float16")
     assert type(ls) is DynamicLossScale and float(ls.loss_scale) == 2.0**15
     with pytest.warns(DeprecationWarning):
@@ -942,7 +942,7 @@ def test_loss_scale_for_is_deprecated_and_still_works():
 def test_find_loss_scaling_state_is_deprecated_and_still_works():
     params = jnp.ones(1)
     state = optax.chain(optax.clip(1.0), loss_scaling(optax.sgd(1.0), "static:8")).init(params)
-    with pytest.warns(DeprecationWarning, match=r"find_loss_scaling_state is deprecated.*loss_scaling_info"):
+    with pytest.warns(mpjax.MpjaxDeprecationWarning, match=r"find_loss_scaling_state\(opt_state\) is deprecated.*loss_scaling_info"):
         found = mpjax.find_loss_scaling_state(state)
     assert isinstance(found, LossScalingState) and float(found.scale) == 8.0
     with warnings.catch_warnings():
