@@ -830,8 +830,9 @@ def autocast_report(fn: Callable[..., Any], *args, print_table: bool = True, **k
 
     Args:
       fn: a function returned by :func:`autocast`.
-      *args, **kwargs: example arguments (arrays or ``jax.ShapeDtypeStruct``); nothing is
-        computed, the function is traced abstractly.
+      *args: example arguments (arrays or ``jax.ShapeDtypeStruct``); nothing is computed,
+        the function is traced abstractly.
+      **kwargs: example keyword arguments, likewise.
       print_table: print the report (the default) as well as returning it.
 
     Raises:

@@ -119,7 +119,8 @@ def inspect_matmuls(
 
     Args:
       fn: any function JAX can trace.
-      *args, **kwargs: example arguments (arrays or ``jax.ShapeDtypeStruct``).
+      *args: example arguments (arrays or ``jax.ShapeDtypeStruct``).
+      **kwargs: example keyword arguments, likewise.
       primitives: the primitive names to report.
 
     Returns:
@@ -163,7 +164,8 @@ def hlo_op_counts(fn: Callable[..., Any], *args, compiled: bool = True, **kwargs
 
     Args:
       fn: the function to lower.
-      *args, **kwargs: example arguments.
+      *args: example arguments.
+      **kwargs: example keyword arguments.
       compiled: count in the optimized HLO XLA runs (True), or in the HLO JAX emits before
         optimization (False).
 

@@ -46,6 +46,8 @@ from mpjax.policy import Policy, PolicyLike, cast_floating
 from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
 from mpjax.rules import Resolution, Rules, RuleWarning, as_rules
 
+__all__ = ["apply_policy", "describe"]
+
 _RESOLUTION = "_mpjax_resolution"  # instance-dict key marking a configured bound module
 
 

@@ -126,7 +126,10 @@ def _table() -> dict[str, str]:
 
 
 DEFAULT_OP_CATEGORIES: Mapping[str, str] = types.MappingProxyType(_table())
-"""Primitive name -> autocast category (read-only); see :mod:`mpjax.op_categories`."""
+"""Primitive name -> autocast category (read-only); see :mod:`mpjax.op_categories`.
+
+:meta hide-value:
+"""
 
 
 def merge_categories(overrides: Mapping[str, str] | None) -> Mapping[str, str]:

@@ -239,7 +239,9 @@ def cast_floating(tree: T, dtype: Any) -> T:
     return jax.tree.map(cast, tree)
 
 
+#: The ``"mixed_bfloat16"`` preset: params f32, compute bf16, output f32.
 MIXED_BFLOAT16 = Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+#: The ``"mixed_float16"`` preset: params f32, compute f16, output f32 (f16 needs loss scaling).
 MIXED_FLOAT16 = Policy(jnp.float32, jnp.float16, jnp.float32)
 
 _PRESETS: dict[str, Policy] = {
@@ -302,6 +304,7 @@ def get_policy(spec: PolicyLike) -> Policy:
 
     Args:
       spec: one of
+
         - a :class:`Policy` (returned as is) or a ``jmp.Policy`` (converted);
         - a preset: ``"mixed_bfloat16"`` (params f32, compute bf16, output f32) or
           ``"mixed_float16"`` (the same with f16);
