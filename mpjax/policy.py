@@ -10,11 +10,12 @@ through it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar, Union
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 T = TypeVar("T")
 
@@ -78,7 +79,7 @@ def _valid_names() -> str:
 
 
 def _to_dtype(value: Any, role: str) -> np.dtype:
-    """Normalizes a dtype-like ``value`` (a name, numpy/jax dtype or scalar type) to ``np.dtype``."""
+    """Normalizes a dtype-like ``value`` (a name, numpy/jax dtype or scalar type) to np.dtype."""
     if isinstance(value, str):
         name = value.strip()
         if name not in _DTYPE_NAMES:
@@ -135,6 +136,10 @@ class Policy:
     param_dtype: np.dtype
     compute_dtype: np.dtype
     output_dtype: np.dtype
+
+    if TYPE_CHECKING:  # the generated __init__ takes any dtype spelling; __post_init__ converts
+        def __init__(self, param_dtype: DTypeLike, compute_dtype: DTypeLike,
+                     output_dtype: DTypeLike) -> None: ...
 
     def __post_init__(self):
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
@@ -199,7 +204,7 @@ class Policy:
         )
 
 
-PolicyLike = Union[Policy, str, np.dtype, type, Any]
+PolicyLike = Policy | str | np.dtype | type | Any
 """Anything :func:`get_policy` accepts: a Policy, a policy string, a dtype or a jmp.Policy."""
 
 
