@@ -60,7 +60,7 @@ def _public(name: str, obj: object) -> bool:
     home = sys.modules.get(getattr(obj, "__module__", None) or "")
     if name in getattr(home, "__all__", ()):
         return True
-    return name in mpjax.__all__ and getattr(mpjax, name) is obj
+    return name in mpjax.__all__ and vars(mpjax).get(name) is obj
 
 
 def _skip_member(app, what, name, obj, skip, options):
@@ -73,7 +73,9 @@ def _check_complete(app, env):
     """Warn (an error under ``-W``) for every name of ``mpjax.__all__`` on no page."""
     documented = set(env.domaindata["py"]["objects"])
     for name in mpjax.__all__:
-        obj = getattr(mpjax, name)
+        if name not in vars(mpjax):  # a deprecated alias a module __getattr__ serves
+            continue
+        obj = vars(mpjax)[name]
         if isinstance(obj, type(mpjax)):  # a submodule: documented as a module
             if obj.__name__ not in env.domaindata["py"]["modules"]:
                 _logger.warning("module %s is on no page of the API reference", obj.__name__)
@@ -89,9 +91,9 @@ def _resolve_public_alias(app, env, node, contnode):
         return None
     target = node.get("reftarget", "")
     prefix, _, name = target.rpartition(".")
-    if prefix != "mpjax" or name not in mpjax.__all__:
+    if prefix != "mpjax" or name not in vars(mpjax):
         return None
-    obj = getattr(mpjax, name)
+    obj = vars(mpjax)[name]
     home = getattr(obj, "__module__", None)
     if not home or home == "mpjax":
         return None
