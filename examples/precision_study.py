@@ -76,7 +76,8 @@ def run_all(runs: list[Run], steps: int, out_root: pathlib.Path) -> dict:
         except tt.TrainingStopped as e:
             summary, stopped = None, str(e)
             print(f"stopped: {e}")
-        log = [json.loads(row) for row in (out_root / run.key / "log.jsonl").read_text().splitlines()]
+        log_lines = (out_root / run.key / "log.jsonl").read_text().splitlines()
+        log = [json.loads(row) for row in log_lines]
         results[run.key] = {
             **dataclasses.asdict(run),
             "policy_resolved": str(mpjax.get_policy(run.policy)),

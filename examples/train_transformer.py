@@ -591,7 +591,8 @@ def _keep_log_until(path: pathlib.Path, step: int) -> None:
     """On resume, drops log lines written after the checkpoint the run resumes from."""
     if not path.exists():
         return
-    lines = [row for row in path.read_text().splitlines() if row and json.loads(row)["step"] <= step]
+    rows = path.read_text().splitlines()
+    lines = [row for row in rows if row and json.loads(row)["step"] <= step]
     path.write_text("".join(row + "\n" for row in lines))
 
 
