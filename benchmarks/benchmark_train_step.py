@@ -116,9 +116,9 @@ def run_variant(variant: Variant, preset: str, batch_size: int, seq_len: int | N
     """Compiles and times one variant in this process; returns its result row."""
     import jax
     import numpy as np
+    import train_transformer as tt
 
     import mpjax
-    import train_transformer as tt
 
     cfg = tt.TrainConfig(preset=preset, policy=variant.policy, loss_scale=variant.loss_scale,
                          batch_size=batch_size, seq_len=seq_len, steps=1000, warmup_steps=10)
@@ -257,13 +257,12 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     import jax
-
     import train_transformer as tt
 
     device = jax.devices()[0]
     cfg = tt.TrainConfig(preset=args.preset, seq_len=args.seq_len).model_config()
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": {"kind": device.device_kind, "platform": device.platform,
                    "count": 1, "host": platform.machine(), "cpu_count": os.cpu_count(),
                    "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None},
@@ -286,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+        line = next((s for s in proc.stdout.splitlines() if s.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:
             report["results"][v.key] = {"skipped": f"failed (exit {proc.returncode})"}
             print(proc.stderr[-3000:], file=sys.stderr)

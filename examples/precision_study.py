@@ -76,7 +76,8 @@ def run_all(runs: list[Run], steps: int, out_root: pathlib.Path) -> dict:
         except tt.TrainingStopped as e:
             summary, stopped = None, str(e)
             print(f"stopped: {e}")
-        log = [json.loads(l) for l in (out_root / run.key / "log.jsonl").read_text().splitlines()]
+        log_lines = (out_root / run.key / "log.jsonl").read_text().splitlines()
+        log = [json.loads(row) for row in log_lines]
         results[run.key] = {
             **dataclasses.asdict(run),
             "policy_resolved": str(mpjax.get_policy(run.policy)),
@@ -145,7 +146,7 @@ def plot(results: dict, out_dir: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_val, ax_train) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for key, r in results.items():
+    for r in results.values():
         log = r["log"]
         val = [(e["step"], e["val_loss"]) for e in log if "val_loss" in e]
         if val:
@@ -167,7 +168,7 @@ def plot(results: dict, out_dir: pathlib.Path) -> None:
     f16 = {k: r for k, r in results.items()
            if mpjax.get_policy(r["policy"]).compute_dtype == np.dtype(np.float16)}
     fig, (ax_scale, ax_skip) = plt.subplots(1, 2, figsize=(12, 4))
-    for key, r in f16.items():
+    for r in f16.values():
         steps = [e["step"] for e in r["log"]]
         ax_scale.plot(steps, [e["loss_scale"] for e in r["log"]], label=r["label"])
         ax_skip.plot(steps, [e["skipped_steps"] for e in r["log"]], label=r["label"])

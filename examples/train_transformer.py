@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, PRESETS, GPTConfig, LayerNorm  # noqa: E402
@@ -587,8 +588,9 @@ def _keep_log_until(path: pathlib.Path, step: int) -> None:
     """On resume, drops log lines written after the checkpoint the run resumes from."""
     if not path.exists():
         return
-    lines = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] <= step]
-    path.write_text("".join(l + "\n" for l in lines))
+    rows = path.read_text().splitlines()
+    lines = [row for row in rows if row and json.loads(row)["step"] <= step]
+    path.write_text("".join(row + "\n" for row in lines))
 
 
 def train(cfg: TrainConfig) -> dict:

@@ -23,7 +23,8 @@ import functools
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -855,7 +856,8 @@ def _trace(fn, traces: _TraceCache | None, args, kwargs) -> tuple[_Traced, list]
         _tracing.depth -= 1
     traced = _Traced(closed, out_trees[0], {})
     # A jaxpr that closed over tracers of an enclosing trace is only valid inside that trace.
-    if key is not None and not any(compat.is_tracer(c) for c in closed.consts):
+    closes_over_tracers = any(compat.is_tracer(c) for c in closed.consts)
+    if traces is not None and key is not None and not closes_over_tracers:
         traces.put(key, traced)
     return traced, dynamic
 

@@ -30,19 +30,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as jex_primitives
 
+_DropVar: type[Any]
 if hasattr(jex_core, "jaxprs_in_params"):  # jax >= 0.10
     _DropVar = jex_core.DropVar
     _jaxprs_in_params = jex_core.jaxprs_in_params
-else:  # jax 0.8 and 0.9 have them in jax.core only
-    _DropVar = jax.core.DropVar
-    _jaxprs_in_params = jax.core.jaxprs_in_params
+else:  # jax 0.8 and 0.9 have them in jax.core only (the type checker runs the newest JAX)
+    _DropVar = jax.core.DropVar  # type: ignore[attr-defined]
+    _jaxprs_in_params = jax.core.jaxprs_in_params  # type: ignore[attr-defined]
 
 
 class UnsupportedJaxError(RuntimeError):

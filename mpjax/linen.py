@@ -31,7 +31,8 @@ import dataclasses
 import functools
 import threading
 import warnings
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, overload
 
 import flax.linen as nn
 import jax
@@ -54,6 +55,8 @@ from mpjax.rules import (
     norm_rules,
     register_builtin_rules,
 )
+
+__all__ = ["apply_policy", "describe"]
 
 _RESOLUTION = "_mpjax_resolution"  # instance-dict key marking a configured bound module
 
@@ -96,6 +99,8 @@ class _WrapperState:
 
 
 def _relative_path(module: nn.Module, root: tuple[str, ...]) -> str | None:
+    if module.scope is None:  # unbound: under no root
+        return None
     path = tuple(module.scope.path)
     if path[: len(root)] != root:
         return None
@@ -106,6 +111,10 @@ def _fields(module: nn.Module) -> set[str]:
     return {f.name for f in dataclasses.fields(module)}
 
 
+@overload
+def _init_in(dtype: np.dtype, init_fn: Callable[..., Any]) -> Callable[..., Any]: ...
+@overload
+def _init_in(dtype: np.dtype, init_fn: None) -> None: ...
 def _init_in(dtype: np.dtype, init_fn: Callable[..., Any] | None) -> Callable[..., Any] | None:
     """Wraps an initializer so the stored value is created in ``dtype``."""
     if init_fn is None:
@@ -204,10 +213,16 @@ def _lifted_engine(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]
     return lift.pack(inner, (True,), (True,), (True,), name="mpjax", enable_kwargs=True)
 
 
-class _PolicyMixin:
+if TYPE_CHECKING:  # the mixin always precedes a linen module class in the MRO
+    _MixinBase = nn.Module
+else:
+    _MixinBase = object
+
+
+class _PolicyMixin(_MixinBase):
     """The methods of the subclass :func:`apply_policy` makes; ``_mpjax_state`` is per class."""
 
-    _mpjax_state: _WrapperState
+    _mpjax_state: ClassVar[_WrapperState]
 
     def _mpjax_active(self) -> bool:
         return bool(_active.stack) and _active.stack[-1][0] is type(self)._mpjax_state
@@ -235,7 +250,8 @@ class _PolicyMixin:
         # Used as a submodule or bound, the wrapped module's methods (setup included) enter
         # here. Overriding Flax's method dispatcher also covers Flax's own functions passed to
         # `apply(method=nn.Embed.attend)`, which would bypass an override of `attend`.
-        if self._mpjax_active() or fun.__name__ == "setup":
+        # Unbound (no scope, nothing to trace), Flax answers as for the unwrapped module.
+        if self._mpjax_active() or fun.__name__ == "setup" or self.scope is None:
             return super()._call_wrapped_method(fun, args, kwargs)
         state = type(self)._mpjax_state
         lifted = nn_transforms.decorator_lift_transform(

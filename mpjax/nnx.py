@@ -212,8 +212,8 @@ def _policy_call(original):
     return __call__
 
 
-@functools.lru_cache(maxsize=None)
-def _policy_class(base: type, plan: _Plan) -> type:
+@functools.cache
+def _policy_class(base: type[nnx.Module], plan: _Plan) -> type:
     """A subclass of ``base`` with the same name that runs ``__call__`` under ``plan``."""
     namespace = {"_mpjax_base": base, "_mpjax_plan": plan, "__module__": base.__module__,
                  "__qualname__": base.__qualname__, "__doc__": base.__doc__}
@@ -284,7 +284,7 @@ def apply_policy(model: nnx.Module, policy_or_rules: Rules | PolicyLike) -> nnx.
         _configure(node, resolution)
         policy = resolution.policy
         root = node.parent is None
-        boundary = root or resolved[node.parent].policy != policy
+        boundary = node.parent is None or resolved[node.parent].policy != policy
         _set_plan(node.module, _Plan(policy, node.path, boundary, rules if root else None))
     return model
 

@@ -35,7 +35,7 @@ Higher-order primitives (``jit``, ``scan``, ``while``, ``cond``, ``remat``, cust
 from __future__ import annotations
 
 import types
-from typing import Mapping
+from collections.abc import Mapping
 
 LOWER = "lower"
 F32 = "f32"
@@ -54,8 +54,8 @@ _F32 = (
     # PyTorch's f32 list: exp, log, log1p, expm1, pow, reciprocal, rsqrt, erfinv, acos, asin,
     # cosh, sinh, tan. ``x ** 2``, ``jnp.square`` and ``jnp.reciprocal`` are integer_pow/square
     # in JAX: powers overflow f16 (a value of 300 squared is past 65504) and 1/x of small x too.
-    "exp", "exp2", "log", "log2", "log1p", "expm1", "pow", "integer_pow", "polynomial", "square", "rsqrt", "logistic",
-    "erf_inv", "acos", "asin", "cosh", "sinh", "tan",
+    "exp", "exp2", "log", "log2", "log1p", "expm1", "pow", "integer_pow", "polynomial", "square",
+    "rsqrt", "logistic", "erf_inv", "acos", "asin", "cosh", "sinh", "tan",
     # Reductions: sums and products accumulate error in bf16; max makes softmax's x - max exact.
     "reduce_sum", "reduce_prod", "reduce_max", "cumsum", "cumprod", "cumlogsumexp",
     # Special functions and random gamma have no accurate bf16 implementations.
@@ -84,7 +84,8 @@ _PROMOTE = (
     "pad", "concatenate", "select_n", "slice", "dynamic_slice", "dynamic_update_slice", "gather",
     "scatter", "scatter-add", "scatter_add", "scatter-sub", "scatter_sub", "scatter-mul",
     "scatter_mul", "scatter-min", "scatter_min", "scatter-max", "scatter_max", "split", "tile",
-    "copy", "copy_p", "stop_gradient", "stack", "unstack", "zeros_like", "empty", "empty2", "create_token",
+    "copy", "copy_p", "stop_gradient", "stack", "unstack", "zeros_like", "empty", "empty2",
+    "create_token",
     "after_all",
     # Other reductions and selections: exact in any dtype.
     "reduce_min", "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin", "cummax",
@@ -126,7 +127,10 @@ def _table() -> dict[str, str]:
 
 
 DEFAULT_OP_CATEGORIES: Mapping[str, str] = types.MappingProxyType(_table())
-"""Primitive name -> autocast category (read-only); see :mod:`mpjax.op_categories`."""
+"""Primitive name -> autocast category (read-only); see :mod:`mpjax.op_categories`.
+
+:meta hide-value:
+"""
 
 
 def merge_categories(overrides: Mapping[str, str] | None) -> Mapping[str, str]:

@@ -10,11 +10,12 @@ through it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol, TypeVar, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 try:  # jmp is optional: only Policy.to_jmp needs it (the mpjax[jmp] extra).
     import jmp
@@ -83,7 +84,7 @@ def _valid_names() -> str:
 
 
 def _to_dtype(value: Any, role: str) -> np.dtype:
-    """Normalizes a dtype-like ``value`` (a name, numpy/jax dtype or scalar type) to ``np.dtype``."""
+    """Normalizes a dtype-like ``value`` (a name, numpy/jax dtype or scalar type) to np.dtype."""
     if isinstance(value, str):
         name = value.strip()
         if name not in _DTYPE_NAMES:
@@ -140,6 +141,10 @@ class Policy:
     param_dtype: np.dtype
     compute_dtype: np.dtype
     output_dtype: np.dtype
+
+    if TYPE_CHECKING:  # the generated __init__ takes any dtype spelling; __post_init__ converts
+        def __init__(self, param_dtype: DTypeLike, compute_dtype: DTypeLike,
+                     output_dtype: DTypeLike) -> None: ...
 
     def __post_init__(self):
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
@@ -232,7 +237,7 @@ class DtypePolicy(Protocol):
     output_dtype: Any
 
 
-PolicyLike = Union[Policy, str, np.dtype, type, DtypePolicy]
+PolicyLike = Policy | str | np.dtype | type | DtypePolicy
 """Anything :func:`get_policy` accepts: a Policy, a policy string, a dtype or a jmp.Policy."""
 
 
@@ -288,7 +293,9 @@ def cast_floating(tree: T, dtype: Any) -> T:
     return jax.tree.map(cast, tree)
 
 
+#: The ``"mixed_bfloat16"`` preset: params f32, compute bf16, output f32.
 MIXED_BFLOAT16 = Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+#: The ``"mixed_float16"`` preset: params f32, compute f16, output f32 (f16 needs loss scaling).
 MIXED_FLOAT16 = Policy(jnp.float32, jnp.float16, jnp.float32)
 
 _PRESETS: dict[str, Policy] = {
@@ -351,6 +358,7 @@ def get_policy(spec: PolicyLike) -> Policy:
 
     Args:
       spec: one of
+
         - a :class:`Policy` (returned as is) or a ``jmp.Policy`` (converted);
         - a preset: ``"mixed_bfloat16"`` (params f32, compute bf16, output f32) or
           ``"mixed_float16"`` (the same with f16);

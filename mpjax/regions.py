@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -96,7 +96,7 @@ def innermost(scopes: Sequence[str]) -> Region | None:
 
     >>> innermost(["model", "mpjax[float32]head", "dense"])
     Region(policy=Policy(param_dtype=float32, compute_dtype=float32, output_dtype=float32), path='head')
-    """
+    """  # noqa: E501 (a doctest's output line)
     for name in reversed(scopes):
         found = _parse(name)
         if found is not None:

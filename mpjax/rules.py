@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
-from typing import Any, Callable, Iterable, Mapping, Sequence, Union
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Union, cast
 
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +28,7 @@ import numpy as np
 from mpjax.policy import Policy, PolicyLike, get_policy
 
 RuleKey = Union[str, "re.Pattern[str]", type]
-RuleValue = Union[PolicyLike, Callable[[Policy], Policy], None]
+RuleValue = PolicyLike | Callable[[Policy], Policy] | None
 
 
 def _key_text(key: RuleKey) -> str:
@@ -61,6 +62,11 @@ class Rule:
     name: str = ""
     builtin: bool = False
 
+    if TYPE_CHECKING:  # the generated __init__ also takes a mapping; __post_init__ converts it
+        def __init__(self, key: RuleKey, policy: RuleValue = None,
+                     attributes: Mapping[str, Any] | tuple[tuple[str, Any], ...] = (),
+                     name: str = "", builtin: bool = False) -> None: ...
+
     def __post_init__(self):
         if not isinstance(self.key, (str, re.Pattern, type)):
             raise TypeError(
@@ -92,7 +98,8 @@ class Rule:
             return default
         if isinstance(self.policy, Policy):
             return self.policy
-        return get_policy(self.policy(default))
+        # __post_init__ turned every other value into a Policy: what is left is a function.
+        return get_policy(cast(Callable[[Policy], Any], self.policy)(default))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +225,8 @@ class Rules:
                                   rule.attributes)
         return Resolution(path, module_type, self.default, None, ())
 
-    def with_rule(self, key: RuleKey, policy: RuleValue = None, attributes: Mapping[str, Any] = (),
+    def with_rule(self, key: RuleKey, policy: RuleValue = None,
+                  attributes: Mapping[str, Any] | tuple[tuple[str, Any], ...] = (),
                   *, first: bool = True) -> Rules:
         """Returns new rules with a rule for ``key`` added, or replaced in place if ``key`` has one.
 

@@ -15,11 +15,10 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from stock_models import Block, HandWrittenBlock
 
 import mpjax
 from mpjax import jax_compat
-from stock_models import Block, HandWrittenBlock
-import mpjax.linen as mpl
 from mpjax.inspection import iter_equations
 
 F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)

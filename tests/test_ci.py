@@ -53,3 +53,18 @@ def test_ci_runs_the_oldest_pins_on_the_oldest_python():
     examples = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]["examples"]
     assert f"orbax-checkpoint>={_pins()['orbax-checkpoint']}" in examples
+
+
+def test_the_dev_tools_are_pinned_and_ci_runs_the_checks():
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["dev"]
+    names = set()
+    for spec in dev:
+        match = re.fullmatch(r"([A-Za-z0-9_.\-]+)==[0-9][0-9A-Za-z.]*", spec)
+        assert match, f"{spec!r}: a dev tool is pinned exactly, written name==version"
+        names.add(match.group(1).lower())
+    assert {"ruff", "mypy", "sphinx"} <= names
+    checks = (ROOT / ".ci" / "checks").read_text()
+    for command in ("ruff check", "ruff format --check", "mypy", "sphinx -E -W"):
+        assert command in checks, command
+    assert re.search(r"^bash \.ci/checks\b", (ROOT / ".ci" / "run").read_text(), re.M)

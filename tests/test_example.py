@@ -114,7 +114,7 @@ def test_unigram_baseline_is_the_byte_entropy():
 # ----------------------------------------------------------------------------- train steps
 
 
-@functools.lru_cache(maxsize=None)  # each (policy, mode) is built, initialized and jitted once
+@functools.cache  # each (policy, mode) is built, initialized and jitted once
 def _setup(policy_name, mode="mpjax"):
     cfg = tt.TrainConfig(policy=policy_name, steps=10, warmup_steps=2, lr=1e-2)
     policy = mpjax.get_policy(policy_name)
@@ -244,7 +244,7 @@ def test_resume_continues_bit_identically(text_file, tmp_path):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert [r["loss"] for r in resumed["history"]] == [r["loss"] for r in straight["history"][3:]]
-    log = [json.loads(l) for l in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    log = [json.loads(row) for row in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
     # Resuming with other settings would not continue the same run: refused, naming the field.
     with pytest.raises(ValueError, match="lr"):
@@ -282,7 +282,7 @@ def test_persistent_overflow_stops_the_run(text_file, tmp_path):
     with pytest.raises(tt.TrainingStopped, match="Stopped at step 3") as info:
         tt.train(cfg)
     assert isinstance(info.value.__cause__, mpjax.PersistentOverflowError)
-    log = [json.loads(l) for l in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    log = [json.loads(row) for row in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in log] == [1, 2]
     assert all(r["loss_scale"] == float(np.float32(1e30)) for r in log)
 
@@ -304,7 +304,7 @@ def test_command_line_runs_end_to_end_and_logs_each_logged_step(text_file, tmp_p
     assert "--- sample (temperature 0.8) ---\ndef " in out
     run = tmp_path / "cli"
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["6"]
-    log = [json.loads(l) for l in (run / "log.jsonl").read_text().splitlines()]
+    log = [json.loads(row) for row in (run / "log.jsonl").read_text().splitlines()]
     # Logged: every log_interval-th step, every evaluation, and the last step.
     assert [r["step"] for r in log] == [2, 3, 4, 6]
     assert [("val_loss" in r) for r in log] == [False, True, False, True]

@@ -7,6 +7,7 @@ import pathlib
 import re
 import warnings
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -14,12 +15,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from stock_models import Block, HandWrittenBlock
 
 import mpjax
 import mpjax.linen as mpl
 from mpjax import Rules
 from mpjax.inspection import iter_equations
-from stock_models import Block, HandWrittenBlock
 
 F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
 VOCAB, DIM, SEQ = 16, 16, 4
@@ -422,6 +423,21 @@ def test_the_users_module_is_left_unchanged():
     assert dense.dtype is None and dense.param_dtype == jnp.float32
     assert model.dtype is None  # the configured copies are Flax's bound ones
     assert isinstance(model, nn.Dense) and type(model).__name__ == "Dense"
+
+
+def test_an_unbound_wrapped_module_behaves_as_the_unbound_module():
+    class WithHelper(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2)(x)
+
+        def double(self, x):
+            return x * 2
+
+    wrapped = mpl.apply_policy(WithHelper(), "mixed_bfloat16")
+    np.testing.assert_array_equal(wrapped.double(jnp.ones(2)), jnp.full(2, 2.0))
+    with pytest.raises(flax.errors.CallCompactUnboundModuleError):
+        wrapped(jnp.ones(2))
 
 
 def test_wrapping_again_replaces_the_rules():

@@ -26,8 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-import mpjax
 from mixed_precision_checks import (
     POLICY,
     assert_floating_matmuls_bf16,
@@ -39,9 +37,11 @@ from mixed_precision_checks import (
     fan_in_normal,
     key,
     linen_subjects,
-    normal,
     nnx_subjects,
+    normal,
 )
+
+import mpjax
 
 B, T, D, HEADS, HEAD_DIM, FF, VOCAB = 2, 8, 16, 2, 8, 32, 32
 EXPERTS, TOP_K, LAYERS = 4, 2, 2
@@ -310,7 +310,7 @@ CASES = [*LINEN, *NNX]
 INTEGER_DOTS = [c for c in CASES if not c.startswith("tied")]  # mask pairs, expert counts
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def subjects(case: str):
     if case in LINEN:
         model, wrapped, inputs = LINEN[case]()

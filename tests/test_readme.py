@@ -40,7 +40,7 @@ def test_quickstart_runs_and_learns():
     assert result.returncode == 0, result.stderr
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", result.stdout)]
     assert losses[0] > 0.5 and losses[-1] < 0.1, losses
-    matmul_rows = [l for l in result.stdout.splitlines() if l.startswith("dot_general")]
+    matmul_rows = [line for line in result.stdout.splitlines() if line.startswith("dot_general")]
     assert len(matmul_rows) == 5 and all(r.count("bfloat16[") == 3 for r in matmul_rows)
 
 

@@ -21,8 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-import mpjax
 from mixed_precision_checks import (
     POLICY,
     Subject,
@@ -33,9 +31,11 @@ from mixed_precision_checks import (
     assert_output_close_to_f32,
     key,
     linen_subjects,
-    normal,
     nnx_subjects,
+    normal,
 )
+
+import mpjax
 
 pytestmark = pytest.mark.third_party
 
@@ -163,7 +163,7 @@ CASES = [*FLAX_CASES, *((case, "autocast") for case in EQUINOX)]
 IDS = [f"{case}-{mode}" for case, mode in CASES]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def subjects(case: str) -> dict[str, Subject]:
     if case in EQUINOX:
         return {"autocast": EQUINOX[case]()}
