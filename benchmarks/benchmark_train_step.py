@@ -71,13 +71,18 @@ class Variant:
 VARIANTS = [
     Variant("f32", "float32, default matmul precision", "float32"),
     Variant("f32_highest", "float32, precision=highest", "float32", matmul_precision="highest"),
-    Variant("bf16_mpjax", "mixed_bfloat16, mpjax.linen.apply_policy", "mixed_bfloat16",
-            mode="mpjax"),
-    Variant("bf16_autocast", "mixed_bfloat16, mpjax.autocast", "mixed_bfloat16",
-            mode="autocast"),
+    Variant(
+        "bf16_mpjax", "mixed_bfloat16, mpjax.linen.apply_policy", "mixed_bfloat16", mode="mpjax"
+    ),
+    Variant("bf16_autocast", "mixed_bfloat16, mpjax.autocast", "mixed_bfloat16", mode="autocast"),
     Variant("bf16_hand", "mixed_bfloat16, dtype=bf16 by hand", "mixed_bfloat16"),
-    Variant("f16_dynamic", "mixed_float16 + dynamic loss scaling, mpjax", "mixed_float16",
-            mode="mpjax", loss_scale="dynamic"),
+    Variant(
+        "f16_dynamic",
+        "mixed_float16 + dynamic loss scaling, mpjax",
+        "mixed_float16",
+        mode="mpjax",
+        loss_scale="dynamic",
+    ),
 ]
 
 # Dense peak FLOP/s per device by matmul kind. Matched against jax's device_kind, first match
@@ -99,7 +104,12 @@ def matmul_kind(compute_dtype: str, matmul_precision: str | None, platform_name:
     if compute_dtype == "float16":
         return "f16"
     # JAX's default precision lets GPUs run f32 matmuls on TF32 Tensor Cores.
-    if platform_name == "gpu" and matmul_precision in (None, "default", "bfloat16", "tensorfloat32"):
+    if platform_name == "gpu" and matmul_precision in (
+        None,
+        "default",
+        "bfloat16",
+        "tensorfloat32",
+    ):
         return "tf32"
     return "f32"
 
@@ -111,8 +121,9 @@ def peak_flops(device_kind: str, kind: str) -> float | None:
     return None
 
 
-def run_variant(variant: Variant, preset: str, batch_size: int, seq_len: int | None,
-                steps: int, warmup: int) -> dict:
+def run_variant(
+    variant: Variant, preset: str, batch_size: int, seq_len: int | None, steps: int, warmup: int
+) -> dict:
     """Compiles and times one variant in this process; returns its result row."""
     import jax
     import numpy as np
@@ -120,8 +131,15 @@ def run_variant(variant: Variant, preset: str, batch_size: int, seq_len: int | N
 
     import mpjax
 
-    cfg = tt.TrainConfig(preset=preset, policy=variant.policy, loss_scale=variant.loss_scale,
-                         batch_size=batch_size, seq_len=seq_len, steps=1000, warmup_steps=10)
+    cfg = tt.TrainConfig(
+        preset=preset,
+        policy=variant.policy,
+        loss_scale=variant.loss_scale,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        steps=1000,
+        warmup_steps=10,
+    )
     policy = mpjax.get_policy(cfg.policy)
     mcfg = cfg.model_config()
     device = jax.devices()[0]
@@ -129,12 +147,16 @@ def run_variant(variant: Variant, preset: str, batch_size: int, seq_len: int | N
     tx = tt.make_optimizer(cfg, policy)
     state = jax.device_put(tt.init_state(model, tx, 0, mcfg.block_size), device)
     data = tt.load_corpus(None, max_bytes=2_000_000)
-    x, y = (jax.device_put(a, device) for a in
-            tt.sample_batch(data, np.random.default_rng(0), (1, batch_size), mcfg.block_size))
+    x, y = (
+        jax.device_put(a, device)
+        for a in tt.sample_batch(data, np.random.default_rng(0), (1, batch_size), mcfg.block_size)
+    )
 
     with jax.default_matmul_precision(variant.matmul_precision):
         t0 = time.perf_counter()
-        compiled = jax.jit(tt.make_train_step(model, tx), donate_argnums=0).lower(state, x, y).compile()
+        compiled = (
+            jax.jit(tt.make_train_step(model, tx), donate_argnums=0).lower(state, x, y).compile()
+        )
         compile_s = time.perf_counter() - t0
 
     times = []
@@ -154,8 +176,12 @@ def run_variant(variant: Variant, preset: str, batch_size: int, seq_len: int | N
     mem = compiled.memory_analysis()
     compiled_bytes = None
     if mem is not None:
-        compiled_bytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes
-                          + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+        compiled_bytes = (
+            mem.argument_size_in_bytes
+            + mem.output_size_in_bytes
+            + mem.temp_size_in_bytes
+            - mem.alias_size_in_bytes
+        )
     stats = device.memory_stats() or {}
     return {
         "policy": str(policy),
@@ -226,17 +252,25 @@ def markdown_table(report: dict) -> str:
         )
     load = report["device"].get("load_average_1min")
     if report["device"]["platform"] == "cpu":
-        lines += ["", "On CPU only the ratios between rows mean anything: XLA's CPU backend has no "
-                  "bf16/f16 GEMM and converts to f32, and no MFU is given (no peak table)."
-                  + (f" Host load average at the start: {load:.1f} on {report['device']['cpu_count']} "
-                     "cores; background load moves step times, the min column less so." if load else "")]
+        lines += [
+            "",
+            "On CPU only the ratios between rows mean anything: XLA's CPU backend has no "
+            "bf16/f16 GEMM and converts to f32, and no MFU is given (no peak table)."
+            + (
+                f" Host load average at the start: {load:.1f} on {report['device']['cpu_count']} "
+                "cores; background load moves step times, the min column less so."
+                if load
+                else ""
+            ),
+        ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     keys = [v.key for v in VARIANTS]
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--preset", choices=list(BATCH_SIZES), default="tiny")
     p.add_argument("--batch-size", type=int, help="sequences per step (default: 16, medium 8)")
     p.add_argument("--seq-len", type=int, help="default: the preset's block size")
@@ -263,13 +297,24 @@ def main(argv: list[str] | None = None) -> None:
     cfg = tt.TrainConfig(preset=args.preset, seq_len=args.seq_len).model_config()
     report = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": {"kind": device.device_kind, "platform": device.platform,
-                   "count": 1, "host": platform.machine(), "cpu_count": os.cpu_count(),
-                   "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None},
+        "device": {
+            "kind": device.device_kind,
+            "platform": device.platform,
+            "count": 1,
+            "host": platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        },
         "versions": _versions(),
-        "config": {"preset": args.preset, "n_params": cfg.num_params(), "batch_size": batch_size,
-                   "seq_len": cfg.block_size, "steps": args.steps, "warmup": args.warmup,
-                   "flops_formula": "tokens * (6 * N + 12 * n_layer * d_model * seq_len)"},
+        "config": {
+            "preset": args.preset,
+            "n_params": cfg.num_params(),
+            "batch_size": batch_size,
+            "seq_len": cfg.block_size,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "flops_formula": "tokens * (6 * N + 12 * n_layer * d_model * seq_len)",
+        },
         "variants": {v.key: dataclasses.asdict(v) for v in VARIANTS if v.key in args.variants},
         "results": {},
     }
@@ -277,20 +322,35 @@ def main(argv: list[str] | None = None) -> None:
         if v.key not in args.variants:
             continue
         print(f"[{v.key}] {v.name} ...", flush=True)
-        cmd = [sys.executable, __file__, "--worker", v.key, "--preset", args.preset,
-               "--batch-size", str(batch_size), "--steps", str(args.steps),
-               "--warmup", str(args.warmup)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            v.key,
+            "--preset",
+            args.preset,
+            "--batch-size",
+            str(batch_size),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+        ]
         if args.seq_len:
             cmd += ["--seq-len", str(args.seq_len)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+        }
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         line = next((s for s in proc.stdout.splitlines() if s.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:
             report["results"][v.key] = {"skipped": f"failed (exit {proc.returncode})"}
             print(proc.stderr[-3000:], file=sys.stderr)
             continue
-        report["results"][v.key] = json.loads(line[len("RESULT "):])
+        report["results"][v.key] = json.loads(line[len("RESULT ") :])
 
     table = markdown_table(report)
     out_dir = pathlib.Path(args.out_dir)

@@ -45,23 +45,24 @@ class GPTConfig:
 
     def __post_init__(self):
         if self.d_model % self.n_head:
-            raise ValueError(
-                f"n_head={self.n_head} must divide d_model={self.d_model}."
-            )
+            raise ValueError(f"n_head={self.n_head} must divide d_model={self.d_model}.")
 
     def num_params(self) -> int:
         """Parameter count, position embeddings included (nanoGPT leaves them out)."""
         d, f = self.d_model, self.mlp_ratio * self.d_model
         per_block = (
             2 * 2 * d  # two LayerNorms (scale, bias)
-            + d * 3 * d + 3 * d  # qkv projection
-            + d * d + d  # attention output projection
-            + d * f + f + f * d + d  # MLP
+            + d * 3 * d
+            + 3 * d  # qkv projection
+            + d * d
+            + d  # attention output projection
+            + d * f
+            + f
+            + f * d
+            + d  # MLP
         )
         head = 0 if self.tie_embeddings else d * self.vocab_size
-        return (
-            self.vocab_size * d + self.block_size * d + self.n_layer * per_block + 2 * d + head
-        )
+        return self.vocab_size * d + self.block_size * d + self.n_layer * per_block + 2 * d + head
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs (forward + backward) per token, the PaLM/nanoGPT estimate.
@@ -131,8 +132,11 @@ class CausalSelfAttention(nn.Module):
         b, t, d = x.shape
         h = cfg.n_head
         qkv = nn.Dense(
-            3 * d, dtype=self.dtype, param_dtype=self.param_dtype,
-            kernel_init=_normal(0.02), name="qkv",
+            3 * d,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=_normal(0.02),
+            name="qkv",
         )(x)
         q, k, v = (a.reshape(b, t, h, d // h) for a in jnp.split(qkv, 3, axis=-1))
         # Scores in the compute dtype (the matmul), softmax in f32: exp of bf16/f16 scores loses
@@ -145,8 +149,11 @@ class CausalSelfAttention(nn.Module):
         y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
         # GPT-2 scales the init of projections into the residual stream by 1/sqrt(2 * n_layer).
         return nn.Dense(
-            d, dtype=self.dtype, param_dtype=self.param_dtype,
-            kernel_init=_normal(0.02 / math.sqrt(2 * cfg.n_layer)), name="proj",
+            d,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=_normal(0.02 / math.sqrt(2 * cfg.n_layer)),
+            name="proj",
         )(y)
 
 
@@ -161,13 +168,19 @@ class MLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         x = nn.Dense(
-            cfg.mlp_ratio * cfg.d_model, dtype=self.dtype, param_dtype=self.param_dtype,
-            kernel_init=_normal(0.02), name="fc",
+            cfg.mlp_ratio * cfg.d_model,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=_normal(0.02),
+            name="fc",
         )(x)
         x = nn.gelu(x)
         return nn.Dense(
-            cfg.d_model, dtype=self.dtype, param_dtype=self.param_dtype,
-            kernel_init=_normal(0.02 / math.sqrt(2 * cfg.n_layer)), name="proj",
+            cfg.d_model,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=_normal(0.02 / math.sqrt(2 * cfg.n_layer)),
+            name="proj",
         )(x)
 
 

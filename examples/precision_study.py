@@ -51,8 +51,13 @@ RUNS = [
     Run("pure_bf16", "pure bf16 params, no master weights", "bfloat16", master_weights=False),
     # Written by hand, pure bf16 stores the LayerNorm gains in bf16 too (module rules keep
     # norms f32): where rounding freezes parameters first.
-    Run("pure_bf16_hand", "pure bf16 params incl. norms, no master weights", "bfloat16",
-        master_weights=False, mode="hand"),
+    Run(
+        "pure_bf16_hand",
+        "pure bf16 params incl. norms, no master weights",
+        "bfloat16",
+        master_weights=False,
+        mode="hand",
+    ),
     # Another seed (init and batches) in f32: how far apart two equally good runs end up, the
     # yardstick for every difference above.
     Run("f32_seed1", "float32, seed 1 (noise reference)", "float32", seed=1),
@@ -64,10 +69,20 @@ def run_all(runs: list[Run], steps: int, out_root: pathlib.Path) -> dict:
     for run in runs:
         print(f"\n=== {run.key}: {run.label} ===", flush=True)
         cfg = tt.TrainConfig(
-            policy=run.policy, loss_scale=run.loss_scale, master_weights=run.master_weights,
-            steps=steps, warmup_steps=max(1, steps // 16), log_interval=5,
-            eval_interval=max(5, steps // 10), ckpt_interval=0, sample_bytes=0, progress=False,
-            out=str(out_root / run.key), num_devices=1, seed=run.seed, mode=run.mode,
+            policy=run.policy,
+            loss_scale=run.loss_scale,
+            master_weights=run.master_weights,
+            steps=steps,
+            warmup_steps=max(1, steps // 16),
+            log_interval=5,
+            eval_interval=max(5, steps // 10),
+            ckpt_interval=0,
+            sample_bytes=0,
+            progress=False,
+            out=str(out_root / run.key),
+            num_devices=1,
+            seed=run.seed,
+            mode=run.mode,
         )
         t0 = time.perf_counter()
         try:
@@ -96,7 +111,9 @@ def run_all(runs: list[Run], steps: int, out_root: pathlib.Path) -> dict:
 
 def table(results: dict, steps: int) -> str:
     base = results.get("f32", {}).get("final_val_loss")
-    baseline = next((r["unigram_baseline"] for r in results.values() if r["unigram_baseline"]), None)
+    baseline = next(
+        (r["unigram_baseline"] for r in results.values() if r["unigram_baseline"]), None
+    )
     rows = [
         "| run | policy (p,c,o) | mode | optimizer | final val loss (nats/byte) | vs f32 | skipped steps | final loss scale |",
         "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
@@ -157,7 +174,9 @@ def plot(results: dict, out_dir: pathlib.Path) -> None:
         ax.set_ylabel("nats / byte")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    baseline = next((r["unigram_baseline"] for r in results.values() if r["unigram_baseline"]), None)
+    baseline = next(
+        (r["unigram_baseline"] for r in results.values() if r["unigram_baseline"]), None
+    )
     if baseline:
         ax_val.axhline(baseline, color="gray", ls="--", lw=1, label="unigram baseline")
     ax_val.legend(fontsize=8)
@@ -165,8 +184,11 @@ def plot(results: dict, out_dir: pathlib.Path) -> None:
     fig.savefig(out_dir / "precision_study_loss.png", dpi=110)
     plt.close(fig)
 
-    f16 = {k: r for k, r in results.items()
-           if mpjax.get_policy(r["policy"]).compute_dtype == np.dtype(np.float16)}
+    f16 = {
+        k: r
+        for k, r in results.items()
+        if mpjax.get_policy(r["policy"]).compute_dtype == np.dtype(np.float16)
+    }
     fig, (ax_scale, ax_skip) = plt.subplots(1, 2, figsize=(12, 4))
     for r in f16.values():
         steps = [e["step"] for e in r["log"]]
@@ -185,10 +207,13 @@ def plot(results: dict, out_dir: pathlib.Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--runs", nargs="+", choices=[r.key for r in RUNS], default=[r.key for r in RUNS])
+    p.add_argument(
+        "--runs", nargs="+", choices=[r.key for r in RUNS], default=[r.key for r in RUNS]
+    )
     p.add_argument("--docs", default=str(ROOT / "docs"), help="where the table and plots go")
     p.add_argument("--out", default=str(ROOT / "runs" / "precision_study"), help="run folders")
     args = p.parse_args(argv)

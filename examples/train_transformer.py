@@ -45,7 +45,9 @@ import mpjax  # noqa: E402
 # Default configuration. Every value is a command-line flag (see --help).
 PRESET = "tiny"  # model size: tiny (CPU, minutes), small (129M params), medium (354M params)
 MODE = "mpjax"  # how the policy reaches the model: mpjax (module rules), hand, autocast
-POLICY = "mixed_bfloat16"  # any mpjax policy: float32, mixed_bfloat16, bfloat16, "p=f32,c=bf16,o=f32"
+POLICY = (
+    "mixed_bfloat16"  # any mpjax policy: float32, mixed_bfloat16, bfloat16, "p=f32,c=bf16,o=f32"
+)
 LOSS_SCALE = "auto"  # auto (dynamic for float16, none otherwise), dynamic, static:N or none
 MASTER_WEIGHTS = True  # keep an f32 master copy when the policy stores params in bf16/f16
 STEPS = 800  # optimizer steps
@@ -139,9 +141,29 @@ class TrainConfig:
 # Fields that decide the trajectory: a resumed run must match the checkpoint on all of them.
 # The device count is not one: it changes the reduction order, not the run.
 _TRAJECTORY_FIELDS = (
-    "preset", "n_layer", "n_head", "d_model", "untied", "policy", "loss_scale", "master_weights",
-    "steps", "batch_size", "grad_accum", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
-    "weight_decay", "beta1", "beta2", "grad_clip", "data", "max_bytes", "val_fraction", "seed",
+    "preset",
+    "n_layer",
+    "n_head",
+    "d_model",
+    "untied",
+    "policy",
+    "loss_scale",
+    "master_weights",
+    "steps",
+    "batch_size",
+    "grad_accum",
+    "seq_len",
+    "lr",
+    "min_lr_ratio",
+    "warmup_steps",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "grad_clip",
+    "data",
+    "max_bytes",
+    "val_fraction",
+    "seed",
 )
 
 
@@ -153,14 +175,16 @@ def default_corpus_files() -> list[pathlib.Path]:
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "__pycache__"}
     return sorted(
-        p for p in root.rglob("*.py")
+        p
+        for p in root.rglob("*.py")
         if p.is_file() and not skip.intersection(p.relative_to(root).parts)
     )
 
 
 def _folder_files(folder: pathlib.Path) -> list[pathlib.Path]:
     return sorted(
-        p for p in folder.rglob("*")
+        p
+        for p in folder.rglob("*")
         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
     )
 
@@ -213,7 +237,7 @@ def split_corpus(data: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"--val-fraction must be in (0, 1), got {val_fraction}.")
     n_val = int(round(len(data) * val_fraction))
-    return data[: len(data) - n_val], data[len(data) - n_val:]
+    return data[: len(data) - n_val], data[len(data) - n_val :]
 
 
 def sample_batch(
@@ -346,7 +370,10 @@ def make_optimizer(cfg: TrainConfig, policy: mpjax.Policy) -> optax.GradientTran
     Weight decay applies to matrices (kernels, embeddings) only, as in GPT-2 and nanoGPT.
     """
     adamw = optax.adamw(
-        make_schedule(cfg), b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay,
+        make_schedule(cfg),
+        b1=cfg.beta1,
+        b2=cfg.beta2,
+        weight_decay=cfg.weight_decay,
         mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
     )
     clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
@@ -417,6 +444,7 @@ def make_train_step(model: GPT, tx: optax.GradientTransformation):
         if n_micro == 1:
             grads, loss = micro_grads(state.params, state.opt_state, x[0], y[0])
         else:
+
             def body(carry, xy):
                 acc, loss_sum = carry
                 g, loss = micro_grads(state.params, state.opt_state, *xy)
@@ -508,7 +536,8 @@ def save_checkpoint(manager, state: TrainState, rng: np.random.Generator, cfg: T
         "config": {k: getattr(cfg, k) for k in _TRAJECTORY_FIELDS},
     }
     manager.save(
-        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
     )
 
 
@@ -527,7 +556,9 @@ def read_checkpoint_meta(manager, cfg: TrainConfig) -> dict | None:
     saved = meta["config"]
     differ = [k for k in _TRAJECTORY_FIELDS if saved.get(k) != getattr(cfg, k)]
     if differ:
-        details = ", ".join(f"{k}: checkpoint {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in differ)
+        details = ", ".join(
+            f"{k}: checkpoint {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in differ
+        )
         raise ValueError(
             f"--resume: the checkpoint in {manager.directory} was made with different settings "
             f"({details}). Resume with the same flags, or use another --out."
@@ -539,8 +570,12 @@ def restore_state(manager, step: int, like: TrainState) -> TrainState:
     """Restores the train state saved at ``step`` with ``like``'s structure, dtypes, shardings."""
     import orbax.checkpoint as ocp
 
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), like)
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+    target = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), like
+    )
+    restored = manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+    )
     return TrainState(*restored["state"])
 
 
@@ -562,11 +597,20 @@ def validate(cfg: TrainConfig) -> None:
     """Checks flag values that argparse cannot, with messages naming the flag."""
     if cfg.preset not in PRESETS:
         raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {cfg.preset!r}.")
-    positive = ("steps", "batch_size", "grad_accum", "eval_interval", "eval_batches", "log_interval",
-                "max_consecutive_skips")
+    positive = (
+        "steps",
+        "batch_size",
+        "grad_accum",
+        "eval_interval",
+        "eval_batches",
+        "log_interval",
+        "max_consecutive_skips",
+    )
     for name in positive:
         if getattr(cfg, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}.")
+            raise ValueError(
+                f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}."
+            )
     if not 0 <= cfg.warmup_steps < cfg.steps:
         raise ValueError(
             f"--warmup-steps must be in [0, --steps), got {cfg.warmup_steps} with --steps {cfg.steps}."
@@ -672,12 +716,17 @@ def train(cfg: TrainConfig) -> dict:
     )
 
     # Compile ahead of time, so that the progress bar's tokens/s leaves compilation out.
-    x_spec = jax.ShapeDtypeStruct((cfg.grad_accum, cfg.batch_size, seq_len), jnp.int32,
-                                  sharding=batch_sharding)
+    x_spec = jax.ShapeDtypeStruct(
+        (cfg.grad_accum, cfg.batch_size, seq_len), jnp.int32, sharding=batch_sharding
+    )
     t0 = time.perf_counter()
-    step_fn = jax.jit(
-        make_train_step(model, tx), out_shardings=(replicated, replicated), donate_argnums=0
-    ).lower(state, x_spec, x_spec).compile()
+    step_fn = (
+        jax.jit(
+            make_train_step(model, tx), out_shardings=(replicated, replicated), donate_argnums=0
+        )
+        .lower(state, x_spec, x_spec)
+        .compile()
+    )
     eval_fn = jax.jit(lambda p, x, y: loss_fn(model, p, x, y))
     compile_s = time.perf_counter() - t0
     print(f"compiled the train step in {compile_s:.1f} s")
@@ -729,12 +778,18 @@ def train(cfg: TrainConfig) -> dict:
             history.append(record)
             _write_jsonl(log_path, [record])
             pbar.update(done - last_logged)
-            pbar.set_postfix({
-                "loss": f"{m['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}",
-                "scale": f"{m['loss_scale']:g}", "skipped": m["skipped_steps"],
-            })
-            if manager is not None and cfg.ckpt_interval > 0 and (
-                done % cfg.ckpt_interval == 0 or done == cfg.steps
+            pbar.set_postfix(
+                {
+                    "loss": f"{m['loss']:.3f}",
+                    "tok/s": f"{record['tokens_per_s']:,.0f}",
+                    "scale": f"{m['loss_scale']:g}",
+                    "skipped": m["skipped_steps"],
+                }
+            )
+            if (
+                manager is not None
+                and cfg.ckpt_interval > 0
+                and (done % cfg.ckpt_interval == 0 or done == cfg.steps)
             ):
                 save_checkpoint(manager, state, rng, cfg)
             last_logged = done
@@ -785,8 +840,9 @@ def sample_text(model: GPT, params: Any, cfg: TrainConfig, key: jax.Array) -> st
     return bytes(np.asarray(out, dtype=np.uint8)).decode("utf-8", errors="replace")
 
 
-def _check_health(cfg: TrainConfig, policy: mpjax.Policy, state: TrainState, step: int,
-                  loss: float) -> None:
+def _check_health(
+    cfg: TrainConfig, policy: mpjax.Policy, state: TrainState, step: int, loss: float
+) -> None:
     """Stops a run that can no longer learn, with a message saying why and what to try."""
     if uses_loss_scaling(cfg, policy):
         # Skipped steps leave the params alone, so a non-finite loss is survivable; a long run
@@ -810,8 +866,12 @@ def _progress(cfg: TrainConfig, start_step: int):
     from tqdm.auto import tqdm  # Deferred: only the script needs tqdm.
 
     return tqdm(
-        total=cfg.steps, initial=start_step, disable=not cfg.progress, unit="step",
-        dynamic_ncols=True, file=sys.stdout,
+        total=cfg.steps,
+        initial=start_step,
+        disable=not cfg.progress,
+        unit="step",
+        dynamic_ncols=True,
+        file=sys.stdout,
     )
 
 
@@ -837,26 +897,53 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--d-model", type=_positive_int, help="override the preset's width")
     g.add_argument("--untied", action="store_true", help="separate output head (default: tied)")
     g = p.add_argument_group("precision")
-    g.add_argument("--policy", default=POLICY,
-                   help="mpjax policy: float32, mixed_bfloat16, mixed_float16, bfloat16, "
-                        "'p=f32,c=bf16,o=f32', ...")
-    g.add_argument("--mode", choices=MODEL_MODES, default=MODE,
-                   help="how the policy reaches the model: mpjax.linen.apply_policy with rules, "
-                        "dtypes written by hand, or mpjax.autocast")
-    g.add_argument("--loss-scale", default=LOSS_SCALE,
-                   help="auto (dynamic for float16, else none), none, dynamic or static:N")
-    g.add_argument("--no-master-weights", dest="master_weights", action="store_false",
-                   help="update bf16/f16-stored params directly, without an f32 master copy")
-    g.add_argument("--max-consecutive-skips", type=_positive_int, default=MAX_CONSECUTIVE_SKIPS,
-                   help="stop after this many overflowed steps in a row")
+    g.add_argument(
+        "--policy",
+        default=POLICY,
+        help="mpjax policy: float32, mixed_bfloat16, mixed_float16, bfloat16, "
+        "'p=f32,c=bf16,o=f32', ...",
+    )
+    g.add_argument(
+        "--mode",
+        choices=MODEL_MODES,
+        default=MODE,
+        help="how the policy reaches the model: mpjax.linen.apply_policy with rules, "
+        "dtypes written by hand, or mpjax.autocast",
+    )
+    g.add_argument(
+        "--loss-scale",
+        default=LOSS_SCALE,
+        help="auto (dynamic for float16, else none), none, dynamic or static:N",
+    )
+    g.add_argument(
+        "--no-master-weights",
+        dest="master_weights",
+        action="store_false",
+        help="update bf16/f16-stored params directly, without an f32 master copy",
+    )
+    g.add_argument(
+        "--max-consecutive-skips",
+        type=_positive_int,
+        default=MAX_CONSECUTIVE_SKIPS,
+        help="stop after this many overflowed steps in a row",
+    )
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=_positive_int, default=STEPS)
-    g.add_argument("--batch-size", type=_positive_int, default=BATCH_SIZE,
-                   help="sequences per micro-batch")
-    g.add_argument("--grad-accum", type=_positive_int, default=GRAD_ACCUM,
-                   help="micro-batches per optimizer step")
-    g.add_argument("--seq-len", type=_positive_int, default=SEQ_LEN,
-                   help="bytes per sequence (default: the preset's block size)")
+    g.add_argument(
+        "--batch-size", type=_positive_int, default=BATCH_SIZE, help="sequences per micro-batch"
+    )
+    g.add_argument(
+        "--grad-accum",
+        type=_positive_int,
+        default=GRAD_ACCUM,
+        help="micro-batches per optimizer step",
+    )
+    g.add_argument(
+        "--seq-len",
+        type=_positive_int,
+        default=SEQ_LEN,
+        help="bytes per sequence (default: the preset's block size)",
+    )
     g.add_argument("--lr", type=float, default=LR, help="peak learning rate")
     g.add_argument("--min-lr-ratio", type=float, default=MIN_LR_RATIO)
     g.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS)
@@ -871,11 +958,15 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--val-fraction", type=float, default=VAL_FRACTION)
     g = p.add_argument_group("logging, checkpoints, devices")
     g.add_argument("--out", help="output folder (default: runs/<preset>_<policy>)")
-    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    g.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in --out"
+    )
     g.add_argument("--eval-interval", type=_positive_int, default=EVAL_INTERVAL)
     g.add_argument("--eval-batches", type=_positive_int, default=EVAL_BATCHES)
     g.add_argument("--log-interval", type=_positive_int, default=LOG_INTERVAL)
-    g.add_argument("--ckpt-interval", type=int, default=CKPT_INTERVAL, help="0 disables checkpoints")
+    g.add_argument(
+        "--ckpt-interval", type=int, default=CKPT_INTERVAL, help="0 disables checkpoints"
+    )
     g.add_argument("--num-devices", type=int, default=0, help="devices to use; 0 means all")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     g = p.add_argument_group("sampling")
@@ -904,7 +995,9 @@ def main(argv: list[str] | None = None) -> None:
     except TrainingStopped as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
-        sys.exit(f"\ninterrupted: continue from the last checkpoint with --resume --out {cfg.out_dir()}")
+        sys.exit(
+            f"\ninterrupted: continue from the last checkpoint with --resume --out {cfg.out_dir()}"
+        )
     val, base = summary["final_val_loss"], summary["unigram_baseline"]
     ln2 = math.log(2)
     print(

@@ -10,7 +10,8 @@ register, and imports only the casting engine and the report types.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from mpjax.autocast import describe_autocast, is_autocast
 from mpjax.report import Report
@@ -61,12 +62,15 @@ def register_describer(
             f"register_describer(options=...) got {sorted(unknown)}; describe() takes only "
             f"{list(_OPTIONS)}."
         )
+    matches: Callable[[Any], bool]
     if isinstance(target, type):
         cls = target
         _packages.add(cls.__module__.split(".")[0])
 
-        def matches(value: Any) -> bool:
+        def is_instance(value: Any) -> bool:
             return isinstance(value, cls) or (isinstance(value, type) and issubclass(value, cls))
+
+        matches = is_instance
     else:
         matches = target
     _describers.append(_Describer(kind, matches, build, frozenset(options)))
@@ -76,8 +80,10 @@ def _flax_hint(target: Any) -> str:
     cls = target if isinstance(target, type) else type(target)
     from_flax = any(c.__module__.split(".")[0] == "flax" for c in cls.__mro__)
     if from_flax and "flax" not in _packages:
-        return (" Flax modules are described once mpjax.linen (linen) or mpjax.nnx (NNX) is "
-                "imported: `import mpjax.linen`.")
+        return (
+            " Flax modules are described once mpjax.linen (linen) or mpjax.nnx (NNX) is "
+            "imported: `import mpjax.linen`."
+        )
     return ""
 
 
@@ -154,21 +160,27 @@ def describe(
     for describer in _describers:
         if not describer.matches(target):
             continue
-        wrong = [name for name in _OPTIONS if given[name] is not None
-                 and name not in describer.options]
+        wrong = [
+            name for name in _OPTIONS if given[name] is not None and name not in describer.options
+        ]
         if wrong:
-            takes = (f"it takes only {', '.join(o for o in _OPTIONS if o in describer.options)}"
-                     if describer.options else "it takes none")
+            takes = (
+                f"it takes only {', '.join(o for o in _OPTIONS if o in describer.options)}"
+                if describer.options
+                else "it takes none"
+            )
             raise TypeError(
                 f"describe() got {', '.join(f'`{name}`' for name in wrong)}, which does not "
                 f"apply to {describer.kind} ({type(target).__name__}); {takes}."
             )
         return describer.build(target, **{name: given[name] for name in describer.options})
     text = repr(target)
-    got = (f"{text} of type {type(target).__name__}" if len(text) <= 80 and "\n" not in text
-           else f"a {type(target).__name__}")
+    got = (
+        f"{text} of type {type(target).__name__}"
+        if len(text) <= 80 and "\n" not in text
+        else f"a {type(target).__name__}"
+    )
     raise TypeError(f"describe() takes {_kinds()}; got {got}." + _flax_hint(target))
 
 
-register_describer(is_autocast, describe_autocast,
-                   kind="a function made by mpjax.autocast")
+register_describer(is_autocast, describe_autocast, kind="a function made by mpjax.autocast")

@@ -11,7 +11,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
-from typing import Any, Callable, Iterator, overload
+from collections.abc import Callable, Iterator
+from typing import Any, overload
 
 import jax
 import numpy as np
@@ -98,7 +99,9 @@ def _iter_eqns(jaxpr: Any, context: tuple[str, ...]) -> Iterator[tuple[Any, tupl
             yield from _iter_eqns(sub, (*context, eqn.primitive.name))
 
 
-def iter_equations(fn: Callable[..., Any], *args, **kwargs) -> Iterator[tuple[Any, tuple[str, ...]]]:
+def iter_equations(
+    fn: Callable[..., Any], *args, **kwargs
+) -> Iterator[tuple[Any, tuple[str, ...]]]:
     """Yields ``(equation, context)`` for every equation of ``fn``'s jaxpr, nested ones included.
 
     ``context`` names the enclosing higher-order primitives, outermost first.
@@ -107,8 +110,9 @@ def iter_equations(fn: Callable[..., Any], *args, **kwargs) -> Iterator[tuple[An
     yield from _iter_eqns(closed.jaxpr, ())
 
 
-def _matmuls(fn: Callable[..., Any], primitives: frozenset[str], args: tuple, kwargs: dict
-             ) -> MatmulReport:
+def _matmuls(
+    fn: Callable[..., Any], primitives: frozenset[str], args: tuple, kwargs: dict
+) -> MatmulReport:
     found = []
     for eqn, context in iter_equations(fn, *args, **kwargs):
         if eqn.primitive.name not in primitives:
@@ -144,17 +148,20 @@ def _warn_uncurried(name: str, option: str) -> None:
 
 
 @overload
-def inspect_matmuls(fn: Callable[..., Any], *,
-                    primitives: frozenset[str] = ...) -> Callable[..., MatmulReport]: ...
+def inspect_matmuls(
+    fn: Callable[..., Any], /, *, primitives: frozenset[str] = ...
+) -> Callable[..., MatmulReport]: ...
 
 
 @overload
-def inspect_matmuls(fn: Callable[..., Any], arg: Any, /, *args: Any,
-                    primitives: frozenset[str] = ..., **kwargs: Any) -> MatmulReport: ...
+def inspect_matmuls(
+    fn: Callable[..., Any], arg: Any, /, *args: Any, primitives: frozenset[str] = ..., **kwargs: Any
+) -> MatmulReport: ...
 
 
 def inspect_matmuls(
     fn: Callable[..., Any],
+    /,
     *args: Any,
     primitives: frozenset[str] = MATMUL_PRIMITIVES,
     **kwargs: Any,
@@ -197,10 +204,13 @@ def inspect_matmuls(
 _HLO_OP = re.compile(r"=\s*[^=]*?\s([a-z][a-z0-9\-_]*)\(")
 
 
-def _hlo_op_counts(fn: Callable[..., Any], compiled: bool, args: tuple, kwargs: dict
-                   ) -> collections.Counter:
+def _hlo_op_counts(
+    fn: Callable[..., Any], compiled: bool, args: tuple, kwargs: dict
+) -> collections.Counter:
     lowered = jax.jit(fn).lower(*args, **kwargs)
     text = lowered.compile().as_text() if compiled else lowered.as_text(dialect="hlo")
+    if text is None:
+        raise RuntimeError("XLA returned no HLO text for this function on this backend.")
     counts: collections.Counter = collections.Counter()
     for line in text.splitlines():
         match = _HLO_OP.search(line)
@@ -210,17 +220,20 @@ def _hlo_op_counts(fn: Callable[..., Any], compiled: bool, args: tuple, kwargs: 
 
 
 @overload
-def hlo_op_counts(fn: Callable[..., Any], *,
-                  compiled: bool = ...) -> Callable[..., collections.Counter]: ...
+def hlo_op_counts(
+    fn: Callable[..., Any], /, *, compiled: bool = ...
+) -> Callable[..., collections.Counter]: ...
 
 
 @overload
-def hlo_op_counts(fn: Callable[..., Any], arg: Any, /, *args: Any, compiled: bool = ...,
-                  **kwargs: Any) -> collections.Counter: ...
+def hlo_op_counts(
+    fn: Callable[..., Any], arg: Any, /, *args: Any, compiled: bool = ..., **kwargs: Any
+) -> collections.Counter: ...
 
 
 def hlo_op_counts(
     fn: Callable[..., Any],
+    /,
     *args: Any,
     compiled: bool = True,
     **kwargs: Any,

@@ -190,8 +190,14 @@ def scan_params(eqn: Any) -> ScanParams:
         num_consts, num_carry, _ = (len(part) for part in eqn.params["ft_in"].unpack())
     else:
         num_consts, num_carry = _param(eqn, "num_consts"), _param(eqn, "num_carry")
-    return ScanParams(closed(_param(eqn, "jaxpr")), num_consts, num_carry,
-                      _param(eqn, "length"), bool(_param(eqn, "reverse")), _param(eqn, "unroll"))
+    return ScanParams(
+        closed(_param(eqn, "jaxpr")),
+        num_consts,
+        num_carry,
+        _param(eqn, "length"),
+        bool(_param(eqn, "reverse")),
+        _param(eqn, "unroll"),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,8 +211,12 @@ class WhileParams:
 
 
 def while_params(eqn: Any) -> WhileParams:
-    return WhileParams(closed(_param(eqn, "cond_jaxpr")), _param(eqn, "cond_nconsts"),
-                       closed(_param(eqn, "body_jaxpr")), _param(eqn, "body_nconsts"))
+    return WhileParams(
+        closed(_param(eqn, "cond_jaxpr")),
+        _param(eqn, "cond_nconsts"),
+        closed(_param(eqn, "body_jaxpr")),
+        _param(eqn, "body_nconsts"),
+    )
 
 
 def cond_branches(eqn: Any) -> tuple[jex_core.ClosedJaxpr, ...]:
@@ -224,8 +234,9 @@ class RematParams:
 
 
 def remat_params(eqn: Any) -> RematParams:
-    return RematParams(closed(_param(eqn, "jaxpr")), bool(_param(eqn, "prevent_cse")),
-                       _param(eqn, "policy"))
+    return RematParams(
+        closed(_param(eqn, "jaxpr")), bool(_param(eqn, "prevent_cse")), _param(eqn, "policy")
+    )
 
 
 CALL_PRIMITIVES = frozenset({jex_primitives.closed_call_p.name, jex_primitives.call_p.name})
@@ -248,9 +259,13 @@ class ShardMapParams:
 def shard_map_params(eqn: Any) -> ShardMapParams:
     p = eqn.params
     axes = "newly_manual_axes" if "newly_manual_axes" in p else "manual_axes"  # jax < 0.10.2
-    kwargs = dict(mesh=_param(eqn, "mesh"), in_specs=tuple(_param(eqn, "in_specs")),
-                  out_specs=tuple(_param(eqn, "out_specs")), check_vma=_param(eqn, "check_vma"),
-                  axis_names=set(_param(eqn, axes)))
+    kwargs = dict(
+        mesh=_param(eqn, "mesh"),
+        in_specs=tuple(_param(eqn, "in_specs")),
+        out_specs=tuple(_param(eqn, "out_specs")),
+        check_vma=_param(eqn, "check_vma"),
+        axis_names=set(_param(eqn, axes)),
+    )
     return ShardMapParams(closed(_param(eqn, "jaxpr")), kwargs)
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +66,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+_ScaleType = TypeVar("_ScaleType", bound="type[_LossScaleBase]")
 
 # PyTorch's GradScaler starts at 2**16, which float16 cannot represent (its largest finite
 # value is 65504): a float16 loss scaled by it is inf on the first step. 2**15 (jmp, Keras) is
@@ -80,7 +81,7 @@ DEFAULT_GROWTH_INTERVAL = 2000
 # Loss-scale values
 
 
-def _host_scalar(value: Any, name: str, what: str) -> Optional[np.ndarray]:
+def _host_scalar(value: Any, name: str, what: str) -> np.ndarray | None:
     """The host value of a scalar the user passed, or None for a tracer (checked later)."""
     if jax_compat.is_tracer(value):
         return None
@@ -124,7 +125,7 @@ def _counter_leaf(value: Any) -> jax.Array:
     return jnp.asarray(host, jnp.int32)
 
 
-def _optional_bound(value: Any, name: str) -> Optional[float]:
+def _optional_bound(value: Any, name: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
@@ -154,12 +155,14 @@ def _multiply_floating(tree: T, factor: jax.Array, divide: bool, keep_dtype: boo
     return jax.tree.map(apply, tree)
 
 
-def _register(cls: type, data_fields: tuple[str, ...]) -> type:
+def _register(cls: _ScaleType, data_fields: tuple[str, ...]) -> _ScaleType:
     """Registers a loss-scale dataclass as a pytree: ``data_fields`` are leaves, every other
     field is static (part of the tree structure). Unflattening rebuilds the object without
     calling the constructor, so tracers, abstract values and placeholders are never validated
     and never block."""
-    meta_fields = tuple(f.name for f in dataclasses.fields(cls) if f.name not in data_fields)
+    meta_fields = tuple(
+        f.name for f in dataclasses.fields(cast(Any, cls)) if f.name not in data_fields
+    )
     keys = tuple(jax.tree_util.GetAttrKey(name) for name in data_fields)
 
     def flatten_with_keys(obj):
@@ -181,7 +184,10 @@ def _register(cls: type, data_fields: tuple[str, ...]) -> type:
 class _LossScaleBase:
     """``scale``/``unscale``/``replace`` shared by the three loss scales."""
 
-    loss_scale: jax.Array
+    if TYPE_CHECKING:  # a field of two of the scales, a property of the no-op one
+
+        @property
+        def loss_scale(self) -> jax.Array: ...
 
     @classmethod
     def _from_fields(cls, **fields: Any):
@@ -208,7 +214,7 @@ class _LossScaleBase:
 
     def replace(self, **changes: Any):
         """Returns a copy with the given fields changed, validated like the constructor."""
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(cast(Any, self), **changes)
 
 
 @functools.partial(_register, data_fields=())
@@ -265,7 +271,7 @@ class StaticLossScale(_LossScaleBase):
 
     loss_scale: jax.Array
 
-    def __init__(self, loss_scale: Union[jax.Array, float]):
+    def __init__(self, loss_scale: jax.Array | float):
         object.__setattr__(self, "loss_scale", _scale_leaf(loss_scale))
 
     @property
@@ -328,19 +334,19 @@ class DynamicLossScale(_LossScaleBase):
     growth_factor: float
     backoff_factor: float
     growth_interval: int
-    min_scale: Optional[float]
-    max_scale: Optional[float]
+    min_scale: float | None
+    max_scale: float | None
 
     def __init__(
         self,
-        loss_scale: Union[jax.Array, float] = DEFAULT_INITIAL_SCALE,
-        counter: Union[jax.Array, int] = 0,
+        loss_scale: jax.Array | float = DEFAULT_INITIAL_SCALE,
+        counter: jax.Array | int = 0,
         *,
         growth_factor: float = DEFAULT_GROWTH_FACTOR,
         backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
         growth_interval: int = DEFAULT_GROWTH_INTERVAL,
-        min_scale: Optional[float] = None,
-        max_scale: Optional[float] = None,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
     ):
         growth, backoff, interval = growth_factor, backoff_factor, growth_interval
         if isinstance(growth, bool) or not isinstance(growth, (int, float, np.number)):
@@ -350,7 +356,9 @@ class DynamicLossScale(_LossScaleBase):
         if isinstance(backoff, bool) or not isinstance(backoff, (int, float, np.number)):
             raise TypeError(f"backoff_factor must be a number in (0, 1), got {backoff!r}.")
         if not 0 < backoff < 1:
-            raise ValueError(f"backoff_factor must be in the open interval (0, 1), got {backoff!r}.")
+            raise ValueError(
+                f"backoff_factor must be in the open interval (0, 1), got {backoff!r}."
+            )
         if isinstance(interval, bool) or not isinstance(interval, (int, np.integer)):
             raise TypeError(f"growth_interval must be an integer >= 1, got {interval!r}.")
         if interval < 1:
@@ -404,20 +412,22 @@ class DynamicLossScale(_LossScaleBase):
         new_scale = jnp.where(finite, jnp.where(grow, grown, scale), backed_off)
         new_counter = jnp.where(finite & ~grow, counter, 0)
         # Built from the computed values as they are (they are tracers under jit).
-        return self._from_fields(**{
-            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
-            "loss_scale": new_scale.astype(jnp.float32),
-            "counter": new_counter.astype(jnp.int32),
-        })
+        return self._from_fields(
+            **{
+                **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                "loss_scale": new_scale.astype(jnp.float32),
+                "counter": new_counter.astype(jnp.int32),
+            }
+        )
 
 
-LossScale = Union[DynamicLossScale, StaticLossScale, NoOpLossScale]
+LossScale = DynamicLossScale | StaticLossScale | NoOpLossScale
 """Any of the three loss-scale pytrees."""
 
 _LOSS_SCALE_CHOICES = ("'dynamic'", "'none'", "'static:N'", "a positive number", "a loss scale")
 
 
-def _parse_loss_scale(spec: Union[LossScale, str, int, float]) -> LossScale:
+def _parse_loss_scale(spec: LossScale | str | int | float) -> LossScale:
     """The loss scale that ``spec`` names: a loss scale (as is), ``"dynamic"``, ``"none"``,
     ``"static:N"`` or a positive number N."""
     if isinstance(spec, (DynamicLossScale, StaticLossScale, NoOpLossScale)):
@@ -500,7 +510,7 @@ def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
 
 def loss_scaling(
     inner: optax.GradientTransformation,
-    loss_scale: Union[LossScale, str, int, float] = "dynamic",
+    loss_scale: LossScale | str | int | float = "dynamic",
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` so that it sees unscaled gradients and never a non-finite step.
 
@@ -599,9 +609,7 @@ def loss_scaling(
             next_window_finite = jnp.array(True)
 
         skipped = step_done & ~applied
-        new_updates = jax.tree.map(
-            lambda u: jnp.where(applied, u, jnp.zeros_like(u)), new_updates
-        )
+        new_updates = jax.tree.map(lambda u: jnp.where(applied, u, jnp.zeros_like(u)), new_updates)
         consecutive = jnp.where(
             skipped,
             optax.safe_increment(state.consecutive_skipped),
@@ -652,7 +660,7 @@ def _loss_scaling_states(opt_state: Any) -> list[LossScalingState]:
     return [x for x in leaves if _is_loss_scaling_state(x)]
 
 
-def _find_state(opt_state: Any) -> Optional[LossScalingState]:
+def _find_state(opt_state: Any) -> LossScalingState | None:
     """The one :class:`LossScalingState` inside ``opt_state``, or None when it holds none."""
     found = _loss_scaling_states(opt_state)
     if len(found) > 1:
@@ -790,7 +798,7 @@ def check_overflow(opt_state: Any, max_consecutive: int) -> None:
 # Deprecated aliases: kept for one release, each warns and names its replacement.
 
 
-def get_loss_scale(spec: Union[LossScale, str, int, float]) -> LossScale:
+def get_loss_scale(spec: LossScale | str | int | float) -> LossScale:
     """Deprecated: pass ``spec`` to :func:`loss_scaling` directly, or build the loss scale
     with :class:`DynamicLossScale`, :class:`StaticLossScale` or :class:`NoOpLossScale`.
 

@@ -117,7 +117,9 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
             return m.astype(p.dtype) - p
 
         master = jax.tree.map(
-            new_master, state.master, inner_updates,
+            new_master,
+            state.master,
+            inner_updates,
             is_leaf=lambda x: isinstance(x, optax.MaskedNode),
         )
         param_updates = jax.tree.map(param_update, params, master, inner_updates)

@@ -14,8 +14,9 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
         y = nn.LayerNorm(dtype=self.dtype, name="ln1")(x)
-        y = nn.MultiHeadDotProductAttention(num_heads=2, dtype=self.dtype,
-                                            attention_fn=self.attention_fn, name="attn")(y)
+        y = nn.MultiHeadDotProductAttention(
+            num_heads=2, dtype=self.dtype, attention_fn=self.attention_fn, name="attn"
+        )(y)
         x = x + y
         y = nn.LayerNorm(dtype=self.dtype, name="ln2")(x)
         y = nn.Dense(32, dtype=self.dtype, name="up")(y)

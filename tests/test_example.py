@@ -42,11 +42,24 @@ def text_file(corpus, tmp_path_factory) -> pathlib.Path:
 
 def _cfg(text_file, tmp_path, **overrides) -> tt.TrainConfig:
     base = dict(
-        n_layer=SMALL.n_layer, n_head=SMALL.n_head, d_model=SMALL.d_model,
-        seq_len=SMALL.block_size, batch_size=8, steps=6, warmup_steps=2, lr=1e-2,
-        eval_interval=3, eval_batches=2, log_interval=1, ckpt_interval=0,
-        data=str(text_file), sample_bytes=0, progress=False, out=str(tmp_path / "run"),
-        policy="float32", num_devices=1,
+        n_layer=SMALL.n_layer,
+        n_head=SMALL.n_head,
+        d_model=SMALL.d_model,
+        seq_len=SMALL.block_size,
+        batch_size=8,
+        steps=6,
+        warmup_steps=2,
+        lr=1e-2,
+        eval_interval=3,
+        eval_batches=2,
+        log_interval=1,
+        ckpt_interval=0,
+        data=str(text_file),
+        sample_bytes=0,
+        progress=False,
+        out=str(tmp_path / "run"),
+        policy="float32",
+        num_devices=1,
     )
     base.update(overrides)
     return tt.TrainConfig(**base)
@@ -134,11 +147,19 @@ def _expected_param_dtype(path, policy, mode):
     return np.dtype(jnp.float32) if mode == "mpjax" and is_norm else policy.param_dtype
 
 
-@pytest.mark.parametrize("policy_name, mode", [
-    ("float32", "mpjax"), ("mixed_bfloat16", "mpjax"), ("bfloat16", "mpjax"),
-    ("mixed_float16", "mpjax"), ("mixed_bfloat16", "hand"), ("bfloat16", "hand"),
-    ("mixed_bfloat16", "autocast"), ("mixed_float16", "autocast"),
-])
+@pytest.mark.parametrize(
+    "policy_name, mode",
+    [
+        ("float32", "mpjax"),
+        ("mixed_bfloat16", "mpjax"),
+        ("bfloat16", "mpjax"),
+        ("mixed_float16", "mpjax"),
+        ("mixed_bfloat16", "hand"),
+        ("bfloat16", "hand"),
+        ("mixed_bfloat16", "autocast"),
+        ("mixed_float16", "autocast"),
+    ],
+)
 def test_train_steps_under_each_policy(policy_name, mode, corpus):
     policy, model, tx, state, step = _setup(policy_name, mode)
     x, y = _batch(corpus, 1, 8)
@@ -163,8 +184,9 @@ def test_train_steps_under_each_policy(policy_name, mode, corpus):
     assert loss.dtype == jnp.float32
 
     # Loss scaling where the policy computes in float16 (auto), nowhere else.
-    states = [x for x in jax.tree.leaves(state.opt_state, is_leaf=_is_loss_scaling)
-              if _is_loss_scaling(x)]
+    states = [
+        x for x in jax.tree.leaves(state.opt_state, is_leaf=_is_loss_scaling) if _is_loss_scaling(x)
+    ]
     info = mpjax.loss_scaling_info(state.opt_state)
     if policy_name == "mixed_float16":
         assert len(states) == 1 and isinstance(states[0].loss_scale, mpjax.DynamicLossScale)
@@ -188,7 +210,9 @@ def test_pure_bfloat16_without_master_weights_keeps_bfloat16_adam_moments():
     policy = mpjax.get_policy(cfg.policy)
     params = jax.eval_shape(  # hand mode: every param bf16 (module rules keep norms f32)
         lambda: tt.build_model(SMALL, policy, "hand").init(
-            jax.random.key(0), jnp.zeros((1, SMALL.block_size), jnp.int32))["params"])
+            jax.random.key(0), jnp.zeros((1, SMALL.block_size), jnp.int32)
+        )["params"]
+    )
     opt_state = jax.eval_shape(tt.make_optimizer(cfg, policy).init, params)
     assert not any(_is_master(x) for x in jax.tree.leaves(opt_state, is_leaf=_is_master))
     moments = {a.dtype for a in jax.tree.leaves(opt_state) if a.ndim >= 1}
@@ -221,7 +245,9 @@ def test_sampling_returns_the_prompt_then_the_requested_bytes():
     assert out.shape == (44,) and out.dtype == jnp.int32
     np.testing.assert_array_equal(out[:4], prompt)
     assert int(out.min()) >= 0 and int(out.max()) < 256
-    np.testing.assert_array_equal(out, generate(state.params, prompt, jax.random.key(0), jnp.float32(0.8)))
+    np.testing.assert_array_equal(
+        out, generate(state.params, prompt, jax.random.key(0), jnp.float32(0.8))
+    )
     cfg = tt.TrainConfig(sample_bytes=8, sample_prompt="def ")
     assert tt.sample_text(model, state.params, cfg, jax.random.key(0)).startswith("def ")
 
@@ -259,8 +285,10 @@ def test_data_parallel_on_8_devices_matches_one_device(text_file, tmp_path):
     one = tt.train(_cfg(text_file, tmp_path / "one", steps=4, num_devices=1))
     eight = tt.train(_cfg(text_file, tmp_path / "eight", steps=4, num_devices=8))
     params = eight["state"].params
-    assert all(len(p.sharding.device_set) == 8 and p.sharding.is_fully_replicated
-               for p in jax.tree.leaves(params))
+    assert all(
+        len(p.sharding.device_set) == 8 and p.sharding.is_fully_replicated
+        for p in jax.tree.leaves(params)
+    )
     np.testing.assert_allclose(
         [r["loss"] for r in eight["history"]], [r["loss"] for r in one["history"]], rtol=1e-5
     )
@@ -277,8 +305,14 @@ def test_diverging_run_stops_with_a_clear_message(text_file, tmp_path):
 
 def test_persistent_overflow_stops_the_run(text_file, tmp_path):
     # A static scale of 1e30 overflows float16 in every backward pass: every step is skipped.
-    cfg = _cfg(text_file, tmp_path, policy="mixed_float16", loss_scale="static:1e30",
-               max_consecutive_skips=3, steps=10)
+    cfg = _cfg(
+        text_file,
+        tmp_path,
+        policy="mixed_float16",
+        loss_scale="static:1e30",
+        max_consecutive_skips=3,
+        steps=10,
+    )
     with pytest.raises(tt.TrainingStopped, match="Stopped at step 3") as info:
         tt.train(cfg)
     assert isinstance(info.value.__cause__, mpjax.PersistentOverflowError)
@@ -288,14 +322,43 @@ def test_persistent_overflow_stops_the_run(text_file, tmp_path):
 
 
 def test_command_line_runs_end_to_end_and_logs_each_logged_step(text_file, tmp_path):
-    argv = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "16",
-            "--batch-size", "8", "--steps", "6", "--warmup-steps", "1", "--log-interval", "2",
-            "--eval-interval", "3", "--num-devices", "1", "--data", str(text_file),
-            "--out", str(tmp_path / "cli"), "--sample-bytes", "12", "--no-progress",
-            "--mode", "autocast"]
+    argv = [
+        "--n-layer",
+        "1",
+        "--d-model",
+        "32",
+        "--n-head",
+        "2",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "8",
+        "--steps",
+        "6",
+        "--warmup-steps",
+        "1",
+        "--log-interval",
+        "2",
+        "--eval-interval",
+        "3",
+        "--num-devices",
+        "1",
+        "--data",
+        str(text_file),
+        "--out",
+        str(tmp_path / "cli"),
+        "--sample-bytes",
+        "12",
+        "--no-progress",
+        "--mode",
+        "autocast",
+    ]
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train_transformer.py"), *argv],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
     )
     assert result.returncode == 0, result.stderr
@@ -343,7 +406,11 @@ def test_train_step_costs_no_more_converts_than_the_hand_written_bf16_model(mode
     for name in ("hand", mode):
         _, model, tx, state, _ = _setup("mixed_bfloat16", name)
         converts[name] = mpjax.hlo_op_counts(tt.make_train_step(model, tx))(state, x, y)["convert"]
-        grad_fn = jax.grad(lambda p: tt.loss_fn(model, p, x[0], y[0]))
+        grad_fn = jax.grad(lambda p: tt.loss_fn(model, p, x[0], y[0]))  # noqa: B023 (used here)
         matmuls[name] = mpjax.inspect_matmuls(grad_fn)(state.params).operand_dtypes()
     assert converts[mode] <= converts["hand"], converts
-    assert matmuls[mode] == matmuls["hand"] == {("bfloat16", "bfloat16"): sum(matmuls["hand"].values())}
+    assert (
+        matmuls[mode]
+        == matmuls["hand"]
+        == {("bfloat16", "bfloat16"): sum(matmuls["hand"].values())}
+    )

@@ -41,10 +41,18 @@ _custom_vjp_matmul.defvjp(lambda x, w: (x @ w, (x, w)), lambda res, g: (g @ res[
     [
         ("top", lambda x, w: x @ w, ()),
         ("jit", jax.jit(lambda x, w: x @ w), ("jit",)),
-        ("scan", lambda x, w: jax.lax.scan(lambda c, _: (c @ w, None), x, None, length=2)[0],
-         ("scan",)),
-        ("while", lambda x, w: jax.lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] @ w),
-                                                  (0, x))[1], ("while",)),
+        (
+            "scan",
+            lambda x, w: jax.lax.scan(lambda c, _: (c @ w, None), x, None, length=2)[0],
+            ("scan",),
+        ),
+        (
+            "while",
+            lambda x, w: jax.lax.while_loop(
+                lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] @ w), (0, x)
+            )[1],
+            ("while",),
+        ),
         ("cond", lambda x, w: jax.lax.cond(True, lambda: x @ w, lambda: x), ("cond",)),
         ("remat", lambda x, w: jax.checkpoint(lambda x: x @ w)(x), ("remat2",)),
         ("custom_jvp", _custom_matmul, ("custom_jvp_call",)),
@@ -81,14 +89,20 @@ def test_backward_matmuls_are_reported_with_their_dtypes():
     backward = report[1:]
     assert backward and all(F32 in m.operand_dtypes for m in backward)
     assert ("float32", "bfloat16") in report.operand_dtypes() or (
-        "bfloat16", "float32") in report.operand_dtypes()
+        "bfloat16",
+        "float32",
+    ) in report.operand_dtypes()
 
 
 def test_reports_convolutions():
     x = jnp.ones((1, 8, 8, 3), jnp.bfloat16)
     k = jnp.ones((3, 3, 3, 4), jnp.bfloat16)
-    conv = lambda x, k: jax.lax.conv_general_dilated(x, k, (1, 1), "SAME",
-                                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def conv(x, k):
+        return jax.lax.conv_general_dilated(
+            x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+
     (m,) = mpjax.inspect_matmuls(conv)(x, k)
     assert m.primitive == "conv_general_dilated" and m.out_shape == (1, 8, 8, 4)
 
@@ -121,7 +135,8 @@ def test_hlo_op_counts_counts_converts():
     x, w = _x_w(jnp.float32)
     plain = mpjax.hlo_op_counts(lambda x, w: x @ w, compiled=False)(x, w)
     cast = mpjax.hlo_op_counts(
-        lambda x, w: x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16), compiled=False)(x, w)
+        lambda x, w: x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16), compiled=False
+    )(x, w)
     assert plain["dot"] == cast["dot"] == 1
     assert plain["convert"] == 0 and cast["convert"] == 2
     assert mpjax.hlo_op_counts(lambda x, w: x @ w)(x, w)["dot"] >= 1
@@ -140,10 +155,15 @@ def test_every_keyword_reaches_the_function_through_the_curried_call():
 
 def test_options_go_with_the_function():
     x, w = _x_w()
-    assert mpjax.inspect_matmuls(lambda x, w: x @ w, primitives=frozenset({"conv_general_dilated"})
-                                 )(x, w) == ()
-    lowered = mpjax.hlo_op_counts(lambda x, w: x.astype(jnp.float32) @ w.astype(jnp.float32),
-                                  compiled=False)(x, w)
+    assert (
+        mpjax.inspect_matmuls(lambda x, w: x @ w, primitives=frozenset({"conv_general_dilated"}))(
+            x, w
+        )
+        == ()
+    )
+    lowered = mpjax.hlo_op_counts(
+        lambda x, w: x.astype(jnp.float32) @ w.astype(jnp.float32), compiled=False
+    )(x, w)
     assert lowered["convert"] == 2
 
 
@@ -153,9 +173,12 @@ def test_uncurried_calls_still_work_with_a_deprecation_warning():
         (m,) = mpjax.inspect_matmuls(lambda x, w: x @ w, x, w)
     assert m.operand_dtypes == (BF16, BF16)
     with pytest.warns(DeprecationWarning, match=r"inspect_matmuls\(fn\)"):
-        assert mpjax.inspect_matmuls(lambda x, *, w: x @ w, x, w=w,
-                                     primitives=frozenset({"conv_general_dilated"})) == ()
+        assert (
+            mpjax.inspect_matmuls(
+                lambda x, *, w: x @ w, x, w=w, primitives=frozenset({"conv_general_dilated"})
+            )
+            == ()
+        )
     with pytest.warns(DeprecationWarning, match=r"use hlo_op_counts\(fn\)\(\*args, \*\*kwargs\)"):
         counts = mpjax.hlo_op_counts(lambda x, w: x @ w, x, w, compiled=False)
     assert counts == mpjax.hlo_op_counts(lambda x, w: x @ w, compiled=False)(x, w)
-

@@ -56,7 +56,7 @@ def test_scan_params_split_the_inputs_into_consts_carries_and_xs():
     p = jax_compat.scan_params(eqn)
     n_c, n_k = p.num_consts, p.num_carry
     assert (n_c, n_k) == (1, 2)
-    consts, carry, xs = eqn.invars[:n_c], eqn.invars[n_c:n_c + n_k], eqn.invars[n_c + n_k:]
+    consts, carry, xs = eqn.invars[:n_c], eqn.invars[n_c : n_c + n_k], eqn.invars[n_c + n_k :]
     assert _shapes(consts) == [(5,)] and _shapes(carry) == [(2,), ()] and _shapes(xs) == [(7, 3)]
     assert (p.length, p.reverse, p.unroll) == (7, True, 2)
     # The body takes consts, carries, xs and returns the carries, then the ys.
@@ -78,13 +78,16 @@ def test_while_params_split_cond_consts_body_consts_and_carries():
     lim, scale, shift = jnp.float32(100.0), jnp.ones(3) * 2, jnp.ones((3,))
 
     def fn(x):
-        return lax.while_loop(lambda c: c[0].sum() < lim, lambda c: (c[0] * scale + shift, c[1] + 1),
-                              (x, jnp.zeros((2, 2))))
+        return lax.while_loop(
+            lambda c: c[0].sum() < lim,
+            lambda c: (c[0] * scale + shift, c[1] + 1),
+            (x, jnp.zeros((2, 2))),
+        )
 
     eqn = _eqn(fn, jnp.ones(3), primitive="while")
     p = jax_compat.while_params(eqn)
     assert (p.cond_nconsts, p.body_nconsts) == (1, 2)
-    assert _shapes(eqn.invars[p.cond_nconsts + p.body_nconsts:]) == [(3,), (2, 2)]
+    assert _shapes(eqn.invars[p.cond_nconsts + p.body_nconsts :]) == [(3,), (2, 2)]
     assert _shapes(p.cond_jaxpr.jaxpr.invars) == [(), (3,), (2, 2)]
     assert _shapes(p.body_jaxpr.jaxpr.invars) == [(3,), (3,), (3,), (2, 2)]
     (keep_going,) = _evaluate(p.cond_jaxpr, lim, jnp.ones(3), jnp.zeros((2, 2)))
@@ -107,8 +110,11 @@ def test_jit_params_recreate_the_same_jit(inline):
         return x * y
 
     fn = jax.jit(named, donate_argnums=(1,), keep_unused=True, inline=inline)
-    eqns = [e for e in jax.make_jaxpr(lambda x, y: fn(x, y))(W, W).jaxpr.eqns
-            if e.primitive.name == "jit"]
+    eqns = [
+        e
+        for e in jax.make_jaxpr(lambda x, y: fn(x, y))(W, W).jaxpr.eqns
+        if e.primitive.name == "jit"
+    ]
     if inline and not eqns:
         pytest.skip("before jax 0.11, jit(inline=True) leaves no jit equation to read")
     (eqn,) = eqns
@@ -120,8 +126,9 @@ def test_jit_params_recreate_the_same_jit(inline):
         return x * y
 
     body.__name__ = p.name
-    again = jax.jit(body, donate_argnums=p.donate_argnums, keep_unused=p.keep_unused,
-                    inline=p.inline)
+    again = jax.jit(
+        body, donate_argnums=p.donate_argnums, keep_unused=p.keep_unused, inline=p.inline
+    )
     rebuilt = _eqn(lambda x, y: again(x, y), W, W, primitive="jit")
     for name in ("name", "donated_invars", "keep_unused", "inline"):
         assert rebuilt.params[name] == eqn.params[name], name
@@ -130,8 +137,9 @@ def test_jit_params_recreate_the_same_jit(inline):
 def test_remat_params_read_back_policy_and_prevent_cse():
     policy = jax.checkpoint_policies.nothing_saveable
     fn = jax.checkpoint(lambda x: jnp.sin(x) * 2, policy=policy, prevent_cse=False)
-    (eqn,) = [e for e in jax.make_jaxpr(fn)(W).jaxpr.eqns
-              if e.primitive.name in ("remat2", "checkpoint")]
+    (eqn,) = [
+        e for e in jax.make_jaxpr(fn)(W).jaxpr.eqns if e.primitive.name in ("remat2", "checkpoint")
+    ]
     p = jax_compat.remat_params(eqn)
     assert p.policy is policy and p.prevent_cse is False
     np.testing.assert_allclose(_evaluate(p.jaxpr, W)[0], jnp.sin(W) * 2)
@@ -147,16 +155,19 @@ _sin.defjvp(lambda primals, tangents: (_sin(primals[0]), tangents[0] * 10))
 
 @jax.custom_vjp
 def _cube(x):
-    return x ** 3
+    return x**3
 
 
 _cube.defvjp(lambda x: (_cube(x), x), lambda x, ct: (ct * 100,))
 
 
-@pytest.mark.parametrize("fn, primitive, primal", [
-    (_sin, "custom_jvp_call", jnp.sin),
-    (_cube, "custom_vjp_call", lambda x: x ** 3),
-])
+@pytest.mark.parametrize(
+    "fn, primitive, primal",
+    [
+        (_sin, "custom_jvp_call", jnp.sin),
+        (_cube, "custom_vjp_call", lambda x: x**3),
+    ],
+)
 def test_call_jaxpr_is_the_primal_of_a_custom_derivative(fn, primitive, primal):
     eqn = _eqn(fn, W, primitive=primitive)
     np.testing.assert_allclose(_evaluate(jax_compat.call_jaxpr(eqn), W)[0], primal(W), rtol=1e-6)
@@ -164,8 +175,9 @@ def test_call_jaxpr_is_the_primal_of_a_custom_derivative(fn, primitive, primal):
 
 def test_call_primitives_are_what_grad_of_checkpoint_makes():
     def loss(w):
-        inner = jax.checkpoint(lambda w: lax.scan(lambda c, x: (jnp.sin(c * w), x), W, None,
-                                                   length=2)[0].sum())
+        inner = jax.checkpoint(
+            lambda w: lax.scan(lambda c, x: (jnp.sin(c * w), x), W, None, length=2)[0].sum()
+        )
         return inner(w)
 
     jaxpr = jax.make_jaxpr(jax.grad(loss))(W).jaxpr
@@ -188,8 +200,14 @@ def _walk(jaxpr):
 
 def test_shard_map_params_recreate_the_same_shard_map():
     mesh = jax.make_mesh((4, 2), ("d", "m"), axis_types=(AxisType.Auto,) * 2)
-    fn = jax.shard_map(lambda a, b: a * b.sum(), mesh=mesh, in_specs=(P("d"), P()),
-                       out_specs=P("d"), axis_names={"d"}, check_vma=False)
+    fn = jax.shard_map(
+        lambda a, b: a * b.sum(),
+        mesh=mesh,
+        in_specs=(P("d"), P()),
+        out_specs=P("d"),
+        axis_names={"d"},
+        check_vma=False,
+    )
     args = (jnp.ones((8, 3)), jnp.ones(3))
     eqn = _eqn(fn, *args, primitive="shard_map")
     p = jax_compat.shard_map_params(eqn)
@@ -198,7 +216,8 @@ def test_shard_map_params_recreate_the_same_shard_map():
     again = jax.shard_map(lambda *xs: tuple(_evaluate(p.jaxpr, *xs)), **p.kwargs)
     rebuilt = _eqn(again, *args, primitive="shard_map")
     assert {k: v for k, v in rebuilt.params.items() if k != "jaxpr"} == {
-        k: v for k, v in eqn.params.items() if k != "jaxpr"}
+        k: v for k, v in eqn.params.items() if k != "jaxpr"
+    }
     np.testing.assert_array_equal(jax.jit(again)(*args)[0], jax.jit(fn)(*args))
 
 
@@ -218,8 +237,9 @@ def test_bind_equation_rebinds_with_new_params():
     params = {**eqn.params, "preferred_element_type": F32}
     (out,) = jax_compat.bind_equation(eqn, [a, b], params)
     assert out.dtype == F32
-    wide = _eqn(lambda a, b: lax.dot(a, b, preferred_element_type=F32), a, b,
-                primitive="dot_general")
+    wide = _eqn(
+        lambda a, b: lax.dot(a, b, preferred_element_type=F32), a, b, primitive="dot_general"
+    )
     assert jax_compat.preferred_element_type(wide) == F32
     assert jax_compat.preferred_element_type(_eqn(jnp.sin, W, primitive="sin")) is None
 
@@ -281,8 +301,9 @@ def test_literals_dropvars_and_sub_jaxprs():
     mul = next(e for e in body.eqns if e.primitive.name == "mul")
     assert [jax_compat.is_literal(a) for a in mul.invars] == [False, True]
     assert jax_compat.sub_jaxprs(mul) == []
-    loop = _eqn(lambda x: lax.while_loop(lambda c: c.sum() < 9, lambda c: c + 1, x), W,
-                primitive="while")
+    loop = _eqn(
+        lambda x: lax.while_loop(lambda c: c.sum() < 9, lambda c: c + 1, x), W, primitive="while"
+    )
     assert len(jax_compat.sub_jaxprs(loop)) == 2
     branches = _eqn(lambda x: lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x), W, primitive="cond")
     assert len(jax_compat.sub_jaxprs(branches)) == 2
@@ -291,8 +312,11 @@ def test_literals_dropvars_and_sub_jaxprs():
 def test_closed_accepts_open_and_closed_jaxprs():
     closed = jax.make_jaxpr(lambda x: x * W)(W)
     assert jax_compat.closed(closed) is closed
-    remat = next(e for e in jax.make_jaxpr(jax.checkpoint(jnp.sin))(W).jaxpr.eqns
-                 if e.primitive.name in ("remat2", "checkpoint"))
+    remat = next(
+        e
+        for e in jax.make_jaxpr(jax.checkpoint(jnp.sin))(W).jaxpr.eqns
+        if e.primitive.name in ("remat2", "checkpoint")
+    )
     rebuilt = jax_compat.closed(remat.params["jaxpr"])
     np.testing.assert_allclose(_evaluate(rebuilt, W)[0], jnp.sin(W))
 

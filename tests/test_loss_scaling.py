@@ -98,8 +98,14 @@ def test_trajectory_matches_pytorch_rule_with_custom_factors(kwargs):
     expected, scale, tracker = [], np.float32(16.0), 0
     for f in finite:
         scale, tracker = torch_rule(
-            scale, tracker, f, kwargs.get("growth_factor", 2.0), kwargs.get("backoff_factor", 0.5),
-            kwargs["growth_interval"], kwargs.get("min_scale"), kwargs.get("max_scale"),
+            scale,
+            tracker,
+            f,
+            kwargs.get("growth_factor", 2.0),
+            kwargs.get("backoff_factor", 0.5),
+            kwargs["growth_interval"],
+            kwargs.get("min_scale"),
+            kwargs.get("max_scale"),
         )
         expected.append(float(scale))
     assert after == expected
@@ -140,7 +146,15 @@ def test_static_and_noop_never_change():
 
 @pytest.mark.parametrize(
     "initial",
-    [2**15, 32768.0, np.float16(4), np.float64(4), jnp.float16(4), jnp.asarray(4.0), jnp.bfloat16(8)],
+    [
+        2**15,
+        32768.0,
+        np.float16(4),
+        np.float64(4),
+        jnp.float16(4),
+        jnp.asarray(4.0),
+        jnp.bfloat16(8),
+    ],
     ids=["int", "float", "np_f16", "np_f64", "jnp_f16", "weak", "jnp_bf16"],
 )
 @pytest.mark.parametrize("cls", [DynamicLossScale, StaticLossScale])
@@ -155,19 +169,29 @@ def test_scale_is_strongly_typed_float32_whatever_is_passed(cls, initial):
 @pytest.mark.parametrize("ls", [DynamicLossScale(1024.0), StaticLossScale(1024.0), NoOpLossScale()])
 def test_scale_keeps_dtypes_and_unscale_returns_float32(ls):
     tree = {
-        "f32": jnp.full(3, 0.5, F32), "bf16": jnp.full(3, 0.5, BF16), "f16": jnp.full(3, 0.5, F16),
-        "int": jnp.arange(3), "np": np.full(2, 0.5, np.float32),
+        "f32": jnp.full(3, 0.5, F32),
+        "bf16": jnp.full(3, 0.5, BF16),
+        "f16": jnp.full(3, 0.5, F16),
+        "int": jnp.arange(3),
+        "np": np.full(2, 0.5, np.float32),
     }
     scaled = ls.scale(tree)
     assert {k: v.dtype for k, v in scaled.items()} == {
-        "f32": F32, "bf16": BF16, "f16": F16, "int": np.dtype(jnp.int32), "np": F32
+        "f32": F32,
+        "bf16": BF16,
+        "f16": F16,
+        "int": np.dtype(jnp.int32),
+        "np": F32,
     }
     np.testing.assert_array_equal(scaled["int"], tree["int"])
     factor = float(ls.loss_scale)
     np.testing.assert_array_equal(np.asarray(scaled["bf16"], np.float32), 0.5 * factor)
     unscaled = ls.unscale(scaled)
     assert {k: unscaled[k].dtype for k in ("f32", "bf16", "f16", "np")} == {
-        "f32": F32, "bf16": F32, "f16": F32, "np": F32
+        "f32": F32,
+        "bf16": F32,
+        "f16": F32,
+        "np": F32,
     }
     for k in ("f32", "bf16", "f16"):
         np.testing.assert_array_equal(unscaled[k], np.full(3, 0.5, np.float32))
@@ -182,7 +206,11 @@ def test_scale_of_a_float16_loss_is_computed_in_float32():
 
 def test_hyperparameters_survive_jit_tree_map_and_flatten():
     ls = DynamicLossScale(
-        8.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=7, min_scale=0.5,
+        8.0,
+        growth_factor=3.0,
+        backoff_factor=0.25,
+        growth_interval=7,
+        min_scale=0.5,
         max_scale=1024.0,
     )
     roundtrips = [
@@ -308,9 +336,13 @@ def test_default_loss_scale_is_dynamic_at_2_to_15():
 @pytest.mark.parametrize(
     "policy, expected",
     [
-        ("mixed_float16", DynamicLossScale), ("float16", DynamicLossScale),
-        ("p=f16,c=f32,o=f32", DynamicLossScale), ("mixed_bfloat16", NoOpLossScale),
-        ("bf16", NoOpLossScale), ("float32", NoOpLossScale), (jnp.float16, DynamicLossScale),
+        ("mixed_float16", DynamicLossScale),
+        ("float16", DynamicLossScale),
+        ("p=f16,c=f32,o=f32", DynamicLossScale),
+        ("mixed_bfloat16", NoOpLossScale),
+        ("bf16", NoOpLossScale),
+        ("float32", NoOpLossScale),
+        (jnp.float16, DynamicLossScale),
     ],
 )
 def test_policy_needs_loss_scaling_picks_the_loss_scale(policy, expected):
@@ -332,19 +364,37 @@ def test_policy_needs_loss_scaling_picks_the_loss_scale(policy, expected):
         (lambda: DynamicLossScale(float("inf")), "loss_scale must be positive and finite"),
         (lambda: DynamicLossScale(1e39), "finite in float32"),
         (lambda: StaticLossScale(0), "loss_scale must be positive"),
-        (lambda: DynamicLossScale(growth_factor=1.0), r"growth_factor must be .*greater than 1, got 1.0"),
+        (
+            lambda: DynamicLossScale(growth_factor=1.0),
+            r"growth_factor must be .*greater than 1, got 1.0",
+        ),
         (lambda: DynamicLossScale(growth_factor=0.5), "growth_factor"),
-        (lambda: DynamicLossScale(backoff_factor=1.0), r"backoff_factor must be in the open interval \(0, 1\), got 1.0"),
+        (
+            lambda: DynamicLossScale(backoff_factor=1.0),
+            r"backoff_factor must be in the open interval \(0, 1\), got 1.0",
+        ),
         (lambda: DynamicLossScale(backoff_factor=0.0), "backoff_factor"),
         (lambda: DynamicLossScale(backoff_factor=-0.5), "backoff_factor"),
-        (lambda: DynamicLossScale(growth_interval=0), "growth_interval must be an integer >= 1, got 0"),
+        (
+            lambda: DynamicLossScale(growth_interval=0),
+            "growth_interval must be an integer >= 1, got 0",
+        ),
         (lambda: DynamicLossScale(min_scale=0.0), "min_scale must be positive"),
         (lambda: DynamicLossScale(max_scale=-1.0), "max_scale must be positive"),
-        (lambda: DynamicLossScale(8.0, min_scale=16.0, max_scale=4.0), "min_scale must not exceed max_scale"),
+        (
+            lambda: DynamicLossScale(8.0, min_scale=16.0, max_scale=4.0),
+            "min_scale must not exceed max_scale",
+        ),
         (lambda: DynamicLossScale(8.0, min_scale=16.0), r"outside \[min_scale, max_scale\]"),
         (lambda: DynamicLossScale(counter=-1), "counter must be a non-negative integer"),
-        (lambda: loss_scaling(optax.sgd(1.0), "dynamc"), "Unknown loss_scale 'dynamc'. Valid choices: 'dynamic', 'none', 'static:N'"),
-        (lambda: loss_scaling(optax.sgd(1.0), "static:abc"), "Malformed static loss scale 'static:abc'"),
+        (
+            lambda: loss_scaling(optax.sgd(1.0), "dynamc"),
+            "Unknown loss_scale 'dynamc'. Valid choices: 'dynamic', 'none', 'static:N'",
+        ),
+        (
+            lambda: loss_scaling(optax.sgd(1.0), "static:abc"),
+            "Malformed static loss scale 'static:abc'",
+        ),
         (lambda: loss_scaling(optax.sgd(1.0), "static:0"), "loss_scale must be positive"),
         (lambda: loss_scaling(optax.sgd(1.0), "bogus"), "Valid choices"),
     ],
@@ -375,7 +425,9 @@ def test_integer_gradients_raise_type_error():
     tx = loss_scaling(optax.sgd(1.0))
     params = {"w": jnp.ones(2), "n": jnp.ones(2)}
     state = tx.init(params)
-    with pytest.raises(TypeError, match=r"gradients must be floating-point, got int32 at grads\['n'\]"):
+    with pytest.raises(
+        TypeError, match=r"gradients must be floating-point, got int32 at grads\['n'\]"
+    ):
         tx.update({"w": jnp.ones(2), "n": jnp.ones(2, jnp.int32)}, state, params)
 
 
@@ -460,7 +512,9 @@ def test_state_dtypes():
         assert s.applied.dtype == jnp.bool_ and s.window_finite.dtype == jnp.bool_
         assert s.skipped_steps.dtype == jnp.int32 and s.consecutive_skipped.dtype == jnp.int32
     # The inner state keeps the params' dtype: the inner sees gradients in their own dtype.
-    assert jax.tree.map(jax.typeof, new_state.inner_state) == jax.tree.map(jax.typeof, state.inner_state)
+    assert jax.tree.map(jax.typeof, new_state.inner_state) == jax.tree.map(
+        jax.typeof, state.inner_state
+    )
 
 
 def test_updates_have_the_gradient_dtype():
@@ -514,7 +568,10 @@ def test_persistent_overflow_never_applies_and_check_overflow_raises():
     assert int(state.consecutive_skipped) == 300 and int(state.skipped_steps) == 300
     assert float(state.scale) == 0.0  # no min_scale: backoff went below float32's range
     check_overflow(state, max_consecutive=301)
-    with pytest.raises(PersistentOverflowError, match=r"The last 300 optimizer steps were all skipped.*limit: 100.*loss scale is now 0"):
+    with pytest.raises(
+        PersistentOverflowError,
+        match=r"The last 300 optimizer steps were all skipped.*limit: 100.*loss scale is now 0",
+    ):
         check_overflow(state, max_consecutive=100)
     assert issubclass(PersistentOverflowError, RuntimeError)
 
@@ -556,9 +613,9 @@ def test_readers_find_the_state_anywhere_and_scale_loss_keeps_the_loss_dtype():
         mpjax.master_weights(ls).init({"w": jnp.ones(2, BF16)}),
         {"opt": (optax.EmptyState(), ls.init(params))},
         # Nested several levels: a chain holding MultiSteps of master weights of loss scaling.
-        optax.chain(
-            optax.clip(1.0), optax.MultiSteps(mpjax.master_weights(ls), 2)
-        ).init({"w": jnp.ones(2, F16)}),
+        optax.chain(optax.clip(1.0), optax.MultiSteps(mpjax.master_weights(ls), 2)).init(
+            {"w": jnp.ones(2, F16)}
+        ),
     ]
     for state in states:
         info = loss_scaling_info(state)
@@ -623,9 +680,14 @@ def test_readers_pass_through_without_loss_scaling(make_state):
 def test_readers_reject_more_than_one_loss_scaling_state():
     params = jnp.ones(1)
     two = optax.chain(loss_scaling(optax.sgd(1.0)), loss_scaling(optax.sgd(1.0))).init(params)
-    for read in (lambda s: scale_loss(jnp.array(1.0), s), loss_scaling_info,
-                 lambda s: check_overflow(s, 1)):
-        with pytest.raises(ValueError, match="opt_state must hold at most one LossScalingState, found 2"):
+    for read in (
+        lambda s: scale_loss(jnp.array(1.0), s),
+        loss_scaling_info,
+        lambda s: check_overflow(s, 1),
+    ):
+        with pytest.raises(
+            ValueError, match="opt_state must hold at most one LossScalingState, found 2"
+        ):
             read(two)
 
 
@@ -641,7 +703,8 @@ def mlp_loss(params, x):
 def mlp_params():
     k1, k2 = jax.random.split(jax.random.key(0))
     return {
-        "w1": jax.random.normal(k1, (4, 8)) / 2, "b1": jnp.zeros(8),
+        "w1": jax.random.normal(k1, (4, 8)) / 2,
+        "b1": jnp.zeros(8),
         "w2": jax.random.normal(k2, (8, 2)) / 3,
     }
 
@@ -688,7 +751,9 @@ def test_fault_injection_is_bit_identical_to_omitting_the_steps(loss_scale):
 
 def test_no_retrace_across_growth_overflow_and_new_static_values():
     traces = []
-    tx = loss_scaling(optax.sgd(0.1, momentum=0.9), DynamicLossScale(jnp.float16(4), growth_interval=2))
+    tx = loss_scaling(
+        optax.sgd(0.1, momentum=0.9), DynamicLossScale(jnp.float16(4), growth_interval=2)
+    )
 
     @jax.jit
     def step(params, state, poison):
@@ -715,7 +780,9 @@ def test_no_retrace_across_growth_overflow_and_new_static_values():
         return scale_loss(jnp.array(1.0), state)
 
     for value in (1.0, 128, 2.0**10, np.float16(8)):
-        assert float(static_step(loss_scaling(optax.sgd(1.0), StaticLossScale(value)).init(params))) == float(value)
+        assert float(
+            static_step(loss_scaling(optax.sgd(1.0), StaticLossScale(value)).init(params))
+        ) == float(value)
     assert len(static_traces) == 1
 
 
@@ -774,8 +841,10 @@ def test_sharding_in_types_state_matches_init_and_update():
 
 def _checkpoint_run(tmp_path, save):
     """10 steps; when ``save`` restores everything after step 5 from a checkpoint first."""
-    tx = loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
-                      DynamicLossScale(2.0**8, growth_interval=2, min_scale=1.0))
+    tx = loss_scaling(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
+        DynamicLossScale(2.0**8, growth_interval=2, min_scale=1.0),
+    )
     train_step = make_train_step(tx)
     xs = jax.random.normal(jax.random.key(2), (10, 16, 4))
     faults = {2: jnp.inf, 6: jnp.nan}
@@ -793,10 +862,14 @@ def test_orbax_checkpoint_resume_is_bit_identical(tmp_path):
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
             checkpointer.wait_until_finished()
-            target = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": fresh[0], "opt_state": fresh[1]})
+            target = jax.tree.map(
+                ocp.utils.to_shape_dtype_struct, {"params": fresh[0], "opt_state": fresh[1]}
+            )
             restored = checkpointer.restore(tmp_path / "ckpt", target)
         # The fresh state differs from the saved one (scale, counter, Adam moments).
-        assert float(fresh[1].scale) != float(state.scale) or int(fresh[1].counter) != int(state.counter)
+        assert float(fresh[1].scale) != float(state.scale) or int(fresh[1].counter) != int(
+            state.counter
+        )
         return restored["params"], restored["opt_state"]
 
     expected = _checkpoint_run(tmp_path, save=None)
@@ -924,15 +997,24 @@ def test_readme_loss_scaling_example_runs(capsys):
 
 
 def test_get_loss_scale_is_deprecated_and_still_works():
-    with pytest.warns(mpjax.MpjaxDeprecationWarning, match=r"get_loss_scale\(spec\) is deprecated.*mpjax.loss_scaling\(inner, loss_scale=spec\)"):
+    with pytest.warns(
+        mpjax.MpjaxDeprecationWarning,
+        match=r"get_loss_scale\(spec\) is deprecated.*mpjax.loss_scaling\(inner, loss_scale=spec\)",
+    ):
         ls = mpjax.get_loss_scale("static:512")
     assert isinstance(ls, StaticLossScale) and float(ls.loss_scale) == 512.0
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="Unknown loss_scale 'dynamc'"):
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(ValueError, match="Unknown loss_scale 'dynamc'"),
+    ):
         mpjax.get_loss_scale("dynamc")
 
 
 def test_loss_scale_for_is_deprecated_and_still_works():
-    with pytest.warns(mpjax.MpjaxDeprecationWarning, match=r"loss_scale_for\(policy\) is deprecated.*policy.needs_loss_scaling"):
+    with pytest.warns(
+        mpjax.MpjaxDeprecationWarning,
+        match=r"loss_scale_for\(policy\) is deprecated.*policy.needs_loss_scaling",
+    ):
         ls = mpjax.loss_scale_for("mixed_float16")
     assert type(ls) is DynamicLossScale and float(ls.loss_scale) == 2.0**15
     with pytest.warns(DeprecationWarning):
@@ -942,7 +1024,10 @@ def test_loss_scale_for_is_deprecated_and_still_works():
 def test_find_loss_scaling_state_is_deprecated_and_still_works():
     params = jnp.ones(1)
     state = optax.chain(optax.clip(1.0), loss_scaling(optax.sgd(1.0), "static:8")).init(params)
-    with pytest.warns(mpjax.MpjaxDeprecationWarning, match=r"find_loss_scaling_state\(opt_state\) is deprecated.*loss_scaling_info"):
+    with pytest.warns(
+        mpjax.MpjaxDeprecationWarning,
+        match=r"find_loss_scaling_state\(opt_state\) is deprecated.*loss_scaling_info",
+    ):
         found = mpjax.find_loss_scaling_state(state)
     assert isinstance(found, LossScalingState) and float(found.scale) == 8.0
     with warnings.catch_warnings():

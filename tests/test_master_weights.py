@@ -63,7 +63,7 @@ def test_apply_updates_gives_the_master_rounded_bit_for_bit(dtype):
         step = jax.jit(tx.update)
         for i in range(30):
             grads = jax.tree.map(
-                lambda p: jax.random.normal(jax.random.fold_in(k2, i), p.shape).astype(dtype),
+                lambda p: jax.random.normal(jax.random.fold_in(k2, i), p.shape).astype(dtype),  # noqa: B023
                 params,
             )
             updates, state = step(grads, state, params)
@@ -106,8 +106,12 @@ def test_a_zero_crossing_step_lands_close_and_the_next_step_resyncs():
 
 
 def test_state_dtypes_and_float32_params_pass_through():
-    params = {"low": jnp.ones(3, BF16), "half": jnp.ones(2, F16), "full": jnp.ones(4, F32),
-              "step": jnp.zeros((), jnp.int32)}
+    params = {
+        "low": jnp.ones(3, BF16),
+        "half": jnp.ones(2, F16),
+        "full": jnp.ones(4, F32),
+        "step": jnp.zeros((), jnp.int32),
+    }
     tx = master_weights(optax.adam(1e-2))
     state = tx.init(params)
     assert isinstance(state, MasterWeightsState)
@@ -117,18 +121,29 @@ def test_state_dtypes_and_float32_params_pass_through():
     adam = state.inner_state[0]
     for moments in (adam.mu, adam.nu):
         assert {k: v.dtype for k, v in moments.items()} == {
-            "low": F32, "half": F32, "full": F32, "step": np.dtype(jnp.int32)
+            "low": F32,
+            "half": F32,
+            "full": F32,
+            "step": np.dtype(jnp.int32),
         }
-    grads = {"low": jnp.ones(3, BF16), "half": jnp.ones(2, F16), "full": jnp.ones(4, F32),
-             "step": jnp.zeros((), jnp.int32)}
+    grads = {
+        "low": jnp.ones(3, BF16),
+        "half": jnp.ones(2, F16),
+        "full": jnp.ones(4, F32),
+        "step": jnp.zeros((), jnp.int32),
+    }
     f32_only = {"full": params["full"]}
     plain = optax.adam(1e-2)
     with standard_promotion():
         with pytest.raises(TypeError, match=r"got int32 at grads\['step'\]"):
             tx.update(grads, state, params)
         mw_only = master_weights(plain)
-        updates, new_state = mw_only.update({"full": grads["full"]}, mw_only.init(f32_only), f32_only)
-        expected, expected_state = plain.update({"full": grads["full"]}, plain.init(f32_only), f32_only)
+        updates, new_state = mw_only.update(
+            {"full": grads["full"]}, mw_only.init(f32_only), f32_only
+        )
+        expected, expected_state = plain.update(
+            {"full": grads["full"]}, plain.init(f32_only), f32_only
+        )
     assert_bitwise_equal(updates["full"], expected["full"])  # f32 params: exactly the inner's
     for a, b in zip(jax.tree.leaves(new_state.inner_state), jax.tree.leaves(expected_state)):
         assert_bitwise_equal(a, b)
@@ -148,8 +163,11 @@ def test_update_dtypes_follow_the_params():
 def test_composition_with_loss_scaling_skips_and_applies(order):
     inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
     ls = DynamicLossScale(2.0**10, growth_interval=2)
-    tx = (master_weights(loss_scaling(inner, ls)) if order == "master_outside"
-          else loss_scaling(master_weights(inner), ls))
+    tx = (
+        master_weights(loss_scaling(inner, ls))
+        if order == "master_outside"
+        else loss_scaling(master_weights(inner), ls)
+    )
     params = {"w": jnp.linspace(0.5, 1.5, 8).astype(F16)}
     loss = lambda p: jnp.sum(p["w"].astype(F32) ** 2)  # noqa: E731
     traces = []
@@ -200,8 +218,9 @@ def test_sharded_master_and_moments_follow_the_params():
     params = {"w": jax.device_put(jnp.ones((4, 16), BF16), sharding)}
     tx = master_weights(optax.sgd(0.1, momentum=0.9))
     state0 = tx.init(params)
-    updates, state1 = jax.jit(tx.update)({"w": jax.device_put(jnp.ones((4, 16), BF16), sharding)},
-                                         state0, params)
+    updates, state1 = jax.jit(tx.update)(
+        {"w": jax.device_put(jnp.ones((4, 16), BF16), sharding)}, state0, params
+    )
     for s in (state0, state1):
         assert s.master["w"].sharding.is_equivalent_to(sharding, 2)
         assert s.inner_state[0].trace["w"].sharding.is_equivalent_to(sharding, 2)
@@ -213,9 +232,17 @@ def test_bad_input():
     tx = master_weights(optax.sgd(1.0))
     state = tx.init(params)
     grads = jax.tree.map(jnp.ones_like, params)
-    with pytest.raises(ValueError, match=r"master_weights needs the params: call update\(grads, opt_state, params\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"master_weights needs the params: call update\(grads, opt_state, params\)",
+    ):
         tx.update(grads, state)
-    with pytest.raises(ValueError, match="master_weights: the grads tree does not match the params tree"):
+    with pytest.raises(
+        ValueError, match="master_weights: the grads tree does not match the params tree"
+    ):
         tx.update({"w": grads["w"]}, state, params)
-    with pytest.raises(TypeError, match=r"master_weights: gradients must be floating-point, got int32 at grads\['b'\]"):
+    with pytest.raises(
+        TypeError,
+        match=r"master_weights: gradients must be floating-point, got int32 at grads\['b'\]",
+    ):
         tx.update({"w": grads["w"], "b": jnp.ones(1, jnp.int32)}, state, params)

@@ -34,7 +34,10 @@ def test_readme_has_exactly_two_setup_commands():
 def test_quickstart_runs_and_learns():
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "quickstart.py")],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
         env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": ""},
     )
     assert result.returncode == 0, result.stderr
@@ -58,7 +61,10 @@ def test_readme_snippets_run():
     )
     result = subprocess.run(
         [sys.executable, "-c", program],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
         env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": ""},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]

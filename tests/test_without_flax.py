@@ -83,7 +83,10 @@ print("trained without flax")
 def test_policy_loss_scaling_and_master_weights_train_with_flax_blocked():
     result = subprocess.run(
         [sys.executable, "-c", TRAIN_WITHOUT_FLAX, str(ROOT)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
         env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": ""},
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -134,7 +137,10 @@ print("mpjax without flax")
 def test_import_mpjax_with_flax_blocked():
     result = subprocess.run(
         [sys.executable, "-c", IMPORT_WITHOUT_FLAX],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
         env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": ""},
     )
     assert result.returncode == 0, result.stdout + result.stderr
