@@ -44,7 +44,20 @@ from mpjax import autocast as engine
 from mpjax import regions
 from mpjax.policy import Policy, PolicyLike, cast_floating
 from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
-from mpjax.rules import Resolution, Rules, RuleWarning, as_rules
+from mpjax.rules import (
+    Resolution,
+    Rule,
+    Rules,
+    RulesLike,
+    RuleWarning,
+    as_rules,
+    norm_policy,
+    register_builtin_rule,
+)
+
+for _norm in (nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm):
+    register_builtin_rule(Rule(_norm, norm_policy, name=f"builtin: linen.{_norm.__name__} in f32"))
+del _norm
 
 _RESOLUTION = "_mpjax_resolution"  # instance-dict key marking a configured bound module
 
@@ -245,8 +258,11 @@ def _wrap_class(cls: type, rules: Rules) -> type:
     return type(cls.__name__, (_PolicyMixin, cls), namespace)
 
 
-def apply_policy(module: nn.Module | type, policy_or_rules: Rules | PolicyLike):
-    """Applies a precision policy, or rules, to an unmodified linen module or module class.
+def apply_policy(module: nn.Module | type, policy_or_rules: RulesLike):
+    """Returns a copy of an unmodified linen module (or class) that runs under a policy or rules.
+
+    Linen modules are immutable, so ``module`` itself is left as it was and the wrapped copy
+    is returned (:func:`mpjax.nnx.set_policy` configures an NNX model in place instead).
 
     Every module below the wrapped one (submodules defined in ``setup`` or ``@nn.compact``,
     shared modules, modules inside ``nn.scan``, ``nn.remat``, ``nn.vmap``...) resolves its policy
@@ -267,6 +283,13 @@ def apply_policy(module: nn.Module | type, policy_or_rules: Rules | PolicyLike):
       module and at modules whose policy differs from their caller's;
     - a rule's ``attributes`` are set on the modules it matches that have those fields.
 
+    What a policy overrides: every module runs under the policy of its region, whatever its
+    own ``dtype`` and ``param_dtype`` fields say (they are never consulted:
+    ``nn.Dense(4, dtype=jnp.float32)`` in a bf16 model computes in bf16), and so does any code
+    a module calls, a user's ``attention_fn`` included. To keep a module in f32, say so: a rule
+    for its path or class (``{"head": "float32"}``), or :func:`mpjax.full_precision` around
+    the code.
+
     A computation the engine cannot reach is warned about with the module's path
     (:class:`mpjax.AutocastWarning`): a host callback gets its inputs in the traced dtypes.
     Code inside :func:`mpjax.full_precision` runs as written.
@@ -280,8 +303,9 @@ def apply_policy(module: nn.Module | type, policy_or_rules: Rules | PolicyLike):
         are wrapped: use it to wrap a submodule inside another module
         (``apply_policy(nn.Dense, "float32")(features)``). Wrapping a wrapped module replaces
         its rules.
-      policy_or_rules: a :class:`mpjax.Rules`, or anything :func:`mpjax.get_policy` accepts,
-        which becomes the default policy with the built-in rules (norms and softmax in f32).
+      policy_or_rules: a :class:`mpjax.Rules`; anything :func:`mpjax.get_policy` accepts (the
+        default policy, with the built-in rules: norms in f32); or a mapping or list of rules
+        (``Rules(policy_or_rules)``): the same forms :func:`mpjax.nnx.set_policy` takes.
 
     Returns:
       A module of a subclass of ``type(module)`` with the same fields and parameter tree, or,
@@ -310,7 +334,7 @@ def apply_policy(module: nn.Module | type, policy_or_rules: Rules | PolicyLike):
         raise TypeError(
             "apply_policy() takes a flax.linen Module instance or class as `module`; got "
             f"{module!r} of type {type(module).__name__}."
-            + (" For flax.nnx modules use mpjax.nnx.apply_policy." if _is_nnx(module) else "")
+            + (" For flax.nnx modules use mpjax.nnx.set_policy." if _is_nnx(module) else "")
         )
     if module.scope is not None:
         raise ValueError(

@@ -189,9 +189,11 @@ def nnx_functional(model: nnx.Module, method: Callable[..., Any] | None = None):
 def nnx_subjects(build: Callable[[], nnx.Module], inputs, *, grad_inputs=(),
                  method=None) -> dict[str, Subject]:
     """``build()`` makes the model (the same values each call). {"wrapper": a copy under
-    ``nnx.apply_policy``, "autocast": ``mpjax.autocast`` of the f32 model}."""
+    ``nnx.set_policy``, "autocast": ``mpjax.autocast`` of the f32 model}."""
     reference, params = nnx_functional(build(), method)
-    wrapper, _ = nnx_functional(mpjax.nnx.apply_policy(build(), POLICY), method)
+    model = build()
+    mpjax.nnx.set_policy(model, POLICY)
+    wrapper, _ = nnx_functional(model, method)
     return _subjects(wrapper, reference, params, inputs, grad_inputs)
 
 
@@ -207,10 +209,11 @@ def assert_linen_wrapper_init_is_f32_and_unchanged(wrapped, inputs, expected, **
 
 def assert_nnx_wrapper_keeps_params_f32_and_bit_identical(build, inputs, grad_inputs=(),
                                                           method=None) -> None:
-    """After ``apply_policy`` the Params are f32 and the f32 model's values, and they stay so
+    """After ``set_policy`` the Params are f32 and the f32 model's values, and they stay so
     across a stateful forward and backward pass (``nnx.jit`` + ``nnx.value_and_grad``)."""
     before = nnx.state(build(), nnx.Param)
-    model = mpjax.nnx.apply_policy(build(), POLICY)
+    model = build()
+    mpjax.nnx.set_policy(model, POLICY)
     call = (lambda m, *xs: m(*xs)) if method is None else method
 
     def loss(model, *inputs):
@@ -227,7 +230,7 @@ def assert_nnx_wrapper_keeps_params_f32_and_bit_identical(build, inputs, grad_in
         changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), after, before)
         assert not any(jax.tree.leaves(changed)), (when, changed)
 
-    assert_unchanged("after apply_policy")
+    assert_unchanged("after set_policy")
     _, grads = nnx.jit(nnx.value_and_grad(loss, argnums=argnums))(model, *inputs)
     assert_unchanged("after a forward and backward pass")
     param_grads = grads[0]

@@ -99,7 +99,8 @@ def test_wrapped_modules_keep_f32_computations_finite_in_f16(name):
     variables = model.init(jax.random.key(0), x, w)
     ref = COMPUTATIONS[name](x @ w)
     _check(f"linen {name}", jax.jit(model.apply)(variables, x, w), ref)
-    module = mpjax.nnx.apply_policy(NNXHead(w, name), "mixed_float16")
+    module = NNXHead(w, name)
+    mpjax.nnx.set_policy(module, "mixed_float16")
     _check(f"nnx {name}", module(x), ref)
     report = mpjax.inspect_matmuls(lambda x: module(x), x)
     assert report.operand_dtypes() == {("float16", "float16"): 1}

@@ -84,7 +84,7 @@ def _equations(fn, *args, primitive):
             for eqn, _ in iter_equations(fn, *args) if eqn.primitive.name == primitive]
 
 
-# --- The transformer block of the issue's "Done when". -----------------------------------------
+# --- A language model of stock layers: matmuls, rules, norms, softmax, attention. --------------
 
 def test_every_matmul_forward_and_backward_runs_in_bf16(lm):
     model, variables, ids = lm
@@ -397,6 +397,50 @@ def test_the_model_is_traced_in_its_own_dtypes_and_cast_at_the_operations():
     assert seen == [F32, F32] and out.dtype == F32
     (dot,) = mpjax.inspect_matmuls(lambda v: model.apply(v, x), variables)
     assert dot.operand_dtypes == (BF16, BF16) and dot.region == "dense"
+
+
+class WithF32Head(nn.Module):
+    """A model whose head asks for f32 through Flax's own attributes."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(4, name="body")(x))
+        return nn.Dense(2, dtype=jnp.float32, param_dtype=jnp.float32, name="head")(h)
+
+
+def test_the_policy_wins_over_a_modules_own_dtype_attributes():
+    model = mpl.apply_policy(WithF32Head(), "mixed_bfloat16")
+    x = jnp.ones((2, 4))
+    params = _init(model, x)["params"]
+    fwd, bwd = _forward_and_backward(model, params, x)
+    assert {m.region for m in fwd} == {"body", "head"}
+    assert len(bwd) == 6  # each forward matmul and its two transposes
+    assert {m.operand_dtypes for m in fwd + bwd} == {(BF16, BF16)}
+
+
+def test_a_rule_for_its_path_keeps_a_module_with_dtype_f32_in_f32():
+    model = mpl.apply_policy(WithF32Head(), Rules({"head": "float32"}, default="mixed_bfloat16"))
+    x = jnp.ones((2, 4))
+    fwd, bwd = _forward_and_backward(model, _init(model, x)["params"], x)
+    assert {(m.region, m.operand_dtypes) for m in fwd + bwd} == {("head", (F32, F32)),
+                                                                 ("body", (BF16, BF16))}
+    assert sum(m.region == "head" for m in bwd) == 3
+
+
+def test_full_precision_around_a_modules_code_keeps_it_in_f32():
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(4, name="body")(x)
+            with mpjax.full_precision():
+                return nn.Dense(2, name="head")(h)
+
+    model = mpl.apply_policy(Model(), "mixed_bfloat16")
+    x = jnp.ones((2, 4))
+    fwd, bwd = _forward_and_backward(model, _init(model, x)["params"], x)
+    assert {(m.region, m.operand_dtypes) for m in fwd} == {("head", (F32, F32)),
+                                                           ("body", (BF16, BF16))}
+    assert {m.operand_dtypes for m in bwd if m.region == "head"} == {(F32, F32)}
 
 
 def test_wrapped_model_works_as_a_submodule_of_an_unwrapped_one_under_jit():

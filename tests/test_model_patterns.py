@@ -5,7 +5,7 @@ of mpjax: a linen ``Einsum`` module whose ``dtype`` field is the *param* dtype, 
 hold raw ``nnx.Param``s and call ``jnp.einsum`` with no ``dtype`` attribute, a mixture of
 experts with integer routing, a head that decodes with another module's embedding table,
 attention and norms that switch to f32 by hand, integer dots in mask arithmetic, and scanned,
-rematerialized blocks. For each, under ``linen.apply_policy`` / ``nnx.apply_policy`` and under
+rematerialized blocks. For each, under ``linen.apply_policy`` / ``nnx.set_policy`` and under
 ``mpjax.autocast``:
 
 - every floating matmul of the forward pass and of the gradient (w.r.t. params and floating

@@ -66,7 +66,9 @@ class ConvNet(nnx.Module):
 
 def block(policy="mixed_bfloat16", seed=0, **attention):
     model = Block(nnx.Rngs(seed), **attention)
-    return model if policy is None else mpnnx.apply_policy(model, policy)
+    if policy is not None:
+        mpnnx.set_policy(model, policy)
+    return model
 
 
 def normal(*shape, seed=1):
@@ -166,7 +168,7 @@ def test_a_users_own_attention_function_is_kept_and_cast_at_its_matmuls():
 
     model, x = block(attention_fn=my_attention), x_seq()
     assert model.attn.attention_fn is my_attention and block().attn.attention_fn is (
-        nnx.dot_product_attention)  # apply_policy changes no function of a module
+        nnx.dot_product_attention)  # set_policy changes no function of a module
     report = mpjax.inspect_matmuls(grad_fn, model, x)
     assert calls and dtypes_of(report) == {("bfloat16", "bfloat16")}
 
@@ -234,16 +236,83 @@ def test_state_paths_checkpoints_and_split_merge_are_unchanged():
 
 def test_applying_again_replaces_the_policy():
     model, x = block(), x_seq()
-    mpnnx.apply_policy(model, "float32")
+    mpnnx.set_policy(model, "float32")
     assert type(model).__mro__[1] is Block and type(model.fc1).__mro__[1] is nnx.Linear
     assert dtypes_of(mpjax.inspect_matmuls(loss, model, x)) == {("float32", "float32")}
+
+
+def test_set_policy_configures_in_place_and_returns_none():
+    model, x = Block(nnx.Rngs(0)), x_seq()
+    assert mpnnx.set_policy(model, "mixed_bfloat16") is None
+    assert type(model).__mro__[1] is Block
+    assert dtypes_of(mpjax.inspect_matmuls(loss, model, x)) == {("bfloat16", "bfloat16")}
+
+
+def test_apply_policy_is_a_deprecated_alias_that_returns_the_model():
+    model, x = Block(nnx.Rngs(0)), x_seq()
+    with pytest.warns(DeprecationWarning, match=r"mpjax.nnx.apply_policy is deprecated: use "
+                                                r"mpjax.nnx.set_policy\(model, policy_or_rules\)"):
+        returned = mpnnx.apply_policy(model, "mixed_bfloat16")
+    assert returned is model and type(model).__mro__[1] is Block
+    assert dtypes_of(mpjax.inspect_matmuls(loss, model, x)) == {("bfloat16", "bfloat16")}
+
+
+@pytest.mark.parametrize("spec", [{"fc2": "mixed_bfloat16"}, [("fc2", "mixed_bfloat16")]])
+def test_set_policy_and_linen_apply_policy_take_the_same_rule_forms(spec):
+    model, x = Block(nnx.Rngs(0)), x_seq()
+    mpnnx.set_policy(model, spec)  # Rules(spec): default float32, fc2 in bf16
+    report = mpjax.inspect_matmuls(grad_fn, model, x)
+    assert {m.region for m in report if m.lhs_dtype == BF16} == {"fc2"}
+    assert report.operand_dtypes() == {("bfloat16", "bfloat16"): 3, ("float32", "float32"): 21}
+    wrapped = mpjax.linen.apply_policy(nn.Dense(3), spec)
+    assert type(wrapped)._mpjax_state.rules == mpjax.as_rules(spec) == Rules(spec)
+
+
+@pytest.mark.parametrize("spec", [3, None, {1.5}])
+def test_set_policy_and_linen_apply_policy_reject_the_same_forms_alike(spec):
+    with pytest.raises(TypeError) as nnx_error:
+        mpnnx.set_policy(Dense(2, 2, nnx.Rngs(0)), spec)
+    with pytest.raises(TypeError) as linen_error:
+        mpjax.linen.apply_policy(nn.Dense(2), spec)
+    assert str(nnx_error.value) == str(linen_error.value)
+    assert str(nnx_error.value).startswith("`policy_or_rules` must be mpjax.Rules, a policy")
+
+
+class WithF32Head(nnx.Module):
+    """A model whose head asks for f32 through Flax's own attributes."""
+
+    def __init__(self, rngs):
+        self.body = nnx.Linear(D, D, rngs=rngs)
+        self.head = nnx.Linear(D, 2, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jax.nn.relu(self.body(x)))
+
+
+def test_the_policy_wins_over_a_modules_own_dtype_attributes():
+    model, x = WithF32Head(nnx.Rngs(0)), x_seq()
+    mpnnx.set_policy(model, "mixed_bfloat16")
+    forward = mpjax.inspect_matmuls(loss, model, x)
+    backward = mpjax.inspect_matmuls(grad_fn, model, x)
+    # Backward: both forward matmuls, both kernel gradients, the input gradient of the head.
+    assert {m.region for m in forward} == {"body", "head"} and len(backward) == 5
+    assert dtypes_of(forward) == dtypes_of(backward) == {("bfloat16", "bfloat16")}
+
+
+def test_a_rule_for_its_path_keeps_a_module_in_f32():
+    model, x = WithF32Head(nnx.Rngs(0)), x_seq()
+    mpnnx.set_policy(model, Rules({"head": "float32"}, default="mixed_bfloat16"))
+    report = mpjax.inspect_matmuls(grad_fn, model, x)
+    assert {m.region for m in report if m.lhs_dtype == F32} == {"head"}
+    assert report.operand_dtypes() == {("float32", "float32"): 3, ("bfloat16", "bfloat16"): 2}
 
 
 # --- the other stock layers, the custom module, BatchNorm, storage -----------------------------
 
 
 def test_custom_module_params_are_cast_at_use_and_never_overwritten():
-    model = mpnnx.apply_policy(Dense(4, 3, nnx.Rngs(0)), "mixed_bfloat16")
+    model = Dense(4, 3, nnx.Rngs(0))
+    mpnnx.set_policy(model, "mixed_bfloat16")
     stored, x = model.w, jnp.ones((2, 4))
     report = mpjax.inspect_matmuls(grad_fn, model, x)
     assert len(report) == 2 and dtypes_of(report) == {("bfloat16", "bfloat16")}  # x @ w, dw
@@ -266,7 +335,8 @@ def test_params_in_a_list_are_cast_at_use():
         def __call__(self, x):
             return x @ self.ws[0][...] @ self.ws[1][...]
 
-    model = mpnnx.apply_policy(Stack(), "mixed_bfloat16")
+    model = Stack()
+    mpnnx.set_policy(model, "mixed_bfloat16")
     report = mpjax.inspect_matmuls(grad_fn, model, jnp.ones((1, 4)))
     assert len(report) == 5 and dtypes_of(report) == {("bfloat16", "bfloat16")}
     assert {v.dtype for v in jax.tree.leaves(nnx.state(model))} == {F32}
@@ -304,7 +374,8 @@ class ScannedStack(nnx.Module):
 
 
 def test_scan_remat_vmap_stacks_and_rng_counters_work():
-    model = mpnnx.apply_policy(ScannedStack(nnx.Rngs(0, dropout=1)), "mixed_bfloat16")
+    model = ScannedStack(nnx.Rngs(0, dropout=1))
+    mpnnx.set_policy(model, "mixed_bfloat16")
     x = normal(2, D)
     report = mpjax.inspect_matmuls(grad_fn, model, x)
     assert report.operand_dtypes() == {("bfloat16", "bfloat16"): 6}
@@ -317,7 +388,8 @@ def test_scan_remat_vmap_stacks_and_rng_counters_work():
 
 
 def test_batchnorm_keeps_f32_running_stats_and_updates_them_in_train_mode():
-    model = mpnnx.apply_policy(ConvNet(nnx.Rngs(0)), "mixed_bfloat16")
+    model = ConvNet(nnx.Rngs(0))
+    mpnnx.set_policy(model, "mixed_bfloat16")
     x = normal(2, 6, 6, 3, seed=2)
     report = mpjax.inspect_matmuls(grad_fn, model, x)
     assert {m.primitive for m in report} == {"conv_general_dilated", "dot_general"}
@@ -344,7 +416,8 @@ def test_embed_attend_linear_general_and_rmsnorm_run_in_bf16():
             h = self.proj(self.embed(tokens)).reshape(tokens.shape + (D,))
             return self.embed.attend(self.norm(h))
 
-    model = mpnnx.apply_policy(TiedLM(nnx.Rngs(0)), "mixed_bfloat16")
+    model = TiedLM(nnx.Rngs(0))
+    mpnnx.set_policy(model, "mixed_bfloat16")
     tokens = jnp.array([[1, 2, 3], [4, 5, 10]])
     report = mpjax.inspect_matmuls(grad_fn, model, tokens)
     assert len(report) == 6 and dtypes_of(report) == {("bfloat16", "bfloat16")}
@@ -356,7 +429,8 @@ def test_embed_attend_linear_general_and_rmsnorm_run_in_bf16():
 
 
 def test_bf16_param_storage():
-    model = mpnnx.apply_policy(ConvNet(nnx.Rngs(0)), "p=bf16,c=bf16,o=f32")
+    model = ConvNet(nnx.Rngs(0))
+    mpnnx.set_policy(model, "p=bf16,c=bf16,o=f32")
     x = normal(2, 6, 6, 3, seed=2)
     assert model.conv.kernel[...].dtype == BF16 and model.head.w[...].dtype == BF16
     assert model.bn.scale[...].dtype == F32 and model.bn.mean[...].dtype == F32  # norm rule
@@ -411,7 +485,8 @@ warning: rule 'decoder/*' matches no module."""
 def test_describe_prints_the_expected_table(capsys):
     rules = Rules({"head": "float32", "decoder/*": "float32"}, default="mixed_bfloat16")
     with pytest.warns(RuleWarning):
-        model = mpnnx.apply_policy(ConvNet(nnx.Rngs(0)), rules)
+        model = ConvNet(nnx.Rngs(0))
+        mpnnx.set_policy(model, rules)
     x = jax.ShapeDtypeStruct((2, 6, 6, 3), jnp.float32)
     report = mpjax.describe(model, inputs=(x,))  # with inputs: the matmuls that ran, per module
     assert capsys.readouterr().out == EXPECTED_TABLE + "\n"
@@ -433,13 +508,13 @@ def test_describe_paths_go_through_lists():
 
 def test_bad_input_raises_errors_naming_the_argument():
     with pytest.raises(TypeError, match="mpjax.linen.apply_policy"):
-        mpnnx.apply_policy(nn.Dense(3), "mixed_bfloat16")
+        mpnnx.set_policy(nn.Dense(3), "mixed_bfloat16")
     with pytest.raises(TypeError, match="nnx.Module instance as `model`, got 3"):
-        mpnnx.apply_policy(3, "mixed_bfloat16")
+        mpnnx.set_policy(3, "mixed_bfloat16")
     with pytest.raises(TypeError, match="got the class Block"):
-        mpnnx.apply_policy(Block, "mixed_bfloat16")
+        mpnnx.set_policy(Block, "mixed_bfloat16")
     with pytest.raises(ValueError, match="mixed_bfloat61"):
-        mpnnx.apply_policy(block(policy=None), "mixed_bfloat61")
+        mpnnx.set_policy(block(policy=None), "mixed_bfloat61")
     with pytest.raises(ValueError, match="no policy applied"):
         mpnnx.describe(block(policy=None))
     with pytest.raises(TypeError, match="mpjax.linen.describe"):

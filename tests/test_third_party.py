@@ -3,7 +3,7 @@
 
 The same properties as ``test_model_patterns.py``: every floating matmul forward and backward
 in bf16, f32 params and gradients, outputs f32 and within 5% of the f32 model. Flax models go
-through ``linen.apply_policy`` / ``nnx.apply_policy`` and ``mpjax.autocast``; the Equinox models
+through ``linen.apply_policy`` / ``nnx.set_policy`` and ``mpjax.autocast``; the Equinox models
 through ``mpjax.autocast``. Tiny random configurations, nothing downloaded.
 
 These packages are not written for strict dtype promotion (Flax's ``combine_masks``, which the
