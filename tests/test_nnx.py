@@ -525,6 +525,7 @@ def test_readme_nnx_example_runs_and_prints_its_table(capsys):
     section = README.read_text().split("### NNX\n", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     printed = re.search(r"```text\n(.*?)```", section, re.S).group(1)
-    with jax.numpy_dtype_promotion("standard"):  # optax's adam, as in adam_update
-        exec(compile(code, "README.md (NNX)", "exec"), {})
+    with jax.numpy_dtype_promotion("standard"), warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # the README uses the current API
+        exec(compile(code, "README.md (NNX)", "exec"), {})  # optax's adam: standard promotion
     assert capsys.readouterr().out == printed
