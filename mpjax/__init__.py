@@ -1,6 +1,16 @@
-"""mpjax: mixed-precision training for JAX, Flax and optax."""
+"""mpjax: mixed-precision training for JAX, Flax and optax.
 
-from mpjax import linen, nnx
+Flax is optional (``pip install "mpjax[flax]"``): without it, everything but the Flax
+integrations (:mod:`mpjax.linen`, :mod:`mpjax.nnx`) and what needs them imports and works.
+"""
+
+try:
+    import flax  # noqa: F401
+except ImportError:
+    _HAS_FLAX = False
+else:
+    _HAS_FLAX = True
+
 from mpjax.autocast import (
     AutocastReport,
     AutocastRow,
@@ -36,9 +46,14 @@ from mpjax.policy import (
     get_policy,
 )
 from mpjax.regions import FULL_PRECISION_SCOPE, full_precision
-from mpjax.describe import describe
 from mpjax.report import ModuleRow, PrecisionReport
 from mpjax.rules import Resolution, Rule, Rules, RuleWarning, as_rules, norm_policy
+
+# The names that need Flax (describe.py imports the integrations on this branch).
+_FLAX_NAMES = ("linen", "nnx", "describe")
+if _HAS_FLAX:
+    from mpjax import linen, nnx
+    from mpjax.describe import describe
 
 __version__ = "0.1.0"
 
@@ -87,3 +102,14 @@ __all__ = [
     "norm_policy",
     "scale_loss",
 ]
+if not _HAS_FLAX:
+    __all__ = [name for name in __all__ if name not in _FLAX_NAMES]
+
+
+def __getattr__(name: str):
+    if name in _FLAX_NAMES and not _HAS_FLAX:
+        raise ImportError(
+            f"mpjax.{name} needs Flax, which is not installed. Install it with: "
+            'pip install "mpjax[flax]"'
+        )
+    raise AttributeError(f"module 'mpjax' has no attribute {name!r}")

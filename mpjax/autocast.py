@@ -31,7 +31,7 @@ from jax import lax
 
 from mpjax import jax_compat as compat
 from mpjax.op_categories import F32, KEEP, LOWER, ORIGINAL, PROMOTE, merge_categories
-from mpjax.policy import Policy, PolicyLike, get_policy, short_dtype_name
+from mpjax.policy import Policy, PolicyLike, get_policy, is_floating, short_dtype_name
 from mpjax.regions import Region, boundary_dtype, innermost
 from mpjax.rules import Rule, Rules
 from mpjax.table import format_table
@@ -65,10 +65,6 @@ def tracing() -> bool:
     return _tracing.depth > 0
 
 
-def _is_float(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
-
-
 def _widest(dtypes: Iterable[Any]) -> np.dtype:
     dtypes = [np.dtype(d) for d in dtypes]
     # Explicit promotion, whatever jax_numpy_dtype_promotion says (bf16 + f16 -> f32).
@@ -79,7 +75,7 @@ def _widest(dtypes: Iterable[Any]) -> np.dtype:
 def _cast_to(x: Any, dtype: Any) -> Any:
     """Casts floating ``x`` to floating ``dtype``; anything else is returned unchanged."""
     aval = jax.typeof(x)
-    if _is_float(aval.dtype) and _is_float(dtype) and aval.dtype != dtype:
+    if is_floating(aval.dtype) and is_floating(dtype) and aval.dtype != dtype:
         return lax.convert_element_type(x, dtype)
     return x
 
@@ -325,12 +321,12 @@ class _Interpreter:
 
         Returns the new inputs, the params to bind with, and the avals they run in.
         """
-        floats = [i for i, a in enumerate(avals) if _is_float(a.dtype)]
+        floats = [i for i, a in enumerate(avals) if is_floating(a.dtype)]
         targets: dict[int, np.dtype] = {}
         lowered = False
         if floats and category == ORIGINAL:
             targets = {i: eqn.invars[i].aval.dtype for i in floats
-                       if _is_float(eqn.invars[i].aval.dtype)}
+                       if is_floating(eqn.invars[i].aval.dtype)}
         elif floats and category != KEEP:
             lowered = category == LOWER and all(avals[i].dtype in _ELIGIBLE for i in floats)
             if lowered:
@@ -367,7 +363,7 @@ class _Interpreter:
         deliberately wider accumulator written in the function is kept.
         """
         preferred = compat.preferred_element_type(eqn)
-        if preferred is None or not _is_float(preferred) or category in (ORIGINAL, KEEP):
+        if preferred is None or not is_floating(preferred) or category in (ORIGINAL, KEEP):
             return None
         if lowered:
             new = np.dtype(compute)
@@ -461,7 +457,7 @@ class _Interpreter:
             return lambda *ops: self.run(branch, ops, path)
 
         shapes = [self.shapes(branch_fn(b), operands) for b in branches]
-        targets = [_widest(s.dtype for s in outs) if _is_float(outs[0].dtype) else None
+        targets = [_widest(s.dtype for s in outs) if is_floating(outs[0].dtype) else None
                    for outs in zip(*shapes)]
 
         def fixed(branch):
@@ -488,8 +484,8 @@ class _Interpreter:
         call = compat.call_jaxpr(eqn)
         in_avals = [v.aval for v in eqn.invars]
         out_avals = [v.aval for v in eqn.outvars]
-        fidx = [i for i, a in enumerate(in_avals) if _is_float(a.dtype)]
-        oidx = [i for i, a in enumerate(out_avals) if _is_float(a.dtype)]
+        fidx = [i for i, a in enumerate(in_avals) if is_floating(a.dtype)]
+        oidx = [i for i, a in enumerate(out_avals) if is_floating(a.dtype)]
 
         def primal(*args):
             return self.run(call, args, path)

@@ -33,12 +33,18 @@ import threading
 import warnings
 from typing import Any, Callable, Mapping
 
-import flax.linen as nn
 import jax
 import numpy as np
-from flax import nnx
-from flax.core import lift
-from flax.linen import transforms as nn_transforms
+
+try:
+    import flax.linen as nn
+    from flax import nnx
+    from flax.core import lift
+    from flax.linen import transforms as nn_transforms
+except ImportError as error:
+    raise ImportError(
+        'mpjax.linen needs Flax, which is not installed. Install it with: pip install "mpjax[flax]"'
+    ) from error
 
 from mpjax import autocast as engine
 from mpjax import regions

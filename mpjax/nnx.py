@@ -38,15 +38,20 @@ import types
 import warnings
 from typing import Any
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+
+try:
+    import flax.linen as nn
+    from flax import nnx
+except ImportError as error:
+    raise ImportError(
+        'mpjax.nnx needs Flax, which is not installed. Install it with: pip install "mpjax[flax]"'
+    ) from error
 
 from mpjax import autocast as engine
 from mpjax import jax_compat, regions
-from mpjax.policy import Policy, PolicyLike
+from mpjax.policy import Policy, PolicyLike, is_floating
 from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
 from mpjax.rules import (
     Resolution,
@@ -148,13 +153,9 @@ def _walk(model: nnx.Module) -> list[_Node]:
     return list(nodes.values())
 
 
-def _is_floating(value: Any) -> bool:
-    return hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating)
-
-
 def _store(variable: nnx.Variable, dtype: np.dtype) -> None:
     value = variable.get_value()
-    if _is_floating(value) and value.dtype != dtype:
+    if is_floating(value) and value.dtype != dtype:
         value = value.astype(dtype)
         variable.set_raw_value(jax_compat.ref_like(variable.get_raw_value(), value))
 

@@ -10,11 +10,16 @@ through it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar, Union
+from typing import Any, Protocol, TypeVar, Union, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+try:
+    import jmp
+except ImportError:  # only Policy.to_jmp needs it: the jmp extra
+    jmp = None
 
 T = TypeVar("T")
 
@@ -73,6 +78,31 @@ def short_dtype_name(dtype: Any) -> str:
     return _SHORT_NAMES.get(dtype, dtype.name)
 
 
+def is_floating(x: Any) -> bool:
+    """Whether ``x`` is a floating-point dtype, or a value whose ``dtype`` is one.
+
+    ``x`` may be a dtype or scalar type (``jnp.bfloat16``, ``np.dtype("float32")``), or
+    anything with a ``dtype`` attribute (a jax or numpy array, a tracer, a
+    ``jax.ShapeDtypeStruct``, an abstract value). Anything else, Python scalars and PRNG key
+    dtypes included, is not floating. The one predicate mpjax uses for "is this floating".
+
+    >>> is_floating(jnp.bfloat16), is_floating(jnp.ones(2)), is_floating(np.arange(2))
+    (True, True, False)
+    >>> is_floating(jax.ShapeDtypeStruct((2,), jnp.float16)), is_floating(1.0)
+    (True, False)
+    """
+    if isinstance(x, (np.dtype, type)):
+        dtype = x
+    else:
+        dtype = getattr(x, "dtype", None)
+        if dtype is None:
+            return False
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.floating))
+    except TypeError:
+        return False
+
+
 def _valid_names() -> str:
     return ", ".join(_DTYPE_NAMES)
 
@@ -97,7 +127,7 @@ def _to_dtype(value: Any, role: str) -> np.dtype:
 
 
 def _check_floating(dtype: np.dtype, role: str) -> None:
-    if not jnp.issubdtype(dtype, jnp.floating):
+    if not is_floating(dtype):
         raise ValueError(
             f"{role} must be a floating-point dtype, got {dtype.name}. "
             f"Valid names: {_valid_names()}."
@@ -184,14 +214,22 @@ class Policy:
         return self.param_dtype, self.compute_dtype, self.output_dtype
 
     @classmethod
-    def from_jmp(cls, policy: Any) -> Policy:
-        """Converts a ``jmp.Policy`` to an mpjax :class:`Policy`."""
+    def from_jmp(cls, policy: JmpStylePolicy) -> Policy:
+        """Converts a ``jmp.Policy`` (or any object with the three dtype attributes) to an
+        mpjax :class:`Policy`; jmp itself is not needed."""
         return cls(policy.param_dtype, policy.compute_dtype, policy.output_dtype)
 
     def to_jmp(self):
-        """Returns the equivalent ``jmp.Policy``."""
-        import jmp  # Deferred: jmp is only needed for interop.
+        """Returns the equivalent ``jmp.Policy``.
 
+        Raises:
+          ImportError: if jmp is not installed (``pip install "mpjax[jmp]"``).
+        """
+        if jmp is None:
+            raise ImportError(
+                'Policy.to_jmp() needs jmp, which is not installed. Install it with: '
+                'pip install "mpjax[jmp]"'
+            )
         return jmp.Policy(
             param_dtype=jnp.dtype(self.param_dtype),
             compute_dtype=jnp.dtype(self.compute_dtype),
@@ -199,7 +237,16 @@ class Policy:
         )
 
 
-PolicyLike = Union[Policy, str, np.dtype, type, Any]
+@runtime_checkable
+class JmpStylePolicy(Protocol):
+    """A policy object in jmp's style (``jmp.Policy``): the three dtypes as attributes."""
+
+    param_dtype: Any
+    compute_dtype: Any
+    output_dtype: Any
+
+
+PolicyLike = Union[Policy, str, np.dtype, type, JmpStylePolicy]
 """Anything :func:`get_policy` accepts: a Policy, a policy string, a dtype or a jmp.Policy."""
 
 
@@ -212,8 +259,8 @@ def _is_castable(x: Any) -> bool:
     does) would make a policy behave differently under jit.
     """
     if isinstance(x, jax.Array):
-        return jnp.issubdtype(x.dtype, jnp.floating) and not jax.typeof(x).weak_type
-    return isinstance(x, (np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.floating)
+        return is_floating(x) and not jax.typeof(x).weak_type
+    return isinstance(x, (np.ndarray, np.generic)) and is_floating(x)
 
 
 def cast_floating(tree: T, dtype: Any) -> T:
@@ -246,11 +293,6 @@ _PRESETS: dict[str, Policy] = {
     "mixed_bfloat16": MIXED_BFLOAT16,
     "mixed_float16": MIXED_FLOAT16,
 }
-
-
-def _is_jmp_policy(value: Any) -> bool:
-    cls = type(value)
-    return cls.__name__ == "Policy" and cls.__module__.split(".")[0] == "jmp"
 
 
 def _parse(spec: str) -> Policy:
@@ -302,7 +344,9 @@ def get_policy(spec: PolicyLike) -> Policy:
 
     Args:
       spec: one of
-        - a :class:`Policy` (returned as is) or a ``jmp.Policy`` (converted);
+        - a :class:`Policy` (returned as is), or a ``jmp.Policy`` or any other object with
+          ``param_dtype``, ``compute_dtype`` and ``output_dtype`` attributes
+          (:class:`JmpStylePolicy`; converted);
         - a preset: ``"mixed_bfloat16"`` (params f32, compute bf16, output f32) or
           ``"mixed_float16"`` (the same with f16);
         - a dtype name (``"float32"``, ``"bf16"``, ``"half"``...) for all three dtypes;
@@ -325,7 +369,7 @@ def get_policy(spec: PolicyLike) -> Policy:
         return spec
     if isinstance(spec, str):
         return _parse(spec)
-    if _is_jmp_policy(spec):
+    if isinstance(spec, JmpStylePolicy):
         return Policy.from_jmp(spec)
     if isinstance(spec, (np.dtype, type)):
         dtype = _to_dtype(spec, "policy dtype")

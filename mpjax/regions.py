@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from mpjax.policy import Policy, get_policy
+from mpjax.policy import Policy, get_policy, is_floating
 
 FULL_PRECISION_SCOPE = "mpjax_full_precision"
 """The ``jax.named_scope`` name that :func:`full_precision` opens; autocast leaves it alone."""
@@ -121,7 +121,7 @@ def output_boundary(tree, dtype: np.dtype):
     name = f"{_OUTPUT}{np.dtype(dtype).name}"
 
     def mark(x):
-        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
+        if isinstance(x, jax.Array) and is_floating(x):
             return checkpoint_name(x, name)
         return x
 

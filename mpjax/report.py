@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from mpjax.inspection import inspect_matmuls
-from mpjax.policy import Policy, short_dtype_name
+from mpjax.policy import Policy, is_floating, short_dtype_name
 from mpjax.table import format_table
 
 
@@ -104,14 +104,14 @@ def matmuls_by_region(fn: Callable[..., Any], *args) -> dict[str, tuple[tuple[st
     matmuls, nothing computed. A matmul outside any region counts for the root (``""``).
     """
     leaves, tree = jax.tree.flatten(args)
-    floating = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    floating = [i for i, leaf in enumerate(leaves) if is_floating(leaf)]
 
     def loss(float_leaves, all_leaves):
         merged = list(all_leaves)
         for i, leaf in zip(floating, float_leaves):
             merged[i] = leaf
         outs = jax.tree.leaves(fn(*jax.tree.unflatten(tree, merged)))
-        outs = [x for x in outs if jnp.issubdtype(x.dtype, jnp.floating)]
+        outs = [x for x in outs if is_floating(x)]
         return sum((jnp.sum(x.astype(jnp.float32)) for x in outs), jnp.zeros((), jnp.float32))
 
     counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)

@@ -327,3 +327,44 @@ def test_jmp_and_mpjax_cast_arrays_alike():
     for method in CAST_METHODS:
         a, b = getattr(ours, method)(tree), getattr(theirs, method)(tree)
         assert jax.tree.map(lambda x: x.dtype, a) == jax.tree.map(lambda x: x.dtype, b)
+
+
+def test_to_jmp_without_jmp_names_the_extra(monkeypatch):
+    monkeypatch.setattr(mpjax.policy, "jmp", None)
+    message = r'^Policy.to_jmp\(\) needs jmp.*pip install "mpjax\[jmp\]"'
+    with pytest.raises(ImportError, match=message):
+        get_policy("mixed_bfloat16").to_jmp()
+
+
+def test_any_jmp_style_policy_object_is_a_policy():
+    class Duck:
+        param_dtype, compute_dtype, output_dtype = jnp.float32, jnp.bfloat16, jnp.float16
+
+    assert isinstance(Duck(), mpjax.policy.JmpStylePolicy)
+    assert get_policy(Duck()) == Policy(F32, BF16, F16)
+    with pytest.raises(ValueError, match="compute_dtype must be a floating-point dtype, got int32"):
+        get_policy(type("Bad", (), {"param_dtype": F32, "compute_dtype": np.int32,
+                                    "output_dtype": F32})())
+
+
+# ---------------------------------------------------------------------------------------------
+# is_floating: the one "is this floating" predicate
+
+
+@pytest.mark.parametrize("x, expected", [
+    (jnp.bfloat16, True), (np.float16, True), (F64, True), (jnp.float8_e4m3fn, True),
+    (jnp.ones(2), True), (np.ones(2, np.float16), True), (np.float32(1), True),
+    (jax.ShapeDtypeStruct((2,), jnp.bfloat16), True), (jax.typeof(jnp.ones(())), True),
+    (jnp.int32, False), (np.arange(2), False), (jnp.ones(2, bool), False),
+    (jnp.ones(2, jnp.complex64), False), (jax.random.key(0), False), (1.0, False),
+    (None, False), ("float32", False),
+])
+def test_is_floating(x, expected):
+    assert mpjax.policy.is_floating(x) is expected
+
+
+def test_is_floating_under_jit_sees_tracers():
+    seen = []
+    jax.jit(lambda x, n: seen.append((mpjax.policy.is_floating(x),
+                                      mpjax.policy.is_floating(n))))(jnp.ones(2), jnp.arange(2))
+    assert seen == [(True, False)]
