@@ -218,7 +218,9 @@ class _Interpreter:
         # Constants written in the code (literals, and what is computed from them alone, such
         # as jnp.full_like(x, -inf)) adapt to the other operand like weakly typed values: jnp
         # has already made the 2.0 of ``x * 2.0`` an f32 literal, which must not widen a bf16 x.
-        constant: set[Any] = set()
+        # Weakly typed arguments (a traced Python float) are such constants too: jnp converts
+        # the ``s`` of ``x * s`` to a strong f32 at trace time, which must not widen x either.
+        constant: set[Any] = {v for v in jaxpr.invars if getattr(v.aval, "weak_type", False)}
 
         def aval(atom, value):
             aval = atom.aval if compat.is_literal(atom) else jax.typeof(value)
@@ -613,6 +615,12 @@ def _is_array(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
+def _is_traced(leaf: Any, trace_scalars: bool) -> bool:
+    """Whether an argument leaf is traced: arrays always; Python floats and complex numbers
+    with ``trace_scalars`` (as ``jax.jit`` does; ``bool`` and ``int`` stay static)."""
+    return _is_array(leaf) or (trace_scalars and isinstance(leaf, (float, complex)))
+
+
 @dataclasses.dataclass
 class _Traced:
     closed: Any
@@ -684,7 +692,7 @@ def autocast(
     for JAX.
 
     ``fn`` is traced to a jaxpr (once per argument structure, shapes, dtypes and static
-    values) and evaluated primitive by primitive with inputs cast by category
+    values; see below) and evaluated primitive by primitive with inputs cast by category
     (:mod:`mpjax.op_categories`): matmuls, convolutions and attention in the policy's compute
     dtype, forward and backward; exp, log, pow, rsqrt, sums, max, cumulative ops (so softmax,
     log-softmax, logsumexp, norm statistics and losses) in f32; everything else in the dtype of
@@ -701,8 +709,13 @@ def autocast(
     back in f32. The intended use is under ``jax.jit`` (``jax.jit(autocast(f))`` or autocast
     inside a jitted train step): eagerly, every call re-evaluates the jaxpr op by op.
 
-    Arguments that are arrays are traced; any other leaf (a Python number, a string, a flag
-    such as ``deterministic=True``) is a static value, as if closed over.
+    Which arguments are traced: arrays, and Python floats and complex numbers, which are
+    traced as ``jax.jit`` traces them (weakly typed scalars: ``f(x, 0.1)`` then ``f(x, 0.2)``
+    reuse one trace, and dtype promotion is what it is for the Python number). Every other
+    leaf is a static value, as if closed over: ``bool`` and ``int`` (far more often flags,
+    counts and shapes than data: ``deterministic=True``, ``num_heads=4``), strings, ``None``
+    and any other object. A new static value traces ``fn`` again; branching on a float
+    argument in Python needs it static, so close over it (``functools.partial``) instead.
 
     Args:
       fn: the function: plain ``jnp`` code, a Flax ``model.apply``, an NNX module call, an
@@ -739,7 +752,7 @@ def autocast(
 
     @functools.wraps(fn)
     def autocast_fn(*args, **kwargs):
-        traced, dynamic = _trace(fn, traces, args, kwargs)
+        traced, dynamic = _trace(fn, traces, args, kwargs, trace_scalars=True)
         outs = _Interpreter(settings, traced.cache).run(traced.closed, dynamic, ())
         outs = [_to_output(x, a, settings.policy) for x, a in zip(outs, traced.closed.out_avals)]
         return jax.tree.unflatten(traced.out_tree, outs)
@@ -775,13 +788,17 @@ def run_in_regions(fn: Callable[..., Any], policy: Policy, *args, **kwargs) -> A
     return jax.tree.unflatten(traced.out_tree, outs)
 
 
-def _trace(fn, traces: _TraceCache | None, args, kwargs) -> tuple[_Traced, list]:
+def _trace(fn, traces: _TraceCache | None, args, kwargs, trace_scalars: bool = False
+           ) -> tuple[_Traced, list]:
     """The jaxpr of ``fn`` for these arguments (cached in ``traces`` unless None), and the
-    arguments it takes."""
+    arguments it takes: the array leaves, and Python floats and complex numbers if
+    ``trace_scalars`` (autocast's rule; the Flax integrations trace at every call anyway and
+    keep them static, as the model's own code sees them without mpjax)."""
     leaves, treedef = jax.tree.flatten((args, kwargs))
-    dynamic_idx = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+    dynamic_idx = [i for i, leaf in enumerate(leaves) if _is_traced(leaf, trace_scalars)]
     dynamic = [leaves[i] for i in dynamic_idx]
-    static = tuple((i, leaf) for i, leaf in enumerate(leaves) if not _is_array(leaf))
+    static = tuple((i, leaf) for i, leaf in enumerate(leaves)
+                   if not _is_traced(leaf, trace_scalars))
     key: Any = (treedef, static, tuple(jax.typeof(x) for x in dynamic))
     try:
         hash(key)
@@ -849,7 +866,7 @@ def autocast_report(fn: Callable[..., Any], *args, print_table: bool = True, **k
     record: collections.Counter = collections.Counter()
 
     def recorded(*a, **k):
-        traced, dynamic = _trace(inner, traces, a, k)
+        traced, dynamic = _trace(inner, traces, a, k, trace_scalars=True)
         return _Interpreter(settings, {}, record).run(traced.closed, dynamic, ())
 
     jax.eval_shape(recorded, *args, **kwargs)

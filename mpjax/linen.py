@@ -46,7 +46,7 @@ except ImportError as error:
         'mpjax.linen needs Flax, which is not installed. Install it with: pip install "mpjax[flax]"'
     ) from error
 
-from mpjax import autocast as engine
+from mpjax.autocast import run_in_regions
 from mpjax import regions
 from mpjax.policy import Policy, PolicyLike, cast_floating
 from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
@@ -209,7 +209,7 @@ def _lifted_engine(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]
             y = fn(scope, *args, **kwargs)
             return y, repack_fn(scope)
 
-        return engine.run_in_regions(run, policy, variable_groups, rng_groups, *args, **kwargs)
+        return run_in_regions(run, policy, variable_groups, rng_groups, *args, **kwargs)
 
     return lift.pack(inner, (True,), (True,), (True,), name="mpjax", enable_kwargs=True)
 
@@ -225,7 +225,7 @@ class _PolicyMixin:
     def _mpjax_run(self, fn: Callable[..., Any], *args, **kwargs):
         state = type(self)._mpjax_state
         with _policy_call(state, (), report=True):
-            return engine.run_in_regions(fn, state.rules.default, *args, **kwargs)
+            return run_in_regions(fn, state.rules.default, *args, **kwargs)
 
     # A top-level init/apply runs entirely through the engine, so functions passed as
     # `method=` that reach into submodules (`lambda m, x: m.encoder(x)`) are covered too.

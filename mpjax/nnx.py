@@ -49,7 +49,7 @@ except ImportError as error:
         'mpjax.nnx needs Flax, which is not installed. Install it with: pip install "mpjax[flax]"'
     ) from error
 
-from mpjax import autocast as engine
+from mpjax.autocast import run_in_regions, tracing
 from mpjax import jax_compat, regions
 from mpjax.policy import Policy, PolicyLike, is_floating
 from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
@@ -197,7 +197,7 @@ def _through_engine(module: nnx.Module, policy: Policy, args: tuple, kwargs: dic
         call_args, call_kwargs = jax.tree.unflatten(tree, leaves)
         return merged[0](*call_args, **call_kwargs), nnx.state(merged)
 
-    out, new_state = engine.run_in_regions(run, policy, state, leaves)
+    out, new_state = run_in_regions(run, policy, state, leaves)
     # Write back only what the call changed: a Variable returned untouched comes back as the
     # very array that went in, and writing it anyway would fail under a trace the model was
     # not created in (a closed-over model under jax.jit), where the call itself mutated nothing.
@@ -217,7 +217,7 @@ def _policy_call(original):
     @functools.wraps(original)
     def __call__(self, *args, **kwargs):
         plan: _Plan = type(self)._mpjax_plan
-        if not engine.tracing():
+        if not tracing():
             return _through_engine(self, plan.policy, args, kwargs)
         with regions.region(plan.policy, plan.path):
             out = original(self, *args, **kwargs)

@@ -37,7 +37,8 @@ def _assert_bf16_matmuls(report, count=None):
     assert report, "no matmuls found"
     assert report.operand_dtypes() == {("bfloat16", "bfloat16"): len(report)}, str(report)
     assert all(m.out_dtype == BF16 for m in report), str(report)
-    # JAX's default (None) or the compute dtype, never f32: see REFERENCE.md's trap.
+    # JAX's default (None) or the compute dtype, never f32: an f32 accumulation type would give
+    # the backward pass f32 cotangents, and so f32 x bf16 dots that XLA runs as f32 GEMMs.
     assert all(m.preferred_element_type in (None, BF16) for m in report), str(report)
     if count is not None:
         assert len(report) == count, str(report)
@@ -302,6 +303,46 @@ def _mlp(params, x):
 MLP_PARAMS = {"w1": W, "b1": jnp.zeros(8), "w2": W.T, "b2": jnp.ones(8)}
 
 
+def test_python_floats_are_traced_like_jit_traces_them_ints_and_bools_stay_static():
+    traces = []
+
+    def fn(w, x, scale, n, relu):
+        y = (x @ w) * scale
+        return (jax.nn.relu(y) if relu else y), jnp.zeros((n,)) + scale
+
+    def counted(w, x, scale, n, relu):
+        traces.append(n)  # runs once per trace
+        return fn(w, x, scale, n, relu)
+
+    auto = mpjax.autocast(counted)
+    (a, za), (b, zb) = auto(W, X, 0.1, 3, True), auto(W, X, 0.2, 3, True)
+    assert traces == [3]  # one trace for both float values
+    assert a.dtype == b.dtype == F32 and za.shape == (3,)
+    np.testing.assert_array_equal(b, 2 * a)  # bf16(0.2) is 2 * bf16(0.1): the same roundings
+    np.testing.assert_array_equal(zb, np.full(3, 0.2, np.float32))
+    # Dtype promotion is that of the Python number: bit for bit what a closed-over 0.1 gives.
+    closed = mpjax.autocast(lambda w, x: fn(w, x, 0.1, 3, True))(W, X)
+    np.testing.assert_array_equal(a, closed[0])
+    # An int is a shape and a bool a Python branch: both static, a new value traces again.
+    (c, zc), (d, _) = auto(W, X, 0.1, 5, True), auto(W, X, 0.1, 5, False)
+    assert traces == [3, 5, 5] and zc.shape == (5,)
+    np.testing.assert_array_equal(c, a)
+    assert (np.asarray(d) < 0).any() and not (np.asarray(c) < 0).any()
+    complex_traces = []
+
+    def rotate(x, c):
+        complex_traces.append(1)
+        return jnp.abs(x.astype(jnp.complex64) * c)
+
+    rotated = mpjax.autocast(rotate)
+    np.testing.assert_array_equal(rotated(X, 1j), jnp.abs(X))
+    np.testing.assert_array_equal(rotated(X, -1j), jnp.abs(X))
+    assert len(complex_traces) == 1 and traces == [3, 5, 5]  # complex numbers are traced too
+    # The scale multiplies the bf16 matmul output in bf16, as a closed-over 0.1 would.
+    assert _inputs(lambda s: auto(W, X, s, 3, True), 0.1, primitive="mul") == [(BF16, BF16)]
+
+
+
 def test_jit_grad_vmap_of_autocast_and_no_retrace():
     traces = []
 
@@ -461,6 +502,33 @@ def test_scope_rules_give_regions_their_own_policy():
     rules = mpjax.Rules({"attn": "float32"}, default="mixed_float16")
     found = [m.lhs_dtype for m in mpjax.inspect_matmuls(mpjax.autocast(fn, rules=rules), W, X)]
     assert found == [F32, F16]
+
+
+def test_autocast_wins_over_a_modules_dtype_and_a_rule_or_full_precision_opts_out():
+    class Net(nn.Module):
+        full_precision_head: bool = False
+
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(8, name="body")(x)
+            head = nn.Dense(8, dtype=jnp.float32, param_dtype=jnp.float32, name="head")
+            if self.full_precision_head:
+                with mpjax.full_precision():
+                    return head(h)
+            return head(h)
+
+    variables = Net().init(K3, X)
+
+    def matmuls(auto):
+        loss = lambda v: auto(v, X).sum()  # noqa: E731
+        return {(m.scope.rsplit("/", 1)[-1], m.operand_dtypes)
+                for m in mpjax.inspect_matmuls(jax.grad(loss), variables)}
+
+    assert matmuls(mpjax.autocast(Net().apply)) == {("body", (BF16, BF16)),
+                                                    ("head", (BF16, BF16))}
+    opted_out = {("body", (BF16, BF16)), ("head", (F32, F32))}
+    assert matmuls(mpjax.autocast(Net().apply, rules={"*/head": "float32"})) == opted_out
+    assert matmuls(mpjax.autocast(Net(full_precision_head=True).apply)) == opted_out
 
 
 def test_category_overrides_apply_per_primitive():

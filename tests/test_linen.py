@@ -570,12 +570,12 @@ def test_describe_counts_given_variables_in_their_stored_dtype():
 def test_bad_input_raises_clear_errors():
     with pytest.raises(TypeError, match=r"`module`; got 42"):
         mpl.apply_policy(42, "mixed_bfloat16")
-    with pytest.raises(TypeError, match=r"mpjax\.nnx\.apply_policy"):
+    with pytest.raises(TypeError, match=r"mpjax\.nnx\.set_policy"):
         mpl.apply_policy(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "mixed_bfloat16")
     with pytest.raises(ValueError, match=r"Unknown policy 'mixed_bf16'"):
         mpl.apply_policy(nn.Dense(2), "mixed_bf16")
-    with pytest.raises(TypeError, match=r"Cannot make a policy from \[\]"):
-        mpl.apply_policy(nn.Dense(2), [])
+    with pytest.raises(TypeError, match=r"`policy_or_rules` must be mpjax.Rules, .*got 3\.5"):
+        mpl.apply_policy(nn.Dense(2), 3.5)
     bound = nn.Dense(2).bind({"params": {}})
     with pytest.raises(ValueError, match=r"(?s)already bound.*apply_policy\(nn\.Dense, rules\)"):
         mpl.apply_policy(bound, "mixed_bfloat16")

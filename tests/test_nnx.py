@@ -307,6 +307,20 @@ def test_a_rule_for_its_path_keeps_a_module_in_f32():
     assert report.operand_dtypes() == {("float32", "float32"): 3, ("bfloat16", "bfloat16"): 2}
 
 
+def test_full_precision_around_a_submodule_call_keeps_it_in_f32():
+    class Model(WithF32Head):
+        def __call__(self, x):
+            h = jax.nn.relu(self.body(x))
+            with mpjax.full_precision():
+                return self.head(h)
+
+    model, x = Model(nnx.Rngs(0)), x_seq()
+    mpnnx.set_policy(model, "mixed_bfloat16")
+    report = mpjax.inspect_matmuls(grad_fn, model, x)
+    assert {(m.region, m.lhs_dtype.name) for m in report} == {("head", "float32"),
+                                                              ("body", "bfloat16")}
+
+
 # --- the other stock layers, the custom module, BatchNorm, storage -----------------------------
 
 
