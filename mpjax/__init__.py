@@ -41,6 +41,7 @@ from mpjax.regions import FULL_PRECISION_SCOPE, full_precision
 from mpjax.report import ModuleRow, PrecisionReport
 from mpjax.rules import Resolution, Rule, Rules, RuleWarning, as_rules, norm_policy
 
+_flax: Any
 try:
     import flax as _flax
 except ImportError:  # the core works without Flax; mpjax.linen and mpjax.nnx need it
@@ -114,3 +115,5 @@ __all__ = [
     "norm_policy",
     "scale_loss",
 ]
+if _flax is None:  # `from mpjax import *` without Flax
+    __all__ = [name for name in __all__ if name not in _NEED_FLAX]

@@ -184,9 +184,17 @@ class AutocastReport(tuple):
         """The rows as a text table, in which ``*`` marks the rows whose inputs ran in other
         dtypes than traced."""
         header = ("scope", "primitive", "category", "traced inputs", "ran in", "count")
-        rows = [(r.scope or "-", r.primitive, r.category, ",".join(r.traced) or "-",
-                 ("* " if r.traced != r.ran else "") + (",".join(r.ran) or "-"), str(r.count))
-                for r in self]
+        rows = [
+            (
+                r.scope or "-",
+                r.primitive,
+                r.category,
+                ",".join(r.traced) or "-",
+                ("* " if r.traced != r.ran else "") + (",".join(r.ran) or "-"),
+                str(r.count),
+            )
+            for r in self
+        ]
         if not rows:
             return "no equations"
         return format_table(header, rows)
@@ -194,9 +202,19 @@ class AutocastReport(tuple):
     def to_dict(self) -> dict[str, Any]:
         """The rows as JSON-serialisable data: ``{"rows": [{"scope": ..., "primitive": ...,
         "category": ..., "traced": ["bf16", ...], "ran": [...], "count": 3}, ...]}``."""
-        return {"rows": [{"scope": r.scope, "primitive": r.primitive, "category": r.category,
-                          "traced": list(r.traced), "ran": list(r.ran), "count": r.count}
-                         for r in self]}
+        return {
+            "rows": [
+                {
+                    "scope": r.scope,
+                    "primitive": r.primitive,
+                    "category": r.category,
+                    "traced": list(r.traced),
+                    "ran": list(r.ran),
+                    "count": r.count,
+                }
+                for r in self
+            ]
+        }
 
 
 def _dtype_names(avals: Sequence[Any]) -> tuple[str, ...]:
@@ -216,9 +234,15 @@ class _Interpreter:
         self.cache = cache
         self.record = record
         self.handlers: dict[str, Callable[..., list]] = {
-            "jit": self._jit, "pjit": self._jit, "scan": self._scan, "while": self._while,
-            "cond": self._cond, "remat2": self._remat, "checkpoint": self._remat,
-            "custom_jvp_call": self._custom_jvp, "custom_vjp_call": self._custom_vjp,
+            "jit": self._jit,
+            "pjit": self._jit,
+            "scan": self._scan,
+            "while": self._while,
+            "cond": self._cond,
+            "remat2": self._remat,
+            "checkpoint": self._remat,
+            "custom_jvp_call": self._custom_jvp,
+            "custom_vjp_call": self._custom_vjp,
             "shard_map": self._shard_map,
             **{name: self._inline for name in compat.CALL_PRIMITIVES},
         }
@@ -235,7 +259,9 @@ class _Interpreter:
         # Constants written in the code (literals, and what is computed from them alone, such
         # as jnp.full_like(x, -inf)) adapt to the other operand like weakly typed values: jnp
         # has already made the 2.0 of ``x * 2.0`` an f32 literal, which must not widen a bf16 x.
-        constant: set[Any] = set()
+        # Weakly typed arguments (a traced Python float) are such constants too: jnp converts
+        # the ``s`` of ``x * s`` to a strong f32 at trace time, which must not widen x either.
+        constant: set[Any] = {v for v in jaxpr.invars if getattr(v.aval, "weak_type", False)}
 
         def aval(atom, value):
             aval = atom.aval if compat.is_literal(atom) else jax.typeof(value)
@@ -253,11 +279,12 @@ class _Interpreter:
             avals = [aval(a, x) for a, x in zip(eqn.invars, invals)]
             # Re-open the equation's scopes so reports and nested autocasts see the same names.
             with contextlib.ExitStack() as stack:
-                for name in paths[i][len(path):]:
+                for name in paths[i][len(path) :]:
                     stack.enter_context(jax.named_scope(name))
                 outs = self.equation(eqn, invals, avals, paths[i], casts, i in widened)
-            from_constants = (eqn.primitive.name not in self.handlers
-                              and all(compat.is_literal(a) or a in constant for a in eqn.invars))
+            from_constants = eqn.primitive.name not in self.handlers and all(
+                compat.is_literal(a) or a in constant for a in eqn.invars
+            )
             for var, out in zip(eqn.outvars, outs):
                 if not compat.is_dropvar(var):
                     env[var] = out
@@ -301,8 +328,15 @@ class _Interpreter:
                 widened.add(i)
         return widened
 
-    def equation(self, eqn: Any, invals: list, avals: list, path: tuple[str, ...],
-                 casts: dict, widen: bool = False) -> list:
+    def equation(
+        self,
+        eqn: Any,
+        invals: list,
+        avals: list,
+        path: tuple[str, ...],
+        casts: dict,
+        widen: bool = False,
+    ) -> list:
         name = eqn.primitive.name
         handler = self.handlers.get(name)
         if handler is not None:
@@ -342,8 +376,9 @@ class _Interpreter:
         targets: dict[int, np.dtype] = {}
         lowered = False
         if floats and category == ORIGINAL:
-            targets = {i: eqn.invars[i].aval.dtype for i in floats
-                       if is_floating(eqn.invars[i].aval.dtype)}
+            targets = {
+                i: eqn.invars[i].aval.dtype for i in floats if is_floating(eqn.invars[i].aval.dtype)
+            }
         elif floats and category != KEEP:
             lowered = category == LOWER and all(avals[i].dtype in _ELIGIBLE for i in floats)
             if lowered:
@@ -421,8 +456,9 @@ class _Interpreter:
                 return self.run(p.jaxpr, args, path)
 
             body.__name__ = body.__qualname__ = p.name  # the nested jit keeps its name
-            return jax.jit(body, donate_argnums=p.donate_argnums, keep_unused=p.keep_unused,
-                           inline=p.inline)
+            return jax.jit(
+                body, donate_argnums=p.donate_argnums, keep_unused=p.keep_unused, inline=p.inline
+            )
 
         fn = self._cached(("jit", id(p.jaxpr), path), p.jaxpr, build)
         return list(fn(*invals))
@@ -432,8 +468,8 @@ class _Interpreter:
         step, so the loop has a fixed type and its state the precision the code chose."""
         p = compat.scan_params(eqn)
         n_c, n_carry = p.num_consts, p.num_carry
-        consts, init, xs = invals[:n_c], invals[n_c:n_c + n_carry], invals[n_c + n_carry:]
-        carry_dtypes = [v.aval.dtype for v in eqn.invars[n_c:n_c + n_carry]]
+        consts, init, xs = invals[:n_c], invals[n_c : n_c + n_carry], invals[n_c + n_carry :]
+        carry_dtypes = [v.aval.dtype for v in eqn.invars[n_c : n_c + n_carry]]
 
         def fix(carry):
             return [_cast_to(c, d) for c, d in zip(carry, carry_dtypes)]
@@ -442,17 +478,18 @@ class _Interpreter:
             outs = self.run(p.jaxpr, [*consts, *carry, *x], path)
             return fix(outs[:n_carry]), outs[n_carry:]
 
-        carry, ys = lax.scan(body, fix(init), list(xs), length=p.length, reverse=p.reverse,
-                             unroll=p.unroll)
+        carry, ys = lax.scan(
+            body, fix(init), list(xs), length=p.length, reverse=p.reverse, unroll=p.unroll
+        )
         return [*carry, *ys]
 
     def _while(self, eqn, invals, path):
         """Like scan: the carries keep their traced dtypes."""
         p = compat.while_params(eqn)
-        cond_consts = invals[:p.cond_nconsts]
-        body_consts = invals[p.cond_nconsts:p.cond_nconsts + p.body_nconsts]
-        init = invals[p.cond_nconsts + p.body_nconsts:]
-        carry_dtypes = [v.aval.dtype for v in eqn.invars[p.cond_nconsts + p.body_nconsts:]]
+        cond_consts = invals[: p.cond_nconsts]
+        body_consts = invals[p.cond_nconsts : p.cond_nconsts + p.body_nconsts]
+        init = invals[p.cond_nconsts + p.body_nconsts :]
+        carry_dtypes = [v.aval.dtype for v in eqn.invars[p.cond_nconsts + p.body_nconsts :]]
 
         def fix(carry):
             return [_cast_to(c, d) for c, d in zip(carry, carry_dtypes)]
@@ -474,20 +511,24 @@ class _Interpreter:
             return lambda *ops: self.run(branch, ops, path)
 
         shapes = [self.shapes(branch_fn(b), operands) for b in branches]
-        targets = [_widest(s.dtype for s in outs) if is_floating(outs[0].dtype) else None
-                   for outs in zip(*shapes)]
+        targets = [
+            _widest(s.dtype for s in outs) if is_floating(outs[0].dtype) else None
+            for outs in zip(*shapes)
+        ]
 
         def fixed(branch):
             fn = branch_fn(branch)
-            return lambda *ops: [x if t is None else _cast_to(x, t)
-                                 for x, t in zip(fn(*ops), targets)]
+            return lambda *ops: [
+                x if t is None else _cast_to(x, t) for x, t in zip(fn(*ops), targets)
+            ]
 
         return list(lax.switch(index, [fixed(b) for b in branches], *operands))
 
     def _remat(self, eqn, invals, path):
         p = compat.remat_params(eqn)
-        fn = jax.checkpoint(lambda *args: self.run(p.jaxpr, args, path),
-                            prevent_cse=p.prevent_cse, policy=p.policy)
+        fn = jax.checkpoint(
+            lambda *args: self.run(p.jaxpr, args, path), prevent_cse=p.prevent_cse, policy=p.policy
+        )
         return list(fn(*invals))
 
     def _shard_map(self, eqn, invals, path):
@@ -523,10 +564,12 @@ class _Interpreter:
 
         def rule(primals, tangents):
             tangents = [tangents[i] for i in fidx]
-            avals = ([compat.retyped(x, a) for x, a in zip(primals, in_avals)]
-                     + [compat.retyped(t, in_avals[i]) for t, i in zip(tangents, fidx)])
-            rule_jaxpr = self._cached(("jvp", id(eqn), tuple(avals)), eqn,
-                                      lambda: _trace_jvp_rule(eqn, avals, fidx, oidx))
+            avals = [compat.retyped(x, a) for x, a in zip(primals, in_avals)] + [
+                compat.retyped(t, in_avals[i]) for t, i in zip(tangents, fidx)
+            ]
+            rule_jaxpr = self._cached(
+                ("jvp", id(eqn), tuple(avals)), eqn, lambda: _trace_jvp_rule(eqn, avals, fidx, oidx)
+            )
             outs = self.run(rule_jaxpr, [*primals, *tangents], path)
             primals_out = [_cast_to(x, s.dtype) for x, s in zip(outs[:n_out], out_shapes)]
             tangents_out = [_float0_zeros(s) for s in out_shapes]
@@ -552,8 +595,9 @@ class _Interpreter:
 
         def fwd(*args):
             avals = tuple(compat.retyped(x, a) for x, a in zip(args, in_avals))
-            fwd_jaxpr, tree = self._cached(("vjp_fwd", id(eqn), avals), eqn,
-                                           lambda: _trace_vjp_fwd(eqn, avals, fidx))
+            fwd_jaxpr, tree = self._cached(
+                ("vjp_fwd", id(eqn), avals), eqn, lambda: _trace_vjp_fwd(eqn, avals, fidx)
+            )
             traced_fwd.append((fwd_jaxpr, tree))
             outs = self.run(fwd_jaxpr, args, path)
             return [_cast_to(x, s.dtype) for x, s in zip(outs[:n_out], out_shapes)], outs[n_out:]
@@ -561,10 +605,15 @@ class _Interpreter:
         def bwd(residuals, cts):
             fwd_jaxpr, tree = traced_fwd[-1]
             cts = [cts[i] for i in oidx]
-            avals = (*fwd_jaxpr.out_avals[n_out:],
-                     *(compat.retyped(ct, out_avals[i]) for ct, i in zip(cts, oidx)))
-            bwd_jaxpr = self._cached(("vjp_bwd", id(eqn), avals), eqn,
-                                     lambda: _trace_vjp_bwd(tree, avals, out_avals, oidx))
+            avals = (
+                *fwd_jaxpr.out_avals[n_out:],
+                *(compat.retyped(ct, out_avals[i]) for ct, i in zip(cts, oidx)),
+            )
+            bwd_jaxpr = self._cached(
+                ("vjp_bwd", id(eqn), avals),
+                eqn,
+                lambda: _trace_vjp_bwd(tree, avals, out_avals, oidx),
+            )
             cts_in = self.run(bwd_jaxpr, [*residuals, *cts], path)
             result: list[Any] = [None] * len(in_avals)
             for i, ct in zip(fidx, cts_in):
@@ -591,8 +640,9 @@ def _trace_jvp_rule(eqn, avals, fidx, oidx):
 
     def rule(*xs):
         primals, tangents = xs[:n_in], xs[n_in:]
-        outs, touts = jax.jvp(lambda *f: _original(eqn, primals, fidx, f),
-                              [primals[i] for i in fidx], list(tangents))
+        outs, touts = jax.jvp(
+            lambda *f: _original(eqn, primals, fidx, f), [primals[i] for i in fidx], list(tangents)
+        )
         return [*outs, *(touts[i] for i in oidx)]
 
     return compat.trace_at(rule, avals)
@@ -603,8 +653,9 @@ def _trace_vjp_fwd(eqn, avals, fidx):
     tree = []
 
     def fwd(*primals):
-        outs, vjp_fn = jax.vjp(lambda *f: _original(eqn, primals, fidx, f),
-                               *(primals[i] for i in fidx))
+        outs, vjp_fn = jax.vjp(
+            lambda *f: _original(eqn, primals, fidx, f), *(primals[i] for i in fidx)
+        )
         residuals, treedef = jax.tree.flatten(vjp_fn)
         tree.append(treedef)
         return [*outs, *residuals]
@@ -628,6 +679,12 @@ def _trace_vjp_bwd(tree, avals, out_avals, oidx):
 
 def _is_array(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def _is_traced(leaf: Any, trace_scalars: bool) -> bool:
+    """Whether an argument leaf is traced: arrays always; Python floats and complex numbers
+    with ``trace_scalars`` (as ``jax.jit`` does; ``bool`` and ``int`` stay static)."""
+    return _is_array(leaf) or (trace_scalars and isinstance(leaf, (float, complex)))
 
 
 @dataclasses.dataclass
@@ -701,7 +758,7 @@ def autocast(
     for JAX.
 
     ``fn`` is traced to a jaxpr (once per argument structure, shapes, dtypes and static
-    values) and evaluated primitive by primitive with inputs cast by category
+    values; see below) and evaluated primitive by primitive with inputs cast by category
     (:mod:`mpjax.op_categories`): matmuls, convolutions and attention in the policy's compute
     dtype, forward and backward; exp, log, pow, rsqrt, sums, max, cumulative ops (so softmax,
     log-softmax, logsumexp, norm statistics and losses) in f32; everything else in the dtype of
@@ -718,8 +775,13 @@ def autocast(
     back in f32. The intended use is under ``jax.jit`` (``jax.jit(autocast(f))`` or autocast
     inside a jitted train step): eagerly, every call re-evaluates the jaxpr op by op.
 
-    Arguments that are arrays are traced; any other leaf (a Python number, a string, a flag
-    such as ``deterministic=True``) is a static value, as if closed over.
+    Which arguments are traced: arrays, and Python floats and complex numbers, which are
+    traced as ``jax.jit`` traces them (weakly typed scalars: ``f(x, 0.1)`` then ``f(x, 0.2)``
+    reuse one trace, and dtype promotion is what it is for the Python number). Every other
+    leaf is a static value, as if closed over: ``bool`` and ``int`` (far more often flags,
+    counts and shapes than data: ``deterministic=True``, ``num_heads=4``), strings, ``None``
+    and any other object. A new static value traces ``fn`` again; branching on a float
+    argument in Python needs it static, so close over it (``functools.partial``) instead.
 
     Args:
       fn: the function: plain ``jnp`` code, a Flax ``model.apply``, an NNX module call, an
@@ -756,7 +818,7 @@ def autocast(
 
     @functools.wraps(fn)
     def autocast_fn(*args, **kwargs):
-        traced, dynamic = _trace(fn, traces, args, kwargs)
+        traced, dynamic = _trace(fn, traces, args, kwargs, trace_scalars=True)
         outs = _Interpreter(settings, traced.cache).run(traced.closed, dynamic, ())
         outs = [_to_output(x, a, settings.policy) for x, a in zip(outs, traced.closed.out_avals)]
         return jax.tree.unflatten(traced.out_tree, outs)
@@ -778,7 +840,8 @@ class _AutocastFunction:
 # attribute: functools.wraps copies a function's attributes onto a user's decorator, which would
 # then pass for the autocast function it wraps.
 _autocast_functions: weakref.WeakKeyDictionary[Callable[..., Any], _AutocastFunction] = (
-    weakref.WeakKeyDictionary())
+    weakref.WeakKeyDictionary()
+)
 
 
 def is_autocast(fn: Any) -> bool:
@@ -796,8 +859,12 @@ def is_autocast(fn: Any) -> bool:
 
 def _to_output(x: Any, traced_aval: Any, policy: Policy) -> Any:
     aval = jax.typeof(x)
-    if (aval.dtype in _ELIGIBLE and traced_aval.dtype in _ELIGIBLE and not aval.weak_type
-            and aval.dtype != policy.output_dtype):
+    if (
+        aval.dtype in _ELIGIBLE
+        and traced_aval.dtype in _ELIGIBLE
+        and not aval.weak_type
+        and aval.dtype != policy.output_dtype
+    ):
         return lax.convert_element_type(x, policy.output_dtype)
     return x
 
@@ -821,13 +888,19 @@ def run_in_regions(fn: Callable[..., Any], policy: Policy, *args, **kwargs) -> A
     return jax.tree.unflatten(traced.out_tree, outs)
 
 
-def _trace(fn, traces: _TraceCache | None, args, kwargs) -> tuple[_Traced, list]:
+def _trace(
+    fn, traces: _TraceCache | None, args, kwargs, trace_scalars: bool = False
+) -> tuple[_Traced, list]:
     """The jaxpr of ``fn`` for these arguments (cached in ``traces`` unless None), and the
-    arguments it takes."""
+    arguments it takes: the array leaves, and Python floats and complex numbers if
+    ``trace_scalars`` (autocast's rule; the Flax integrations trace at every call anyway and
+    keep them static, as the model's own code sees them without mpjax)."""
     leaves, treedef = jax.tree.flatten((args, kwargs))
-    dynamic_idx = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+    dynamic_idx = [i for i, leaf in enumerate(leaves) if _is_traced(leaf, trace_scalars)]
     dynamic = [leaves[i] for i in dynamic_idx]
-    static = tuple((i, leaf) for i, leaf in enumerate(leaves) if not _is_array(leaf))
+    static = tuple(
+        (i, leaf) for i, leaf in enumerate(leaves) if not _is_traced(leaf, trace_scalars)
+    )
     key: Any = (treedef, static, tuple(jax.typeof(x) for x in dynamic))
     try:
         hash(key)
@@ -896,19 +969,24 @@ def describe_autocast(fn: Callable[..., Any]) -> Callable[..., AutocastReport]:
     info = _autocast_functions[fn]
 
     def report(*args, **kwargs) -> AutocastReport:
-        record: collections.Counter = collections.Counter()
-        # Traced as the autocast function traces its arguments: arrays (and shape structs, for
-        # an abstract trace) are traced; any other leaf is a static value.
+        record: collections.Counter[tuple[str, str, str, tuple[str, ...], tuple[str, ...]]] = (
+            collections.Counter()
+        )
+        # Traced as the autocast function traces its arguments: arrays and Python floats (and
+        # shape structs, for an abstract trace) are traced; any other leaf is a static value.
         leaves, tree = jax.tree.flatten((args, kwargs))
-        arrays = [i for i, leaf in enumerate(leaves)
-                  if _is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)]
+        arrays = [
+            i
+            for i, leaf in enumerate(leaves)
+            if _is_traced(leaf, True) or isinstance(leaf, jax.ShapeDtypeStruct)
+        ]
 
         def recorded(array_leaves):
             merged = list(leaves)
             for i, leaf in zip(arrays, array_leaves):
                 merged[i] = leaf
             a, k = jax.tree.unflatten(tree, merged)
-            traced, dynamic = _trace(info.fn, info.traces, a, k)
+            traced, dynamic = _trace(info.fn, info.traces, a, k, trace_scalars=True)
             return _Interpreter(info.settings, {}, record).run(traced.closed, dynamic, ())
 
         jax.eval_shape(recorded, [leaves[i] for i in arrays])
@@ -920,8 +998,9 @@ def describe_autocast(fn: Callable[..., Any]) -> Callable[..., AutocastReport]:
 # --- Deprecated -------------------------------------------------------------------------------
 
 
-def autocast_report(fn: Callable[..., Any], *args, print_table: bool = True, **kwargs
-                    ) -> AutocastReport:
+def autocast_report(
+    fn: Callable[..., Any], *args, print_table: bool = True, **kwargs
+) -> AutocastReport:
     """Deprecated: use ``mpjax.describe(fn)(*args, **kwargs)`` (and print the report).
 
     Returns, and by default prints, the :class:`AutocastReport` of ``fn``, a function made by

@@ -42,7 +42,7 @@ def check_gradients(grads: Any, params: Any, where: str) -> None:
             )
     if params is not None:
         grads_tree, params_tree = jax.tree.structure(grads), jax.tree.structure(params)
-        if grads_tree != params_tree:  # type: ignore[operator]  (PyTreeDef defines !=)
+        if grads_tree != params_tree:  # type: ignore[operator]
             raise ValueError(
                 f"{where}: the grads tree does not match the params tree.\n"
                 f"  grads:  {grads_tree}\n  params: {params_tree}"

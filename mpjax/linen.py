@@ -34,12 +34,18 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, overload
 
-import flax.linen as nn
 import jax
 import numpy as np
-from flax import nnx
-from flax.core import lift
-from flax.linen import transforms as nn_transforms
+
+try:
+    import flax.linen as nn
+    from flax import nnx
+    from flax.core import lift
+    from flax.linen import transforms as nn_transforms
+except ImportError as error:
+    raise ImportError(
+        'mpjax.linen needs Flax, which is not installed. Install it with: pip install "mpjax[flax]"'
+    ) from error
 
 from mpjax import regions
 from mpjax.autocast import run_in_regions
@@ -49,14 +55,20 @@ from mpjax.policy import Policy, PolicyLike, cast_floating
 from mpjax.report import ModuleRow, PrecisionReport, eval_shape_of, matmuls_by_region
 from mpjax.rules import (
     Resolution,
+    Rule,
     Rules,
+    RulesLike,
     RuleWarning,
     as_rules,
-    norm_rules,
-    register_builtin_rules,
+    norm_policy,
+    register_builtin_rule,
 )
 
 __all__ = ["apply_policy", "describe"]
+
+for _norm in (nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm):
+    register_builtin_rule(Rule(_norm, norm_policy, name=f"builtin: linen.{_norm.__name__} in f32"))
+del _norm
 
 _RESOLUTION = "_mpjax_resolution"  # instance-dict key marking a configured bound module
 
@@ -104,7 +116,7 @@ def _relative_path(module: nn.Module, root: tuple[str, ...]) -> str | None:
     path = tuple(module.scope.path)
     if path[: len(root)] != root:
         return None
-    return "/".join(path[len(root):])
+    return "/".join(path[len(root) :])
 
 
 def _fields(module: nn.Module) -> set[str]:
@@ -255,7 +267,8 @@ class _PolicyMixin(_MixinBase):
             return super()._call_wrapped_method(fun, args, kwargs)
         state = type(self)._mpjax_state
         lifted = nn_transforms.decorator_lift_transform(
-            functools.partial(_lifted_engine, policy=state.rules.default), fun)
+            functools.partial(_lifted_engine, policy=state.rules.default), fun
+        )
         with _policy_call(state, tuple(self.scope.path), report=True):
             return lifted(self, *args, **kwargs)
 
@@ -264,14 +277,21 @@ def _wrap_class(cls: type, rules: Rules) -> type:
     cls = getattr(cls, "_mpjax_original", cls)  # wrapping again replaces the rules
     # Same name and qualname: linen auto-names submodules after their class ("Dense_0"), so a
     # wrapped model has the unwrapped model's parameter tree and the same variables fit both.
-    namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                 "__doc__": cls.__doc__, "_mpjax_state": _WrapperState(rules),
-                 "_mpjax_original": cls}
+    namespace = {
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+        "_mpjax_state": _WrapperState(rules),
+        "_mpjax_original": cls,
+    }
     return type(cls.__name__, (_PolicyMixin, cls), namespace)
 
 
-def apply_policy(module: nn.Module | type, policy_or_rules: Rules | PolicyLike):
-    """Applies a precision policy, or rules, to an unmodified linen module or module class.
+def apply_policy(module: nn.Module | type, policy_or_rules: RulesLike):
+    """Returns a copy of an unmodified linen module (or class) that runs under a policy or rules.
+
+    Linen modules are immutable, so ``module`` itself is left as it was and the wrapped copy
+    is returned (:func:`mpjax.nnx.set_policy` configures an NNX model in place instead).
 
     Every module below the wrapped one (submodules defined in ``setup`` or ``@nn.compact``,
     shared modules, modules inside ``nn.scan``, ``nn.remat``, ``nn.vmap``...) resolves its policy
@@ -292,6 +312,13 @@ def apply_policy(module: nn.Module | type, policy_or_rules: Rules | PolicyLike):
       module and at modules whose policy differs from their caller's;
     - a rule's ``attributes`` are set on the modules it matches that have those fields.
 
+    What a policy overrides: every module runs under the policy of its region, whatever its
+    own ``dtype`` and ``param_dtype`` fields say (they are never consulted:
+    ``nn.Dense(4, dtype=jnp.float32)`` in a bf16 model computes in bf16), and so does any code
+    a module calls, a user's ``attention_fn`` included. To keep a module in f32, say so: a rule
+    for its path or class (``{"head": "float32"}``), or :func:`mpjax.full_precision` around
+    the code.
+
     A computation the engine cannot reach is warned about with the module's path
     (:class:`mpjax.AutocastWarning`): a host callback gets its inputs in the traced dtypes.
     Code inside :func:`mpjax.full_precision` runs as written.
@@ -305,8 +332,9 @@ def apply_policy(module: nn.Module | type, policy_or_rules: Rules | PolicyLike):
         are wrapped: use it to wrap a submodule inside another module
         (``apply_policy(nn.Dense, "float32")(features)``). Wrapping a wrapped module replaces
         its rules.
-      policy_or_rules: a :class:`mpjax.Rules`, or anything :func:`mpjax.get_policy` accepts,
-        which becomes the default policy with the built-in rules (norms and softmax in f32).
+      policy_or_rules: a :class:`mpjax.Rules`; anything :func:`mpjax.get_policy` accepts (the
+        default policy, with the built-in rules: norms in f32); or a mapping or list of rules
+        (``Rules(policy_or_rules)``): the same forms :func:`mpjax.nnx.set_policy` takes.
 
     Returns:
       A module of a subclass of ``type(module)`` with the same fields and parameter tree, or,
@@ -325,7 +353,7 @@ def apply_policy(module: nn.Module | type, policy_or_rules: Rules | PolicyLike):
     >>> variables = model.init(jax.random.key(0), x)
     >>> variables["params"]["kernel"].dtype, model.apply(variables, x).dtype
     (dtype('float32'), dtype('float32'))
-    >>> [m.operand_dtypes for m in mpjax.inspect_matmuls(model.apply, variables, x)]
+    >>> [m.operand_dtypes for m in mpjax.inspect_matmuls(model.apply)(variables, x)]
     [(dtype(bfloat16), dtype(bfloat16))]
     """
     rules = as_rules(policy_or_rules)
@@ -335,7 +363,7 @@ def apply_policy(module: nn.Module | type, policy_or_rules: Rules | PolicyLike):
         raise TypeError(
             "apply_policy() takes a flax.linen Module instance or class as `module`; got "
             f"{module!r} of type {type(module).__name__}."
-            + (" For flax.nnx modules use mpjax.nnx.apply_policy." if _is_nnx(module) else "")
+            + (" For flax.nnx modules use mpjax.nnx.set_policy." if _is_nnx(module) else "")
         )
     if module.scope is not None:
         raise ValueError(
@@ -363,8 +391,12 @@ def _owned_params(params: Any, path: str, module_paths: set[str]) -> list[Any]:
     if not isinstance(node, Mapping):
         return []
     prefix = f"{path}/" if path else ""
-    return [leaf for name, value in node.items() if f"{prefix}{name}" not in module_paths
-            for leaf in jax.tree.leaves(value)]
+    return [
+        leaf
+        for name, value in node.items()
+        if f"{prefix}{name}" not in module_paths
+        for leaf in jax.tree.leaves(value)
+    ]
 
 
 def _report_of(
@@ -403,7 +435,7 @@ def _report_of(
       ValueError: if ``model`` is wrapped and ``rules`` is given, or unwrapped and it is not.
     """
     model = _wrapped_for_report(model, rules)
-    state = type(model)._mpjax_state
+    state: _WrapperState = type(model)._mpjax_state  # type: ignore[attr-defined]
 
     def report(*args, **kwargs) -> PrecisionReport:
         keys = jax.random.key(0) if rngs is None else rngs
@@ -413,8 +445,7 @@ def _report_of(
             known = eval_shape_of(init, *args, **kwargs)
 
         def apply(variables, *args, **kwargs):
-            return model.apply(variables, *args, method=method, rngs=keys, mutable=True,
-                               **kwargs)
+            return model.apply(variables, *args, method=method, rngs=keys, mutable=True, **kwargs)
 
         matmuls = matmuls_by_region(apply, known, *args, **kwargs)
         params = nn.meta.unbox(known).get("params", {}) if isinstance(known, Mapping) else {}
@@ -422,14 +453,19 @@ def _report_of(
         rows = []
         for path, (module_type, resolution) in seen.items():
             leaves = _owned_params(params, path, set(seen))
-            rows.append(ModuleRow(
-                path=path, type_name=module_type.__name__, policy=resolution.policy,
-                rule=resolution.rule_name,
-                param_count=sum(int(np.prod(leaf.shape)) for leaf in leaves),
-                param_bytes=sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
-                                for leaf in leaves),
-                matmuls=matmuls.get(path, ()),
-            ))
+            rows.append(
+                ModuleRow(
+                    path=path,
+                    type_name=module_type.__name__,
+                    policy=resolution.policy,
+                    rule=resolution.rule_name,
+                    param_count=sum(int(np.prod(leaf.shape)) for leaf in leaves),
+                    param_bytes=sum(
+                        int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for leaf in leaves
+                    ),
+                    matmuls=matmuls.get(path, ()),
+                )
+            )
         problems = state.rules.problems((path, cls) for path, (cls, _) in seen.items())
         return PrecisionReport(tuple(rows), tuple(problems))
 
@@ -462,14 +498,15 @@ def describe(
         "mpjax.describe(model, rules=...)(*args, **kwargs), which returns the report without "
         "printing it (print it, or call its .table())",
     )
-    report = _report_of(model, rules=rules, variables=variables, rngs=rngs,
-                        method=method)(*args, **kwargs)
+    report = _report_of(model, rules=rules, variables=variables, rngs=rngs, method=method)(
+        *args, **kwargs
+    )
     if print_table:
         print(report)
     return report
 
 
-def _wrapped_for_report(model: Any, rules: Rules | PolicyLike | None) -> nn.Module:
+def _wrapped_for_report(model: Any, rules: RulesLike | None) -> Any:
     if isinstance(model, type):
         raise TypeError(
             f"describe() takes a flax.linen Module instance, got the class {model.__name__}. "
@@ -486,14 +523,19 @@ def _wrapped_for_report(model: Any, rules: Rules | PolicyLike | None) -> nn.Modu
             "describe() got `rules` for a model apply_policy() already wrapped, which has its "
             "own rules. Pass the unwrapped model with `rules`, or the wrapped model alone."
         )
-    if not wrapped and rules is None:
+    if wrapped:
+        return model
+    if rules is None:
         raise ValueError(
             f"describe() got an unwrapped {type(model).__name__}: pass `rules=` (rules or a "
             "policy), or the model returned by mpjax.linen.apply_policy(model, rules)."
         )
-    return model if wrapped else apply_policy(model, rules)
+    return apply_policy(model, rules)
 
 
-register_describer(nn.Module, _report_of, kind="a flax.linen module",
-                   options=("rules", "variables", "rngs", "method"))
-register_builtin_rules(*norm_rules(nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm))
+register_describer(
+    nn.Module,
+    _report_of,
+    kind="a flax.linen module",
+    options=("rules", "variables", "rngs", "method"),
+)

@@ -1,7 +1,7 @@
 """Flax NNX integration: run an existing, unmodified ``nnx.Module`` under a policy or rules.
 
-:func:`apply_policy` configures the model **in place** and returns it; nothing is copied and no
-wrapper module is added, so ``nnx.state``, ``nnx.split``, checkpoints and
+:func:`set_policy` configures the model **in place** (and returns None); nothing is copied
+and no wrapper module is added, so ``nnx.state``, ``nnx.split``, checkpoints and
 ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` see exactly the paths and Variables they saw before.
 It resolves a policy for every module (``rules.resolve(path, module)``, paths are the
 ``/``-joined attribute names of the graph, e.g. ``"blocks/0/attn"``, the root is ``""``) and:
@@ -36,12 +36,19 @@ import dataclasses
 import functools
 import types
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-import flax.linen as nn
 import jax
 import numpy as np
-from flax import nnx
+
+try:
+    import flax.linen as nn
+    from flax import nnx
+except ImportError as error:
+    raise ImportError(
+        'mpjax.nnx needs Flax, which is not installed. Install it with: pip install "mpjax[flax]"'
+    ) from error
 
 from mpjax import jax_compat, regions
 from mpjax.autocast import run_in_regions, tracing
@@ -51,14 +58,20 @@ from mpjax.policy import Policy, PolicyLike, is_floating
 from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
 from mpjax.rules import (
     Resolution,
+    Rule,
     Rules,
+    RulesLike,
     RuleWarning,
     as_rules,
-    norm_rules,
-    register_builtin_rules,
+    norm_policy,
+    register_builtin_rule,
 )
 
-__all__ = ["apply_policy", "describe"]
+__all__ = ["apply_policy", "describe", "set_policy"]
+
+for _norm in (nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm):
+    register_builtin_rule(Rule(_norm, norm_policy, name=f"builtin: nnx.{_norm.__name__} in f32"))
+del _norm
 
 # Containers hold modules and Params for the module that uses them; they own nothing themselves.
 _CONTAINERS = (nnx.List, nnx.Dict)
@@ -87,6 +100,10 @@ class _Node:
     params: list[tuple[str, nnx.Variable]] = dataclasses.field(default_factory=list)
 
 
+# The linen function that does what each function of this module does.
+_LINEN_NAMES = {"set_policy": "apply_policy"}
+
+
 def _check_model(model: Any, function: str) -> None:
     if isinstance(model, nnx.Module):
         return
@@ -100,7 +117,7 @@ def _check_model(model: Any, function: str) -> None:
         raise TypeError(
             f"mpjax.nnx.{function}() takes an nnx.Module, got the linen module "
             f"{getattr(model, '__name__', type(model).__name__)}. Use "
-            f"mpjax.linen.{function}() for linen modules."
+            f"mpjax.linen.{_LINEN_NAMES.get(function, function)}() for linen modules."
         )
     raise TypeError(
         f"mpjax.nnx.{function}() takes an nnx.Module instance as `model`, got {model!r} of "
@@ -188,8 +205,11 @@ def _through_engine(module: nnx.Module, policy: Policy, args: tuple, kwargs: dic
     # very array that went in, and writing it anyway would fail under a trace the model was
     # not created in (a closed-over model under jax.jit), where the call itself mutated nothing.
     before = {path: _raw(v) for path, v in nnx.to_flat_state(state)}
-    changed = [(path, v) for path, v in nnx.to_flat_state(new_state)
-               if path not in before or _raw(v) is not before[path]]
+    changed = [
+        (path, v)
+        for path, v in nnx.to_flat_state(new_state)
+        if path not in before or _raw(v) is not before[path]
+    ]
     if changed:
         nnx.update(nodes, nnx.from_flat_state(changed))
     return out
@@ -215,12 +235,18 @@ def _policy_call(original):
 @functools.cache
 def _policy_class(base: type[nnx.Module], plan: _Plan) -> type:
     """A subclass of ``base`` with the same name that runs ``__call__`` under ``plan``."""
-    namespace = {"_mpjax_base": base, "_mpjax_plan": plan, "__module__": base.__module__,
-                 "__qualname__": base.__qualname__, "__doc__": base.__doc__}
+    namespace = {
+        "_mpjax_base": base,
+        "_mpjax_plan": plan,
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+        "__doc__": base.__doc__,
+    }
     if "__call__" in dir(base):  # dir() of a class leaves out its metaclass's __call__
         namespace["__call__"] = _policy_call(base.__call__)
-    return types.new_class(base.__name__, (base,), {"pytree": base._pytree__is_pytree},
-                           lambda ns: ns.update(namespace))
+    return types.new_class(
+        base.__name__, (base,), {"pytree": base._pytree__is_pytree}, lambda ns: ns.update(namespace)
+    )
 
 
 def _set_plan(module: nnx.Module, plan: _Plan | None) -> None:
@@ -234,13 +260,24 @@ def _resolve(nodes: list[_Node], rules: Rules) -> dict[str, Resolution]:
     return {n.path: rules.resolve(n.path, _base_class(n.module)) for n in nodes}
 
 
-def apply_policy(model: nnx.Module, policy_or_rules: Rules | PolicyLike) -> nnx.Module:
-    """Runs an existing NNX model under a policy or rules; configures it in place and returns it.
+def set_policy(model: nnx.Module, policy_or_rules: RulesLike) -> None:
+    """Runs an existing NNX model under a policy or rules, configuring it **in place**.
+
+    Like ``list.sort`` and ``nnx.update``, it mutates ``model`` and returns None: the model
+    object you hold is the one that now runs under the policy. (:func:`mpjax.linen.apply_policy`
+    returns a new module instead, since linen modules are immutable.)
 
     See the module docstring for what changes. The model keeps its Variables, state paths and
     checkpoint layout; its modules' classes become same-named subclasses that carry the
     policy, so it survives ``nnx.split``/``nnx.merge``, ``nnx.jit``, ``nnx.grad`` and
-    ``nnx.Optimizer``. Applying again replaces the previous policy (storage casts stay).
+    ``nnx.Optimizer``. Setting a policy again replaces the previous one (storage casts stay).
+
+    What a policy overrides: every module runs under the policy of its region, whatever its
+    own ``dtype`` and ``param_dtype`` attributes say (they are never consulted:
+    ``nnx.Linear(..., dtype=jnp.float32)`` in a bf16 model computes in bf16), and so does any
+    code a module calls, a user's ``attention_fn`` included. To keep a module in f32, say so:
+    a rule for its path or class (``{"head": "float32"}``), or :func:`mpjax.full_precision`
+    around the code.
 
     The engine starts where a module's ``__call__`` is called from outside: a root method
     other than ``__call__`` (``model.generate(...)``) runs each submodule it calls through the
@@ -251,14 +288,16 @@ def apply_policy(model: nnx.Module, policy_or_rules: Rules | PolicyLike) -> nnx.
 
     Args:
       model: an ``nnx.Module`` instance.
-      policy_or_rules: a policy (anything :func:`mpjax.get_policy` accepts, applied with the
-        built-in rules) or :class:`mpjax.Rules`.
+      policy_or_rules: a :class:`mpjax.Rules`; anything :func:`mpjax.get_policy` accepts (the
+        default policy, with the built-in rules); or a mapping or list of rules
+        (``Rules(policy_or_rules)``): the same forms :func:`mpjax.linen.apply_policy` takes.
 
     Returns:
-      ``model`` itself.
+      None.
 
     Raises:
-      TypeError: ``model`` is not an ``nnx.Module`` instance.
+      TypeError: ``model`` is not an ``nnx.Module`` instance, or ``policy_or_rules`` is none
+        of the forms above.
       ValueError: the policy cannot be parsed.
 
     Warns:
@@ -267,18 +306,42 @@ def apply_policy(model: nnx.Module, policy_or_rules: Rules | PolicyLike) -> nnx.
 
     >>> import jax.numpy as jnp, mpjax
     >>> from flax import nnx
-    >>> model = apply_policy(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), "mixed_bfloat16")
+    >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    >>> set_policy(model, "mixed_bfloat16")
     >>> model.kernel[...].dtype, model(jnp.ones((1, 4))).dtype
     (dtype('float32'), dtype('float32'))
-    >>> mpjax.inspect_matmuls(model, jnp.ones((1, 4))).operand_dtypes()
+    >>> mpjax.inspect_matmuls(model)(jnp.ones((1, 4))).operand_dtypes()
     Counter({('bfloat16', 'bfloat16'): 1})
     """
-    _check_model(model, "apply_policy")
+    _set_policy(model, policy_or_rules, "set_policy")
+
+
+def apply_policy(model: nnx.Module, policy_or_rules: RulesLike) -> nnx.Module:
+    """Deprecated: use :func:`set_policy`, which configures ``model`` in place and returns None.
+
+    Calls ``set_policy(model, policy_or_rules)`` and returns ``model``.
+
+    Warns:
+      MpjaxDeprecationWarning: always.
+    """
+    warn_deprecated(
+        "mpjax.nnx.apply_policy(model, policy_or_rules)",
+        "mpjax.nnx.set_policy(model, policy_or_rules), which configures the model in place and "
+        "returns None",
+    )
+    _set_policy(model, policy_or_rules, "apply_policy", stacklevel=3)
+    return model
+
+
+def _set_policy(
+    model: nnx.Module, policy_or_rules: RulesLike, function: str, stacklevel: int = 2
+) -> None:
+    _check_model(model, function)
     rules = as_rules(policy_or_rules)
     nodes = _walk(model)
     resolved = _resolve(nodes, rules)
     for problem in rules.problems((n.path, _base_class(n.module)) for n in nodes):
-        warnings.warn(problem, RuleWarning, stacklevel=2)
+        warnings.warn(problem, RuleWarning, stacklevel=stacklevel + 1)
     for node in nodes:
         resolution = resolved[node.path]
         _configure(node, resolution)
@@ -286,7 +349,6 @@ def apply_policy(model: nnx.Module, policy_or_rules: Rules | PolicyLike) -> nnx.
         root = node.parent is None
         boundary = node.parent is None or resolved[node.parent].policy != policy
         _set_plan(node.module, _Plan(policy, node.path, boundary, rules if root else None))
-    return model
 
 
 def _applied_rules(model: nnx.Module) -> Rules:
@@ -294,14 +356,15 @@ def _applied_rules(model: nnx.Module) -> Rules:
     if plan is None or plan.rules is None:
         raise ValueError(
             f"The {type(model).__name__} passed as `model` has no policy applied. Either call "
-            "mpjax.nnx.apply_policy(model, policy) first, or pass the rules to report: "
+            "mpjax.nnx.set_policy(model, policy) first, or pass the rules to report: "
             "mpjax.describe(model, rules=...)."
         )
     return plan.rules
 
 
-def _report_of(model: nnx.Module, *, rules: Rules | PolicyLike | None
-               ) -> Callable[..., PrecisionReport]:
+def _report_of(
+    model: nnx.Module, *, rules: Rules | PolicyLike | None
+) -> Callable[..., PrecisionReport]:
     """:func:`mpjax.describe` of an NNX model: each module's path, type, policy, rule, params
     and, given example inputs, the dtypes its matmuls ran in.
 
@@ -315,7 +378,7 @@ def _report_of(model: nnx.Module, *, rules: Rules | PolicyLike | None
 
     Args:
       model: an ``nnx.Module`` instance.
-      rules: the policy or rules to report; by default the ones :func:`apply_policy` applied
+      rules: the policy or rules to report; by default the ones :func:`set_policy` applied
         to ``model``. Passing them reports what they would do without changing the model.
 
     Returns:
@@ -350,23 +413,30 @@ def _report_of(model: nnx.Module, *, rules: Rules | PolicyLike | None
         rows = []
         for node in nodes:
             values = [v.get_value() for _, v in node.params]
-            rows.append(ModuleRow(
-                path=node.path,
-                type_name=_base_class(node.module).__name__,
-                policy=resolved[node.path].policy,
-                rule=resolved[node.path].rule_name,
-                param_count=sum(int(np.size(x)) for x in values),
-                param_bytes=sum(int(np.size(x)) * np.dtype(x.dtype).itemsize for x in values),
-                matmuls=matmuls.get(node.path, ()),
-            ))
+            rows.append(
+                ModuleRow(
+                    path=node.path,
+                    type_name=_base_class(node.module).__name__,
+                    policy=resolved[node.path].policy,
+                    rule=resolved[node.path].rule_name,
+                    param_count=sum(int(np.size(x)) for x in values),
+                    param_bytes=sum(int(np.size(x)) * np.dtype(x.dtype).itemsize for x in values),
+                    matmuls=matmuls.get(node.path, ()),
+                )
+            )
         problems = rules.problems((n.path, _base_class(n.module)) for n in nodes)
         return PrecisionReport(tuple(rows), tuple(problems), matmuls_traced=traced)
 
     return report
 
 
-def describe(model: nnx.Module, rules: Rules | PolicyLike | None = None, *,
-             inputs: tuple = (), print_table: bool = True) -> PrecisionReport:
+def describe(
+    model: nnx.Module,
+    rules: Rules | PolicyLike | None = None,
+    *,
+    inputs: tuple = (),
+    print_table: bool = True,
+) -> PrecisionReport:
     """Deprecated: use ``mpjax.describe(model, rules=...)(*inputs)`` (and print the report).
 
     Returns, and by default prints, the :class:`mpjax.PrecisionReport` of an NNX model; see
@@ -392,11 +462,11 @@ def _matmuls(model: nnx.Module, rules: Rules, args: tuple, kwargs: dict) -> dict
     copy = nnx.clone(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuleWarning)  # describe() reports them itself
-        apply_policy(copy, rules)
+        set_policy(copy, rules)
     graphdef, state = nnx.split(copy)
-    return matmuls_by_region(lambda state, *a, **k: nnx.merge(graphdef, state)(*a, **k), state,
-                             *args, **kwargs)
+    return matmuls_by_region(
+        lambda state, *a, **k: nnx.merge(graphdef, state)(*a, **k), state, *args, **kwargs
+    )
 
 
 register_describer(nnx.Module, _report_of, kind="a flax.nnx module", options=("rules",))
-register_builtin_rules(*norm_rules(nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm))

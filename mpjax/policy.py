@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-try:  # jmp is optional: only Policy.to_jmp needs it (the mpjax[jmp] extra).
+try:
     import jmp
-except ImportError:
+except ImportError:  # only Policy.to_jmp needs it: the jmp extra
     jmp = None
 
 T = TypeVar("T")
@@ -77,6 +77,28 @@ def short_dtype_name(dtype: Any) -> str:
     """
     dtype = np.dtype(dtype)
     return _SHORT_NAMES.get(dtype, dtype.name)
+
+
+def is_floating(x: Any) -> bool:
+    """Whether ``x`` is a floating-point dtype, or a value whose ``dtype`` is one.
+
+    ``x`` may be a dtype or scalar type (``jnp.bfloat16``, ``np.dtype("float32")``), or
+    anything with a ``dtype`` attribute (a jax or numpy array, a tracer, a
+    ``jax.ShapeDtypeStruct``, an abstract value). Anything else, Python scalars and PRNG key
+    dtypes included, is not floating. The one predicate mpjax uses for "is this floating".
+
+    >>> is_floating(jnp.bfloat16), is_floating(jnp.ones(2)), is_floating(np.arange(2))
+    (True, True, False)
+    >>> is_floating(jax.ShapeDtypeStruct((2,), jnp.float16)), is_floating(1.0)
+    (True, False)
+    """
+    dtype: Any = x if isinstance(x, (np.dtype, type)) else getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.floating))
+    except TypeError:
+        return False
 
 
 def _valid_names() -> str:
@@ -143,8 +165,10 @@ class Policy:
     output_dtype: np.dtype
 
     if TYPE_CHECKING:  # the generated __init__ takes any dtype spelling; __post_init__ converts
-        def __init__(self, param_dtype: DTypeLike, compute_dtype: DTypeLike,
-                     output_dtype: DTypeLike) -> None: ...
+
+        def __init__(
+            self, param_dtype: DTypeLike, compute_dtype: DTypeLike, output_dtype: DTypeLike
+        ) -> None: ...
 
     def __post_init__(self):
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
@@ -209,8 +233,9 @@ class Policy:
         return self.param_dtype, self.compute_dtype, self.output_dtype
 
     @classmethod
-    def from_jmp(cls, policy: Any) -> Policy:
-        """Converts a ``jmp.Policy`` to an mpjax :class:`Policy`."""
+    def from_jmp(cls, policy: JmpStylePolicy) -> Policy:
+        """Converts a ``jmp.Policy`` (or any object with the three dtype attributes) to an
+        mpjax :class:`Policy`; jmp itself is not needed."""
         return cls(policy.param_dtype, policy.compute_dtype, policy.output_dtype)
 
     def to_jmp(self) -> Any:
@@ -220,7 +245,10 @@ class Policy:
           ImportError: if jmp is not installed (``pip install "mpjax[jmp]"``).
         """
         if jmp is None:
-            raise ImportError('Policy.to_jmp needs jmp: pip install "mpjax[jmp]" (or jmp).')
+            raise ImportError(
+                "Policy.to_jmp() needs jmp, which is not installed. Install it with: "
+                'pip install "mpjax[jmp]"'
+            )
         return jmp.Policy(
             param_dtype=jnp.dtype(self.param_dtype),
             compute_dtype=jnp.dtype(self.compute_dtype),
@@ -229,32 +257,16 @@ class Policy:
 
 
 @runtime_checkable
-class DtypePolicy(Protocol):
-    """Any policy object with jmp's three dtype attributes, ``jmp.Policy`` among them."""
+class JmpStylePolicy(Protocol):
+    """A policy object in jmp's style (``jmp.Policy``): the three dtypes as attributes."""
 
     param_dtype: Any
     compute_dtype: Any
     output_dtype: Any
 
 
-PolicyLike = Policy | str | np.dtype | type | DtypePolicy
+PolicyLike = Policy | str | np.dtype | type | JmpStylePolicy
 """Anything :func:`get_policy` accepts: a Policy, a policy string, a dtype or a jmp.Policy."""
-
-
-def is_floating(x: Any) -> bool:
-    """Whether ``x``, a dtype or anything with a ``dtype`` (arrays, tracers, ``ShapeDtypeStruct``,
-    ``float0`` excluded), is floating-point: the one test mpjax uses to decide what a policy
-    may cast.
-
-    >>> import jax.numpy as jnp
-    >>> is_floating(jnp.bfloat16), is_floating(jnp.ones(2, jnp.int32)), is_floating("x")
-    (True, False, False)
-    """
-    dtype = getattr(x, "dtype", x)
-    try:
-        return bool(jnp.issubdtype(dtype, jnp.floating))
-    except TypeError:
-        return False
 
 
 def _is_castable(x: Any) -> bool:
@@ -302,11 +314,6 @@ _PRESETS: dict[str, Policy] = {
     "mixed_bfloat16": MIXED_BFLOAT16,
     "mixed_float16": MIXED_FLOAT16,
 }
-
-
-def _is_jmp_policy(value: Any) -> bool:
-    cls = type(value)
-    return cls.__name__ == "Policy" and cls.__module__.split(".")[0] == "jmp"
 
 
 def _parse(spec: str) -> Policy:
@@ -359,7 +366,9 @@ def get_policy(spec: PolicyLike) -> Policy:
     Args:
       spec: one of
 
-        - a :class:`Policy` (returned as is) or a ``jmp.Policy`` (converted);
+        - a :class:`Policy` (returned as is), or a ``jmp.Policy`` or any other object with
+          ``param_dtype``, ``compute_dtype`` and ``output_dtype`` attributes
+          (:class:`JmpStylePolicy`; converted);
         - a preset: ``"mixed_bfloat16"`` (params f32, compute bf16, output f32) or
           ``"mixed_float16"`` (the same with f16);
         - a dtype name (``"float32"``, ``"bf16"``, ``"half"``...) for all three dtypes;
@@ -382,7 +391,7 @@ def get_policy(spec: PolicyLike) -> Policy:
         return spec
     if isinstance(spec, str):
         return _parse(spec)
-    if _is_jmp_policy(spec):
+    if isinstance(spec, JmpStylePolicy):
         return Policy.from_jmp(spec)
     if isinstance(spec, (np.dtype, type)):
         dtype = _to_dtype(spec, "policy dtype")

@@ -64,7 +64,7 @@ def region(policy: Policy, path: str = ""):
 
 def full_precision():
     """A context manager (or decorator) whose computations :func:`mpjax.autocast` leaves in
-    their traced dtypes.
+    their traced dtypes, those of the modules of a wrapped Flax model called inside included.
 
     It is ``jax.named_scope("mpjax_full_precision")``, so it can be written anywhere inside the
     autocast function or a wrapped Flax model, in library code included, and also outside
@@ -92,16 +92,27 @@ def _parse(name: str) -> Region | None:
 
 
 def innermost(scopes: Sequence[str]) -> Region | None:
-    """The innermost region among the named scopes ``scopes`` (outermost first), or None.
+    """The region of a computation under the named scopes ``scopes`` (outermost first), or None.
+
+    The innermost region wins, except that :func:`full_precision` covers everything inside it,
+    the regions of modules called there included (as ``torch.autocast(enabled=False)`` does):
+    such a computation is in a full-precision region with the path of its innermost module.
 
     >>> innermost(["model", "mpjax[float32]head", "dense"])
     Region(policy=Policy(param_dtype=float32, compute_dtype=float32, output_dtype=float32), path='head')
-    """  # noqa: E501 (a doctest's output line)
+    >>> innermost([FULL_PRECISION_SCOPE, "mpjax[mixed_bfloat16]head"])
+    Region(policy=None, path='head')
+    """
+    found = None
     for name in reversed(scopes):
-        found = _parse(name)
-        if found is not None:
-            return found
-    return None
+        region = _parse(name)
+        if region is None:
+            continue
+        if region.policy is None:
+            return Region(None, found.path if found is not None else "")
+        if found is None:
+            found = region
+    return found
 
 
 def output_boundary(tree, dtype: np.dtype):
@@ -125,4 +136,4 @@ def boundary_dtype(name: str) -> np.dtype | None:
     """
     if not name.startswith(_OUTPUT):
         return None
-    return np.dtype(jnp.dtype(name[len(_OUTPUT):]))
+    return np.dtype(jnp.dtype(name[len(_OUTPUT) :]))

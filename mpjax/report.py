@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -50,9 +51,11 @@ class ModuleRow:
         return {
             "path": self.path,
             "type": self.type_name,
-            "policy": {"param_dtype": policy.param_dtype.name,
-                       "compute_dtype": policy.compute_dtype.name,
-                       "output_dtype": policy.output_dtype.name},
+            "policy": {
+                "param_dtype": policy.param_dtype.name,
+                "compute_dtype": policy.compute_dtype.name,
+                "output_dtype": policy.output_dtype.name,
+            },
             "rule": self.rule,
             "param_count": self.param_count,
             "param_bytes": self.param_bytes,
@@ -76,12 +79,12 @@ class Report(Protocol):
 def _human_bytes(n: int) -> str:
     if n < 1024:
         return f"{n} B"
-    size, unit = float(n), "B"
-    for unit in ("KiB", "MiB", "GiB"):
-        size /= 1024
+    size = n / 1024
+    for unit in ("KiB", "MiB"):
         if size < 1024:
-            break
-    return f"{size:.1f} {unit}"
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,20 +123,51 @@ class PrecisionReport:
 
     def table(self) -> str:
         """The rows as a text table with a total, then the problems as warnings."""
-        header = ("path", "type", "params", "compute", "output", "rule", "#params", "bytes",
-                  "matmuls ran in")
+        header = (
+            "path",
+            "type",
+            "params",
+            "compute",
+            "output",
+            "rule",
+            "#params",
+            "bytes",
+            "matmuls ran in",
+        )
         body = [
-            (r.path or "<root>", r.type_name, r.policy.param_dtype.name,
-             r.policy.compute_dtype.name, r.policy.output_dtype.name, r.rule,
-             f"{r.param_count:,}", _human_bytes(r.param_bytes),
-             " ".join(f"{n}x {dtypes}" for dtypes, n in r.matmuls) or "-")
+            (
+                r.path or "<root>",
+                r.type_name,
+                r.policy.param_dtype.name,
+                r.policy.compute_dtype.name,
+                r.policy.output_dtype.name,
+                r.rule,
+                f"{r.param_count:,}",
+                _human_bytes(r.param_bytes),
+                " ".join(f"{n}x {dtypes}" for dtypes, n in r.matmuls) or "-",
+            )
             for r in self.rows
         ]
-        total = ("total", "", "", "", "", "", f"{self.total_params:,}",
-                 _human_bytes(self.total_bytes), "")
+        total = (
+            "total",
+            "",
+            "",
+            "",
+            "",
+            "",
+            f"{self.total_params:,}",
+            _human_bytes(self.total_bytes),
+            "",
+        )
         columns = len(header) if self.matmuls_traced else len(header) - 1
-        lines = [format_table(header[:columns], [row[:columns] for row in body],
-                              footer=total[:columns], right=frozenset({6, 7}))]
+        lines = [
+            format_table(
+                header[:columns],
+                [row[:columns] for row in body],
+                footer=total[:columns],
+                right=frozenset({6, 7}),
+            )
+        ]
         lines += [f"warning: {p}" for p in self.problems]
         return "\n".join(lines)
 
@@ -170,8 +204,9 @@ def eval_shape_of(fn: Callable[..., Any], *args, **kwargs) -> Any:
     return jax.eval_shape(traced, [leaves[i] for i in arrays])
 
 
-def matmuls_by_region(fn: Callable[..., Any], *args, **kwargs
-                      ) -> dict[str, tuple[tuple[str, int], ...]]:
+def matmuls_by_region(
+    fn: Callable[..., Any], *args, **kwargs
+) -> dict[str, tuple[tuple[str, int], ...]]:
     """The matmuls and convolutions of ``fn`` and of its gradient, by the module path of the
     precision region they ran in, counted by operand dtypes.
 
@@ -197,8 +232,9 @@ def matmuls_by_region(fn: Callable[..., Any], *args, **kwargs
         return sum((jnp.sum(x.astype(jnp.float32)) for x in outs), jnp.zeros((), jnp.float32))
 
     counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    report = inspect_matmuls(jax.grad(loss))([leaves[i] for i in floating],
-                                             [leaves[i] for i in arrays])
+    report = inspect_matmuls(jax.grad(loss))(
+        [leaves[i] for i in floating], [leaves[i] for i in arrays]
+    )
     for m in report:
         dtypes = ",".join(short_dtype_name(d) for d in m.operand_dtypes)
         counts[m.region or ""][dtypes] += 1

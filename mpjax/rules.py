@@ -8,10 +8,10 @@ or a function of the default policy, plus optional module attributes to set (for
 ``precision="highest"``). The first matching rule wins; modules no rule matches use the
 default.
 
-Built-in rules come after the user's. This module knows no model library: the integrations
-register theirs when imported (:mod:`mpjax.linen` and :mod:`mpjax.nnx` register that
+Built-in rules come after the user's. The integrations register them when they are imported
+(:func:`register_builtin_rule`): :mod:`mpjax.linen` and :mod:`mpjax.nnx` make their
 normalization layers keep f32 parameters and compute their statistics in f32, returning the
-compute dtype).
+compute dtype. This module knows no module library: it matches classes it is given.
 """
 
 from __future__ import annotations
@@ -63,9 +63,15 @@ class Rule:
     builtin: bool = False
 
     if TYPE_CHECKING:  # the generated __init__ also takes a mapping; __post_init__ converts it
-        def __init__(self, key: RuleKey, policy: RuleValue = None,
-                     attributes: Mapping[str, Any] | tuple[tuple[str, Any], ...] = (),
-                     name: str = "", builtin: bool = False) -> None: ...
+
+        def __init__(
+            self,
+            key: RuleKey,
+            policy: RuleValue = None,
+            attributes: Mapping[str, Any] | tuple[tuple[str, Any], ...] = (),
+            name: str = "",
+            builtin: bool = False,
+        ) -> None: ...
 
     def __post_init__(self):
         if not isinstance(self.key, (str, re.Pattern, type)):
@@ -123,33 +129,42 @@ def norm_policy(default: Policy) -> Policy:
     return Policy(f32, f32, default.compute_dtype)
 
 
-_builtin_rules: list[Rule] = []
+# mpjax's built-in rules, in registration order. Softmax needs no rule: the casting engine
+# runs its exp and sums in f32 wherever it is.
+_BUILTIN_RULES: list[Rule] = []
 
 
-def register_builtin_rules(*rules: Rule) -> None:
-    """Adds built-in rules, for integrations: :mod:`mpjax.linen` and :mod:`mpjax.nnx` call it
-    when imported. Every :class:`Rules` made afterwards with ``builtins=True`` appends them
-    after the user's rules, in registration order.
+def register_builtin_rule(rule: Rule) -> None:
+    """Adds ``rule`` to the built-in rules that every :class:`Rules` made afterwards ends with.
+
+    The integrations call it at import for their own module classes (:mod:`mpjax.linen` and
+    :mod:`mpjax.nnx` register their norms with :func:`norm_policy`), so this module imports no
+    module library. Registering a rule whose key is already registered replaces that rule in
+    place, so importing an integration twice (a reload) changes nothing.
+
+    Args:
+      rule: the rule; it is marked ``builtin=True`` (so it is not reported when it matches
+        nothing).
 
     Raises:
-      TypeError: if an entry is not a :class:`Rule` made with ``builtin=True``.
+      TypeError: if ``rule`` is not a :class:`Rule`.
     """
-    for rule in rules:
-        if not isinstance(rule, Rule) or not rule.builtin:
-            raise TypeError(
-                f"register_builtin_rules takes Rule(..., builtin=True) values; got {rule!r}."
-            )
-    _builtin_rules.extend(rules)
+    if not isinstance(rule, Rule):
+        raise TypeError(
+            f"register_builtin_rule() takes a Rule as `rule`; got {rule!r} of type "
+            f"{type(rule).__name__}."
+        )
+    rule = dataclasses.replace(rule, builtin=True)
+    for i, registered in enumerate(_BUILTIN_RULES):
+        if registered.key == rule.key:
+            _BUILTIN_RULES[i] = rule
+            return
+    _BUILTIN_RULES.append(rule)
 
 
-def norm_rules(*classes: type) -> tuple[Rule, ...]:
-    """The built-in rules that give normalization layer ``classes`` :func:`norm_policy`, named
-    after the class for reports (``"builtin: linen.LayerNorm in f32"``)."""
-    return tuple(
-        Rule(cls, norm_policy, name=f"builtin: {cls.__module__.split('.')[1]}.{cls.__name__} in f32",
-             builtin=True)
-        for cls in classes
-    )
+def builtin_rules() -> tuple[Rule, ...]:
+    """The built-in rules registered so far, in registration order."""
+    return tuple(_BUILTIN_RULES)
 
 
 def _as_rule(entry: Any) -> Rule:
@@ -171,7 +186,8 @@ class Rules:
       rules: the user's rules, highest priority first: a mapping ``{key: policy}``, or an
         iterable of :class:`Rule` or ``(key, policy[, attributes])`` tuples.
       default: the policy for modules no rule matches.
-      builtins: append mpjax's built-in rules (norms and softmax in f32) after the user's.
+      builtins: append mpjax's built-in rules (those the integrations registered: their norms
+        in f32) after the user's.
 
     >>> import flax.linen as nn
     >>> rules = Rules({"head": "float32"}, default="mixed_bfloat16")
@@ -199,7 +215,7 @@ class Rules:
         duplicates = sorted({_key_text(k) for k in keys if keys.count(k) > 1})
         if duplicates:
             raise ValueError(f"Duplicate rule keys: {', '.join(duplicates)}. Give each key once.")
-        object.__setattr__(self, "rules", user + (tuple(_builtin_rules) if builtins else ()))
+        object.__setattr__(self, "rules", user + (builtin_rules() if builtins else ()))
         object.__setattr__(self, "default", get_policy(default))
 
     @classmethod
@@ -221,13 +237,19 @@ class Rules:
         module_type = module_type if isinstance(module_type, type) else type(module_type)
         for rule in self.rules:
             if rule.matches(path, module_type):
-                return Resolution(path, module_type, rule.policy_for(self.default), rule,
-                                  rule.attributes)
+                return Resolution(
+                    path, module_type, rule.policy_for(self.default), rule, rule.attributes
+                )
         return Resolution(path, module_type, self.default, None, ())
 
-    def with_rule(self, key: RuleKey, policy: RuleValue = None,
-                  attributes: Mapping[str, Any] | tuple[tuple[str, Any], ...] = (),
-                  *, first: bool = True) -> Rules:
+    def with_rule(
+        self,
+        key: RuleKey,
+        policy: RuleValue = None,
+        attributes: Mapping[str, Any] | tuple[tuple[str, Any], ...] = (),
+        *,
+        first: bool = True,
+    ) -> Rules:
         """Returns new rules with a rule for ``key`` added, or replaced in place if ``key`` has one.
 
         A new rule goes first (highest priority) unless ``first=False``, which puts it after the
@@ -236,7 +258,7 @@ class Rules:
         rule = Rule(key, policy, attributes)
         index = self._index(key)
         if index is not None:
-            rules = self.rules[:index] + (rule,) + self.rules[index + 1:]
+            rules = self.rules[:index] + (rule,) + self.rules[index + 1 :]
         elif first:
             rules = (rule,) + self.rules
         else:
@@ -252,7 +274,7 @@ class Rules:
                 f"No rule has key {_key_text(key)!r}. Keys: "
                 f"{', '.join(_key_text(r.key) for r in self.rules) or 'none'}."
             )
-        return Rules._from(self.rules[:index] + self.rules[index + 1:], self.default)
+        return Rules._from(self.rules[:index] + self.rules[index + 1 :], self.default)
 
     def with_default(self, policy: PolicyLike) -> Rules:
         """Returns new rules with another default policy."""
@@ -286,12 +308,52 @@ class Rules:
         return found
 
 
-def as_rules(spec: Rules | PolicyLike) -> Rules:
-    """Returns ``spec`` if it is :class:`Rules`, else rules with ``spec`` as default policy and
-    the built-in rules."""
+RulesLike = Rules | PolicyLike | Mapping[RuleKey, RuleValue] | Sequence[Any]
+"""Anything :func:`as_rules` accepts: :class:`Rules`, a policy, or a mapping or list of rules."""
+
+
+def as_rules(spec: RulesLike, argument: str = "policy_or_rules") -> Rules:
+    """Turns every accepted spelling of "a policy or rules" into :class:`Rules`.
+
+    The one place that reads the ``policy_or_rules`` argument of
+    :func:`mpjax.linen.apply_policy` and :func:`mpjax.nnx.set_policy`, so both accept the same
+    forms with the same errors.
+
+    Args:
+      spec: one of
+        - a :class:`Rules` (returned as is);
+        - anything :func:`mpjax.get_policy` accepts: the default policy, with the built-in
+          rules;
+        - a mapping ``{key: policy}`` or a list (or tuple) of :class:`Rule` or
+          ``(key, policy[, attributes])`` entries: ``Rules(spec)``, whose default policy is
+          float32 (use ``Rules(spec, default=...)`` for another).
+      argument: the name of the caller's argument, for error messages.
+
+    Returns:
+      The rules.
+
+    Raises:
+      TypeError: ``spec`` is none of these, or a rule in it is malformed.
+      ValueError: a policy string is invalid, or a rule key is given twice.
+
+    >>> as_rules("mixed_bfloat16").default
+    Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=float32)
+    >>> as_rules({"head": "float32"}).rules[0].name
+    'head'
+    """
     if isinstance(spec, Rules):
         return spec
-    return Rules(default=spec)
+    if isinstance(spec, (Mapping, list, tuple)):
+        return Rules(spec)
+    try:
+        policy = get_policy(cast(PolicyLike, spec))
+    except TypeError:
+        raise TypeError(
+            f"`{argument}` must be mpjax.Rules, a policy (a Policy, a jmp.Policy, a dtype, or a "
+            "string such as 'mixed_bfloat16' or 'p=f32,c=bf16,o=f32'), or a mapping or list of "
+            f"rules such as {{'head': 'float32'}}; got {spec!r} of type {type(spec).__name__}."
+        ) from None
+    return Rules(default=policy)
 
 
 class RuleWarning(UserWarning):

@@ -104,20 +104,24 @@ def assert_floating_matmuls_bf16(subject: Subject) -> None:
         assert floating, f"{name}: no floating matmul found\n{report}"
         wrong = [m for m in floating if m.operand_dtypes != (BF16, BF16)]
         counts = ", ".join(f"{n} {a} x {b}" for (a, b), n in report.operand_dtypes().items())
-        assert not wrong, (f"{name}: {len(wrong)} of {len(floating)} floating matmuls do not run "
-                           f"bf16 x bf16 ({counts})\n{report}")
+        assert not wrong, (
+            f"{name}: {len(wrong)} of {len(floating)} floating matmuls do not run "
+            f"bf16 x bf16 ({counts})\n{report}"
+        )
 
 
 def assert_integer_dots_stay_integer(subject: Subject) -> None:
     """The integer dots of the f32 model are still there, integer in and out, fwd and bwd."""
-    for name, report, ref in zip(("forward", "backward"), subject.matmuls,
-                                 subject.reference_matmuls):
+    for name, report, ref in zip(
+        ("forward", "backward"), subject.matmuls, subject.reference_matmuls
+    ):
         _, integer = split_by_kind(report)
         _, ref_integer = split_by_kind(ref)
         assert ref_integer, f"the f32 model has no integer dot to check\n{ref}"
         assert len(integer) == len(ref_integer), (
             f"{name}: {len(ref_integer)} integer dots in the f32 model, {len(integer)} here\n"
-            f"{report}")
+            f"{report}"
+        )
         assert all(_is_int(m.out_dtype) for m in integer), f"{name}\n{report}"
 
 
@@ -136,7 +140,9 @@ def assert_output_close_to_f32(subject: Subject) -> None:
     out = jax.jit(subject.apply)(subject.params, *subject.inputs)
     ref = subject.reference(subject.params, *subject.inputs)
     assert jax.tree.structure(out) == jax.tree.structure(ref)
-    assert [np.shape(a) for a in jax.tree.leaves(out)] == [np.shape(b) for b in jax.tree.leaves(ref)]
+    assert [np.shape(a) for a in jax.tree.leaves(out)] == [
+        np.shape(b) for b in jax.tree.leaves(ref)
+    ]
     assert {np.dtype(a.dtype) for a in jax.tree.leaves(out) if _floating(a)} == {F32}
     errors = relative_errors(out, ref)
     assert errors and max(errors) < MAX_RELATIVE_ERROR, errors
@@ -171,9 +177,10 @@ def linen_subjects(model, wrapped, inputs, *, grad_inputs=(), **kwargs) -> dict[
 
 def _subjects(wrapper, reference, params, inputs, grad_inputs) -> dict[str, Subject]:
     shared = jax.jit(reference)  # one compiled f32 model for both subjects
-    return {mode: Subject(apply, shared, params, tuple(inputs), tuple(grad_inputs))
-            for mode, apply in (("wrapper", wrapper),
-                                ("autocast", mpjax.autocast(reference, POLICY)))}
+    return {
+        mode: Subject(apply, shared, params, tuple(inputs), tuple(grad_inputs))
+        for mode, apply in (("wrapper", wrapper), ("autocast", mpjax.autocast(reference, POLICY)))
+    }
 
 
 def nnx_functional(model: nnx.Module, method: Callable[..., Any] | None = None):
@@ -187,12 +194,15 @@ def nnx_functional(model: nnx.Module, method: Callable[..., Any] | None = None):
     return apply, params
 
 
-def nnx_subjects(build: Callable[[], nnx.Module], inputs, *, grad_inputs=(),
-                 method=None) -> dict[str, Subject]:
+def nnx_subjects(
+    build: Callable[[], nnx.Module], inputs, *, grad_inputs=(), method=None
+) -> dict[str, Subject]:
     """``build()`` makes the model (the same values each call). {"wrapper": a copy under
-    ``nnx.apply_policy``, "autocast": ``mpjax.autocast`` of the f32 model}."""
+    ``nnx.set_policy``, "autocast": ``mpjax.autocast`` of the f32 model}."""
     reference, params = nnx_functional(build(), method)
-    wrapper, _ = nnx_functional(mpjax.nnx.apply_policy(build(), POLICY), method)
+    model = build()
+    mpjax.nnx.set_policy(model, POLICY)
+    wrapper, _ = nnx_functional(model, method)
     return _subjects(wrapper, reference, params, inputs, grad_inputs)
 
 
@@ -206,18 +216,23 @@ def assert_linen_wrapper_init_is_f32_and_unchanged(wrapped, inputs, expected, **
     assert not any(jax.tree.leaves(changed)), changed
 
 
-def assert_nnx_wrapper_keeps_params_f32_and_bit_identical(build, inputs, grad_inputs=(),
-                                                          method=None) -> None:
-    """After ``apply_policy`` the Params are f32 and the f32 model's values, and they stay so
+def assert_nnx_wrapper_keeps_params_f32_and_bit_identical(
+    build, inputs, grad_inputs=(), method=None
+) -> None:
+    """After ``set_policy`` the Params are f32 and the f32 model's values, and they stay so
     across a stateful forward and backward pass (``nnx.jit`` + ``nnx.value_and_grad``)."""
     before = nnx.state(build(), nnx.Param)
-    model = mpjax.nnx.apply_policy(build(), POLICY)
+    model = build()
+    mpjax.nnx.set_policy(model, POLICY)
     call = (lambda m, *xs: m(*xs)) if method is None else method
 
     def loss(model, *inputs):
         out = call(model, *inputs)
-        return sum(jnp.mean(jnp.square(leaf.astype(jnp.float32)))
-                   for leaf in jax.tree.leaves(out) if _floating(leaf))
+        return sum(
+            jnp.mean(jnp.square(leaf.astype(jnp.float32)))
+            for leaf in jax.tree.leaves(out)
+            if _floating(leaf)
+        )
 
     argnums = (0, *(1 + i for i in grad_inputs))
 
@@ -228,7 +243,7 @@ def assert_nnx_wrapper_keeps_params_f32_and_bit_identical(build, inputs, grad_in
         changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), after, before)
         assert not any(jax.tree.leaves(changed)), (when, changed)
 
-    assert_unchanged("after apply_policy")
+    assert_unchanged("after set_policy")
     _, grads = nnx.jit(nnx.value_and_grad(loss, argnums=argnums))(model, *inputs)
     assert_unchanged("after a forward and backward pass")
     param_grads = grads[0]

@@ -30,16 +30,19 @@ BF16_RTOL = 0.05  # a few bf16 roundings (8 mantissa bits) through a small netwo
 
 def _inputs(fn, *args, primitive):
     """Input dtypes of every ``primitive`` equation of ``fn`` (nested jaxprs included)."""
-    return [tuple(np.dtype(v.aval.dtype) for v in eqn.invars)
-            for eqn, _ in iter_equations(fn, *args) if eqn.primitive.name == primitive]
+    return [
+        tuple(np.dtype(v.aval.dtype) for v in eqn.invars)
+        for eqn, _ in iter_equations(fn, *args)
+        if eqn.primitive.name == primitive
+    ]
 
 
 def _assert_bf16_matmuls(report, count=None):
     assert report, "no matmuls found"
     assert report.operand_dtypes() == {("bfloat16", "bfloat16"): len(report)}, str(report)
     assert all(m.out_dtype == BF16 for m in report), str(report)
-    # JAX's default (None) or the compute dtype, never f32: an f32 accumulation type on a bf16
-    # dot makes its cotangent f32, so the backward matmuls would run in f32.
+    # JAX's default (None) or the compute dtype, never f32: an f32 accumulation type would give
+    # the backward pass f32 cotangents, and so f32 x bf16 dots that XLA runs as f32 GEMMs.
     assert all(m.preferred_element_type in (None, BF16) for m in report), str(report)
     if count is not None:
         assert len(report) == count, str(report)
@@ -51,6 +54,7 @@ def _close(a, b, rtol=BF16_RTOL):
 
 
 # --- Matmuls in bf16, forward and backward, in every higher-order primitive. ------------------
+
 
 @jax.custom_jvp
 def _sin_matmul(a, w):
@@ -85,20 +89,37 @@ _MESH = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
 
 CASES = {
     "jit": (lambda w, x: jax.jit(lambda a: jnp.sin(a @ w))(x), "jit"),
-    "scan": (lambda w, x: lax.scan(lambda c, xi: (jnp.tanh(c @ w) + xi, c.sum()),
-                                   x, jnp.stack([x, x]))[0], "scan"),
+    "scan": (
+        lambda w, x: lax.scan(lambda c, xi: (jnp.tanh(c @ w) + xi, c.sum()), x, jnp.stack([x, x]))[
+            0
+        ],
+        "scan",
+    ),
     "fori_loop": (lambda w, x: lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c @ w), x), "scan"),
     "remat": (jax.checkpoint(lambda w, x: jnp.sin(x @ w)), "checkpoint"),
-    "cond": (lambda w, x: lax.cond(x.sum() > 0, lambda a: jnp.sin(a @ w), lambda a: a @ w.T, x),
-             "cond"),
+    "cond": (
+        lambda w, x: lax.cond(x.sum() > 0, lambda a: jnp.sin(a @ w), lambda a: a @ w.T, x),
+        "cond",
+    ),
     "custom_jvp": (lambda w, x: _sin_matmul(x, w), "custom_jvp_call"),
     "custom_vjp": (lambda w, x: _tanh_matmul(x, w), "custom_vjp_call"),
-    "shard_map": (lambda w, x: jax.shard_map(lambda a: jax.nn.relu(a @ w), mesh=_MESH,
-                                             in_specs=P("d"), out_specs=P("d"))(
-                                                 jnp.concatenate([x, x])), "shard_map"),
-    "nested": (lambda w, x: jax.jit(lambda x: lax.scan(
-        lambda c, _: (jax.checkpoint(lambda c: jax.nn.relu(_tanh_matmul(c, w)))(c), None),
-        x, None, length=2)[0])(x), "custom_vjp_call"),
+    "shard_map": (
+        lambda w, x: jax.shard_map(
+            lambda a: jax.nn.relu(a @ w), mesh=_MESH, in_specs=P("d"), out_specs=P("d")
+        )(jnp.concatenate([x, x])),
+        "shard_map",
+    ),
+    "nested": (
+        lambda w, x: jax.jit(
+            lambda x: lax.scan(
+                lambda c, _: (jax.checkpoint(lambda c: jax.nn.relu(_tanh_matmul(c, w)))(c), None),
+                x,
+                None,
+                length=2,
+            )[0]
+        )(x),
+        "custom_vjp_call",
+    ),
 }
 
 
@@ -125,8 +146,11 @@ def test_matmuls_run_in_bf16_forward_and_backward_inside_higher_order_primitives
 def test_remat_keeps_its_policy_and_prevent_cse():
     policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     fn = jax.checkpoint(lambda w, x: jnp.sin(x @ w), policy=policy, prevent_cse=False)
-    eqns = [e for e, _ in iter_equations(mpjax.autocast(fn), W, X)
-            if e.primitive.name in ("remat2", "checkpoint")]
+    eqns = [
+        e
+        for e, _ in iter_equations(mpjax.autocast(fn), W, X)
+        if e.primitive.name in ("remat2", "checkpoint")
+    ]
     assert len(eqns) == 1
     assert eqns[0].params["policy"] is policy and eqns[0].params["prevent_cse"] is False
 
@@ -151,8 +175,7 @@ def test_call_primitives_inside_a_traced_gradient_are_autocast():
 
 def test_while_loop_matmuls_run_in_bf16_and_carries_keep_their_dtype():
     def fn(w, x):
-        return lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)),
-                              (0, x))
+        return lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))
 
     auto = mpjax.autocast(fn)
     report = mpjax.inspect_matmuls(auto)(W, X)
@@ -191,9 +214,12 @@ def test_custom_rules_stay_custom():
 
 # --- f32 pieces: softmax, log-softmax, logsumexp, norms, losses. -----------------------------
 
-@pytest.mark.parametrize("fn", [jax.nn.softmax, jax.nn.log_softmax,
-                                jax.scipy.special.logsumexp],
-                         ids=["softmax", "log_softmax", "logsumexp"])
+
+@pytest.mark.parametrize(
+    "fn",
+    [jax.nn.softmax, jax.nn.log_softmax, jax.scipy.special.logsumexp],
+    ids=["softmax", "log_softmax", "logsumexp"],
+)
 def test_softmax_logsoftmax_and_logsumexp_run_in_f32_on_bf16_logits(fn):
     auto = mpjax.autocast(lambda w, x: fn(x @ w))
     for name in ("reduce_max", "exp", "reduce_sum"):
@@ -218,8 +244,11 @@ def test_cross_entropy_pieces_run_in_f32_and_integer_labels_are_untouched():
         assert found and all(d == F32 for dts in found for d in dts), (name, found)
     assert not any(
         np.dtype(v.aval.dtype) != np.dtype(jnp.int32)
-        for e, _ in iter_equations(auto, W, X, labels) if e.primitive.name == "convert_element_type"
-        for v in e.invars if not jnp.issubdtype(v.aval.dtype, jnp.floating))
+        for e, _ in iter_equations(auto, W, X, labels)
+        if e.primitive.name == "convert_element_type"
+        for v in e.invars
+        if not jnp.issubdtype(v.aval.dtype, jnp.floating)
+    )
     _close(auto(W, X, labels), loss(W, X, labels), rtol=0.02)
 
 
@@ -247,6 +276,7 @@ def test_layer_norm_statistics_run_in_f32_flax_and_hand_written():
 
 # --- Integers, booleans, PRNG keys; weak scalars; outputs. ------------------------------------
 
+
 def test_integers_booleans_and_prng_keys_are_untouched():
     def fn(w, x, key, idx):
         noise = jax.random.normal(key, x.shape)
@@ -257,18 +287,27 @@ def test_integers_booleans_and_prng_keys_are_untouched():
 
     args = (W, X, K3, jnp.array([2, 0]))
     auto = mpjax.autocast(fn)
+
     # Autocast adds float casts only: the converts from or to integers, bools and keys are the
     # function's own.
     def non_float_converts(fn):
         return sorted(
             (str(e.invars[0].aval.dtype), str(e.params["new_dtype"]))
-            for e, _ in iter_equations(fn, *args) if e.primitive.name == "convert_element_type"
-            and not (jnp.issubdtype(e.invars[0].aval.dtype, jnp.floating)
-                     and jnp.issubdtype(e.params["new_dtype"], jnp.floating)))
+            for e, _ in iter_equations(fn, *args)
+            if e.primitive.name == "convert_element_type"
+            and not (
+                jnp.issubdtype(e.invars[0].aval.dtype, jnp.floating)
+                and jnp.issubdtype(e.params["new_dtype"], jnp.floating)
+            )
+        )
 
     assert non_float_converts(auto) == non_float_converts(fn)
-    keys = [v.aval.dtype for e, _ in iter_equations(auto, *args) for v in e.invars
-            if jnp.issubdtype(v.aval.dtype, jax.dtypes.prng_key)]
+    keys = [
+        v.aval.dtype
+        for e, _ in iter_equations(auto, *args)
+        for v in e.invars
+        if jnp.issubdtype(v.aval.dtype, jax.dtypes.prng_key)
+    ]
     assert keys and all(str(k) == str(K3.dtype) for k in keys)
     out, ref = auto(*args), fn(*args)
     assert [o.dtype for o in jax.tree.leaves(out)] == [r.dtype for r in jax.tree.leaves(ref)]
@@ -284,8 +323,10 @@ def test_weak_scalars_adapt_to_bf16_instead_of_widening_it():
     assert _inputs(auto, W, X, primitive="tanh") == [(BF16,)]
 
 
-@pytest.mark.parametrize("policy, dtype", [("mixed_bfloat16", F32), ("c=bf16", BF16),
-                                           ("mixed_float16", F32), ("float32", F32)])
+@pytest.mark.parametrize(
+    "policy, dtype",
+    [("mixed_bfloat16", F32), ("c=bf16", BF16), ("mixed_float16", F32), ("float32", F32)],
+)
 def test_floating_outputs_take_the_output_dtype_and_matmuls_the_compute_dtype(policy, dtype):
     auto = mpjax.autocast(lambda w, x: (x @ w, jnp.argmax(x, -1)), policy)
     out, idx = auto(W, X)
@@ -296,12 +337,52 @@ def test_floating_outputs_take_the_output_dtype_and_matmuls_the_compute_dtype(po
 
 # --- Composition. ------------------------------------------------------------------------------
 
+
 def _mlp(params, x):
     h = jax.nn.gelu(x @ params["w1"] + params["b1"])
     return h @ params["w2"] + params["b2"]
 
 
 MLP_PARAMS = {"w1": W, "b1": jnp.zeros(8), "w2": W.T, "b2": jnp.ones(8)}
+
+
+def test_python_floats_are_traced_like_jit_traces_them_ints_and_bools_stay_static():
+    traces = []
+
+    def fn(w, x, scale, n, relu):
+        y = (x @ w) * scale
+        return (jax.nn.relu(y) if relu else y), jnp.zeros((n,)) + scale
+
+    def counted(w, x, scale, n, relu):
+        traces.append(n)  # runs once per trace
+        return fn(w, x, scale, n, relu)
+
+    auto = mpjax.autocast(counted)
+    (a, za), (b, zb) = auto(W, X, 0.1, 3, True), auto(W, X, 0.2, 3, True)
+    assert traces == [3]  # one trace for both float values
+    assert a.dtype == b.dtype == F32 and za.shape == (3,)
+    np.testing.assert_array_equal(b, 2 * a)  # bf16(0.2) is 2 * bf16(0.1): the same roundings
+    np.testing.assert_array_equal(zb, np.full(3, 0.2, np.float32))
+    # Dtype promotion is that of the Python number: bit for bit what a closed-over 0.1 gives.
+    closed = mpjax.autocast(lambda w, x: fn(w, x, 0.1, 3, True))(W, X)
+    np.testing.assert_array_equal(a, closed[0])
+    # An int is a shape and a bool a Python branch: both static, a new value traces again.
+    (c, zc), (d, _) = auto(W, X, 0.1, 5, True), auto(W, X, 0.1, 5, False)
+    assert traces == [3, 5, 5] and zc.shape == (5,)
+    np.testing.assert_array_equal(c, a)
+    assert (np.asarray(d) < 0).any() and not (np.asarray(c) < 0).any()
+    complex_traces = []
+
+    def rotate(x, c):
+        complex_traces.append(1)
+        return jnp.abs(x.astype(jnp.complex64) * c)
+
+    rotated = mpjax.autocast(rotate)
+    np.testing.assert_array_equal(rotated(X, 1j), jnp.abs(X))
+    np.testing.assert_array_equal(rotated(X, -1j), jnp.abs(X))
+    assert len(complex_traces) == 1 and traces == [3, 5, 5]  # complex numbers are traced too
+    # The scale multiplies the bf16 matmul output in bf16, as a closed-over 0.1 would.
+    assert _inputs(lambda s: auto(W, X, s, 3, True), 0.1, primitive="mul") == [(BF16, BF16)]
 
 
 def test_jit_grad_vmap_of_autocast_and_no_retrace():
@@ -324,8 +405,11 @@ def test_jit_grad_vmap_of_autocast_and_no_retrace():
     batched = jax.vmap(auto, in_axes=(None, 0))(MLP_PARAMS, X[:, None])
     assert batched.shape == (4, 1, 8) and batched.dtype == F32
     _close(batched[:, 0], _mlp(MLP_PARAMS, X))
-    _assert_bf16_matmuls(mpjax.inspect_matmuls(
-        jax.grad(lambda p: jax.vmap(auto, in_axes=(None, 0))(p, X[:, None]).sum()))(MLP_PARAMS))
+    _assert_bf16_matmuls(
+        mpjax.inspect_matmuls(
+            jax.grad(lambda p: jax.vmap(auto, in_axes=(None, 0))(p, X[:, None]).sum())
+        )(MLP_PARAMS)
+    )
 
 
 def test_gradients_match_finite_differences():
@@ -359,8 +443,12 @@ def test_flax_linen_apply_needs_no_change():
 
 
 def test_nnx_module_call_and_split_merge_need_no_change():
-    model = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.gelu,
-                           nnx.LayerNorm(16, rngs=nnx.Rngs(1)), nnx.Linear(16, 8, rngs=nnx.Rngs(2)))
+    model = nnx.Sequential(
+        nnx.Linear(8, 16, rngs=nnx.Rngs(0)),
+        nnx.gelu,
+        nnx.LayerNorm(16, rngs=nnx.Rngs(1)),
+        nnx.Linear(16, 8, rngs=nnx.Rngs(2)),
+    )
     out = mpjax.autocast(model)(X)  # the module itself: its params are read as constants
     assert out.dtype == F32
     _close(out, model(X))
@@ -403,6 +491,7 @@ def test_jitted_train_step_with_loss_scaling_and_mixed_float16():
 
 # --- Unknown primitives, regions, categories, errors. --------------------------------------
 
+
 def _double_primitive():
     prim = Primitive("mpjax_test_double")
     prim.def_impl(lambda x: np.asarray(x) * 2)
@@ -424,8 +513,9 @@ def test_unknown_primitive_runs_in_its_traced_dtype_and_warns_once():
     _close(out, 2 * (X @ W) @ W)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a category silences it and applies
-        quiet = mpjax.autocast(lambda w, x: double.bind(x @ w), categories={
-            "mpjax_test_double": "keep"})
+        quiet = mpjax.autocast(
+            lambda w, x: double.bind(x @ w), categories={"mpjax_test_double": "keep"}
+        )
         assert _inputs(quiet, W, X, primitive="mpjax_test_double") == [(BF16,)]
 
 
@@ -438,7 +528,10 @@ def test_full_precision_region_keeps_its_matmuls_f32_even_in_nested_jit():
 
     report = mpjax.inspect_matmuls(mpjax.autocast(fn))(W, X)
     assert [(m.lhs_dtype, m.rhs_dtype, m.out_dtype) for m in report] == [
-        (BF16, BF16, BF16), (F32, F32, F32), (BF16, BF16, BF16)]
+        (BF16, BF16, BF16),
+        (F32, F32, F32),
+        (BF16, BF16, BF16),
+    ]
     backward = mpjax.inspect_matmuls(jax.grad(lambda w: mpjax.autocast(fn)(w, X).sum()))(W)
     # bf16: 2 forward, 2 + 1 backward (the first matmul's x needs no gradient); f32: 1 + 2.
     assert backward.operand_dtypes() == {("bfloat16", "bfloat16"): 5, ("float32", "float32"): 3}
@@ -465,11 +558,40 @@ def test_scope_rules_give_regions_their_own_policy():
     assert found == [F32, F16]
 
 
+def test_autocast_wins_over_a_modules_dtype_and_a_rule_or_full_precision_opts_out():
+    class Net(nn.Module):
+        full_precision_head: bool = False
+
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(8, name="body")(x)
+            head = nn.Dense(8, dtype=jnp.float32, param_dtype=jnp.float32, name="head")
+            if self.full_precision_head:
+                with mpjax.full_precision():
+                    return head(h)
+            return head(h)
+
+    variables = Net().init(K3, X)
+
+    def matmuls(auto):
+        loss = lambda v: auto(v, X).sum()  # noqa: E731
+        return {
+            (m.scope.rsplit("/", 1)[-1], m.operand_dtypes)
+            for m in mpjax.inspect_matmuls(jax.grad(loss), variables)
+        }
+
+    assert matmuls(mpjax.autocast(Net().apply)) == {("body", (BF16, BF16)), ("head", (BF16, BF16))}
+    opted_out = {("body", (BF16, BF16)), ("head", (F32, F32))}
+    assert matmuls(mpjax.autocast(Net().apply, rules={"*/head": "float32"})) == opted_out
+    assert matmuls(mpjax.autocast(Net(full_precision_head=True).apply)) == opted_out
+
+
 def test_category_overrides_apply_per_primitive():
     fn = lambda w, x: jnp.tanh(x @ w)  # noqa: E731
     assert _inputs(mpjax.autocast(fn), W, X, primitive="tanh") == [(BF16,)]
     assert _inputs(mpjax.autocast(fn, categories={"tanh": "f32"}), W, X, primitive="tanh") == [
-        (F32,)]
+        (F32,)
+    ]
     promoted = mpjax.autocast(fn, categories={"dot_general": "promote"})
     assert {m.lhs_dtype for m in mpjax.inspect_matmuls(promoted)(W, X)} == {F32}
     assert mpjax.DEFAULT_OP_CATEGORIES["dot_general"] == "lower"
@@ -502,8 +624,14 @@ def test_report_shows_what_autocast_did(capsys):
     assert str(report) == table and "* bf16,bf16" in table and "reduce_max" in table
     data = report.to_dict()
     assert json.loads(json.dumps(data)) == data
-    assert {"scope": "", "primitive": "dot_general", "category": "lower", "traced": ["f32", "f32"],
-            "ran": ["bf16", "bf16"], "count": 1} in data["rows"]
+    assert {
+        "scope": "",
+        "primitive": "dot_general",
+        "category": "lower",
+        "traced": ["f32", "f32"],
+        "ran": ["bf16", "bf16"],
+        "count": 1,
+    } in data["rows"]
     assert len(data["rows"]) == len(report)
 
 
@@ -525,8 +653,11 @@ def test_describe_rejects_autocast_functions_it_did_not_make_and_options():
     wrapper = functools.wraps(auto)(lambda x: auto(x) + 1)
     with pytest.raises(TypeError, match=r"describe\(\) takes .*; got "):
         mpjax.describe(wrapper)
-    with pytest.raises(TypeError, match=r"`rules`, which does not apply to a function made by "
-                                        r"mpjax\.autocast \(function\); it takes none"):
+    with pytest.raises(
+        TypeError,
+        match=r"`rules`, which does not apply to a function made by "
+        r"mpjax\.autocast \(function\); it takes none",
+    ):
         mpjax.describe(auto, rules="float32")
 
 
@@ -544,6 +675,7 @@ def test_deprecated_autocast_report_warns_prints_and_returns_the_report(capsys):
 
 
 # --- The cost: no more converts than a transformer block written with dtype=jnp.bfloat16. ----
+
 
 def _train_step(apply, x):
     tx = optax.adam(1e-3)
@@ -566,8 +698,10 @@ def test_train_step_has_no_more_converts_than_hand_written_bf16_and_same_matmuls
     # optax's adam and Flax's bf16 norms are not strict-promotion clean: compare both models
     # under standard promotion, on the same backend.
     with jax.numpy_dtype_promotion("standard"):
-        for name, apply in (("autocast", mpjax.autocast(Block().apply)),
-                            ("by_hand", HandWrittenBlock(dtype=jnp.bfloat16).apply)):
+        for name, apply in (
+            ("autocast", mpjax.autocast(Block().apply)),
+            ("by_hand", HandWrittenBlock(dtype=jnp.bfloat16).apply),
+        ):
             step, tx, loss = _train_step(apply, x)
             converts = mpjax.hlo_op_counts(step)(params, jax.eval_shape(tx.init, params))
             matmuls = mpjax.inspect_matmuls(jax.grad(loss))(params).operand_dtypes()

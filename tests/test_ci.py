@@ -1,7 +1,9 @@
 """CI tests the versions mpjax claims: pyproject.toml's floors are what .ci/oldest.txt pins."""
 
+import ast
 import pathlib
 import re
+import sys
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -11,7 +13,8 @@ def _floors() -> dict[str, str]:
     """``{package: oldest version}`` from the dependencies and the test extra."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     floors = {}
-    for spec in project["dependencies"] + project["optional-dependencies"]["test"]:
+    extras = project["optional-dependencies"]
+    for spec in project["dependencies"] + extras["test"] + extras["flax"] + extras["jmp"]:
         match = re.fullmatch(r"([A-Za-z0-9_.\-]+)>=([0-9.]+)", spec)
         assert match, f"{spec!r}: every dependency needs a floor, written name>=version"
         floors[match.group(1)] = match.group(2)
@@ -51,13 +54,15 @@ def test_ci_runs_the_oldest_pins_on_the_oldest_python():
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(rf"^suite oldest {re.escape(oldest)} \.ci/oldest\.txt ", ci, re.M)
     examples = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"]["examples"]
+        "optional-dependencies"
+    ]["examples"]
     assert f"orbax-checkpoint>={_pins()['orbax-checkpoint']}" in examples
 
 
 def test_the_dev_tools_are_pinned_and_ci_runs_the_checks():
-    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"]["dev"]
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][
+        "dev"
+    ]
     names = set()
     for spec in dev:
         match = re.fullmatch(r"([A-Za-z0-9_.\-]+)==[0-9][0-9A-Za-z.]*", spec)
@@ -68,3 +73,34 @@ def test_the_dev_tools_are_pinned_and_ci_runs_the_checks():
     for command in ("ruff check", "ruff format --check", "mypy", "sphinx -E -W"):
         assert command in checks, command
     assert re.search(r"^bash \.ci/checks\b", (ROOT / ".ci" / "run").read_text(), re.M)
+
+
+def _project() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _imported_packages() -> set[str]:
+    """The top-level packages that mpjax's modules import, standard library left out."""
+    found = set()
+    for path in (ROOT / "mpjax").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+    return found - set(sys.stdlib_module_names) - {"mpjax", "__future__"}
+
+
+def _names(specs: list[str]) -> set[str]:
+    return {re.split(r"[<>=\[ ]", spec, maxsplit=1)[0] for spec in specs}
+
+
+def test_required_dependencies_are_what_the_package_imports_and_the_rest_are_extras():
+    project = _project()
+    extras = project["optional-dependencies"]
+    required, optional = _names(project["dependencies"]), _names(extras["flax"] + extras["jmp"])
+    assert required == {"jax", "optax", "numpy"} and optional == {"flax", "jmp"}
+    assert _imported_packages() == required | optional
+    # The tests exercise the optional parts; the examples are Flax models.
+    assert set(extras["flax"] + extras["jmp"]) <= set(extras["test"])
+    assert set(extras["flax"]) <= set(extras["examples"])

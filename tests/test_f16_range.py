@@ -17,20 +17,21 @@ EPS = 1e-6
 
 
 def rms_norm(h):
-    return h * jax.lax.rsqrt(jnp.mean(h ** 2, axis=-1, keepdims=True) + EPS)
+    return h * jax.lax.rsqrt(jnp.mean(h**2, axis=-1, keepdims=True) + EPS)
 
 
 COMPUTATIONS = {
-    "x ** 2": lambda h: h ** 2,
+    "x ** 2": lambda h: h**2,
     "square": jnp.square,
-    "x ** 3 (cube)": lambda h: h ** 3,
+    "x ** 3 (cube)": lambda h: h**3,
     "mean of squares": lambda h: jnp.mean(h * h, axis=-1),
     "hand-written rms norm": rms_norm,
     "l2 norm": lambda h: jnp.linalg.norm(h, axis=-1),
     "sqrt of sum of squares": lambda h: jnp.sqrt(jnp.sum(jnp.square(h), axis=-1)),
     "reciprocal of small values": lambda h: jnp.reciprocal((jnp.abs(h) + 1000) * 1e-8),
-    "cosine similarity": lambda h: jnp.sum(h[:1] * h, -1) / (
-        jnp.linalg.norm(h[:1], axis=-1) * jnp.linalg.norm(h, axis=-1)),
+    "cosine similarity": lambda h: (
+        jnp.sum(h[:1] * h, -1) / (jnp.linalg.norm(h[:1], axis=-1) * jnp.linalg.norm(h, axis=-1))
+    ),
     "pairwise distances": lambda h: jnp.sqrt(jnp.sum((h[:, None] - h[None]) ** 2, axis=-1)),
     "variance": lambda h: jnp.var(h, axis=-1),
     "softmax": lambda h: jax.nn.softmax(h, axis=-1),
@@ -47,8 +48,7 @@ def _inputs():
 def _check(name, out, ref):
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert np.all(np.isfinite(out)), f"{name}: non-finite where f32 gives {ref.ravel()[:4]}"
-    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=1e-3 * np.abs(ref).max(),
-                               err_msg=name)
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=1e-3 * np.abs(ref).max(), err_msg=name)
 
 
 def test_matmul_outputs_reach_a_few_thousand():
@@ -68,8 +68,8 @@ def test_autocast_keeps_f32_computations_finite_in_f16(name):
 
 def test_without_the_f32_list_these_overflow_in_f16():
     x, w = _inputs()
-    h = (x.astype(jnp.float16) @ w.astype(jnp.float16))
-    assert not np.all(np.isfinite(np.asarray(h ** 2, np.float32)))  # what the f32 list avoids
+    h = x.astype(jnp.float16) @ w.astype(jnp.float16)
+    assert not np.all(np.isfinite(np.asarray(h**2, np.float32)))  # what the f32 list avoids
 
 
 class LinenHead(nn.Module):
@@ -91,15 +91,18 @@ class NNXHead(nnx.Module):
         return COMPUTATIONS[self.name_of](x @ self.w[...])
 
 
-@pytest.mark.parametrize("name", ["hand-written rms norm", "cosine similarity",
-                                  "pairwise distances", "x ** 2", "l2 norm"])
+@pytest.mark.parametrize(
+    "name",
+    ["hand-written rms norm", "cosine similarity", "pairwise distances", "x ** 2", "l2 norm"],
+)
 def test_wrapped_modules_keep_f32_computations_finite_in_f16(name):
     x, w = _inputs()
     model = mpjax.linen.apply_policy(LinenHead(name), "mixed_float16")
     variables = model.init(jax.random.key(0), x, w)
     ref = COMPUTATIONS[name](x @ w)
     _check(f"linen {name}", jax.jit(model.apply)(variables, x, w), ref)
-    module = mpjax.nnx.apply_policy(NNXHead(w, name), "mixed_float16")
+    module = NNXHead(w, name)
+    mpjax.nnx.set_policy(module, "mixed_float16")
     _check(f"nnx {name}", module(x), ref)
     report = mpjax.inspect_matmuls(lambda x: module(x))(x)
     assert report.operand_dtypes() == {("float16", "float16"): 1}

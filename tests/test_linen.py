@@ -29,6 +29,7 @@ KEY = jax.random.key(0)
 
 # --- Models: stock Flax layers and third-party-style code, none of them aware of mpjax. ------
 
+
 class Scale(nn.Module):
     """The hard case: a module that calls ``self.param`` and does its math in jnp."""
 
@@ -60,6 +61,7 @@ def _loss(model, ids):
     def loss(params):
         logits = model.apply({"params": params}, ids)
         return optax.softmax_cross_entropy_with_integer_labels(logits, ids).mean()
+
     return loss
 
 
@@ -82,11 +84,15 @@ def _dtypes(tree):
 
 def _equations(fn, *args, primitive):
     """(input dtypes, name stack) of every ``primitive`` equation, nested jaxprs included."""
-    return [({np.dtype(v.aval.dtype) for v in eqn.invars}, str(eqn.source_info.name_stack))
-            for eqn, _ in iter_equations(fn, *args) if eqn.primitive.name == primitive]
+    return [
+        ({np.dtype(v.aval.dtype) for v in eqn.invars}, str(eqn.source_info.name_stack))
+        for eqn, _ in iter_equations(fn, *args)
+        if eqn.primitive.name == primitive
+    ]
 
 
-# --- A transformer block: attention, MLP, norms, scan, remat, a tied head. ---------------------
+# --- A language model of stock layers: matmuls, rules, norms, softmax, attention. --------------
+
 
 def test_every_matmul_forward_and_backward_runs_in_bf16(lm):
     model, variables, ids = lm
@@ -112,8 +118,11 @@ def test_norm_statistics_run_in_f32(lm):
     model, variables, ids = lm
     fn = jax.grad(_loss(model, ids))
     for primitive in ("reduce_sum", "rsqrt"):
-        found = [d for d, scope in _equations(fn, variables["params"], primitive=primitive)
-                 if scope.endswith(("/ln1", "/ln2", "/norm"))]
+        found = [
+            d
+            for d, scope in _equations(fn, variables["params"], primitive=primitive)
+            if scope.endswith(("/ln1", "/ln2", "/norm"))
+        ]
         assert found and all(d == {F32} for d in found), (primitive, found)
 
 
@@ -190,13 +199,18 @@ def test_wrapped_model_has_the_unwrapped_parameter_tree(lm):
 
 # --- Each kind of module. ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("layer, x", [
-    (nn.Dense(4), jnp.ones((2, 3))),
-    (nn.DenseGeneral((2, 2), axis=(-2, -1)), jnp.ones((2, 3, 4))),
-    (nn.Conv(4, (3, 3)), jnp.ones((1, 5, 5, 2))),
-    (nn.MultiHeadDotProductAttention(num_heads=2), jnp.ones((2, 3, 4))),
-    (Scale(), jnp.ones((2, 3))),
-], ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else "")
+
+@pytest.mark.parametrize(
+    "layer, x",
+    [
+        (nn.Dense(4), jnp.ones((2, 3))),
+        (nn.DenseGeneral((2, 2), axis=(-2, -1)), jnp.ones((2, 3, 4))),
+        (nn.Conv(4, (3, 3)), jnp.ones((1, 5, 5, 2))),
+        (nn.MultiHeadDotProductAttention(num_heads=2), jnp.ones((2, 3, 4))),
+        (Scale(), jnp.ones((2, 3))),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else "",
+)
 def test_layer_runs_in_bf16_keeps_f32_params_and_grads(layer, x):
     model = mpl.apply_policy(layer, "mixed_bfloat16")
     variables = _init(model, x)
@@ -217,16 +231,19 @@ def test_embed_lookup_gathers_rows_of_the_f32_table_and_attend_runs_in_bf16():
     assert variables["params"]["embedding"].dtype == F32
     # No cast of the whole table: its gradient (a scatter-add) then accumulates in f32.
     gathers = _equations(lambda v: model.apply(v, ids), variables, primitive="gather")
-    converts = _equations(lambda v: model.apply(v, ids), variables,
-                          primitive="convert_element_type")
+    converts = _equations(
+        lambda v: model.apply(v, ids), variables, primitive="convert_element_type"
+    )
     assert [d for d, _ in gathers] == [{F32, np.dtype(jnp.int32)}] and not converts
     assert jax.eval_shape(model.apply, variables, ids).dtype == F32
     query = jnp.ones((2, DIM))
     for method in ("attend", nn.Embed.attend):  # by name or as Flax's own function
-        fwd = mpjax.inspect_matmuls(lambda v: model.apply(v, query, method=method))(variables)
+        fwd = mpjax.inspect_matmuls(lambda v: model.apply(v, query, method=method))(variables)  # noqa: B023
         assert [m.operand_dtypes for m in fwd] == [(BF16, BF16)]
-        assert jax.eval_shape(functools.partial(model.apply, method=method), variables,
-                              query).dtype == F32
+        assert (
+            jax.eval_shape(functools.partial(model.apply, method=method), variables, query).dtype
+            == F32
+        )
 
 
 def test_custom_module_reads_params_cast_by_param_get_variable_and_variable():
@@ -261,7 +278,8 @@ def test_layer_norm_rms_norm_and_batch_norm_keep_f32_params_and_stats():
     variables = jax.jit(functools.partial(model.init, train=False))(KEY, x)
     assert _dtypes(variables) == {F32}
     out, updated = jax.jit(functools.partial(model.apply, train=True, mutable=["batch_stats"]))(
-        variables, x)
+        variables, x
+    )
     assert out.dtype == F32 and _dtypes(updated) == {F32}
     before, after = variables["batch_stats"]["BatchNorm_0"], updated["batch_stats"]["BatchNorm_0"]
     assert not np.allclose(before["mean"], after["mean"])
@@ -273,6 +291,7 @@ def test_layer_norm_rms_norm_and_batch_norm_keep_f32_params_and_stats():
 
 
 # --- Lifted transforms, sharing, setup. --------------------------------------------------------
+
 
 class ScanLayer(nn.Module):
     @nn.compact
@@ -293,8 +312,9 @@ class WithSetup(nn.Module):
 class Transformed(nn.Module):
     @nn.compact
     def __call__(self, x):
-        x = nn.scan(ScanLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-                    length=2)(name="scan")(x, None)[0]
+        x = nn.scan(ScanLayer, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)(
+            name="scan"
+        )(x, None)[0]
         x = nn.remat(Scale)(name="remat")(x)
         x = nn.vmap(Scale, variable_axes={"params": 0}, split_rngs={"params": True})(name="vmap")(x)
         shared = nn.Dense(DIM, name="shared")
@@ -320,8 +340,9 @@ def test_scan_remat_vmap_shared_and_setup_modules_run_in_bf16(transformed):
     assert _dtypes(variables) == {F32}
     assert variables["params"]["scan"]["Dense_0"]["kernel"].shape == (2, DIM, DIM)
     assert set(variables["params"]["setup"]) == {"dense", "scale", "gain"}
-    grads = jax.eval_shape(jax.grad(lambda p: model.apply({"params": p}, x).sum()),
-                           variables["params"])
+    grads = jax.eval_shape(
+        jax.grad(lambda p: model.apply({"params": p}, x).sum()), variables["params"]
+    )
     assert _dtypes(grads) == {F32}
 
 
@@ -329,8 +350,17 @@ def test_transformed_modules_are_resolved_at_their_paths(transformed):
     model, variables, x = transformed
     report = mpjax.describe(model)(x)
     assert [r.path for r in report.rows] == [
-        "", "scan", "scan/Dense_0", "scan/Scale_0", "remat", "vmap", "shared", "setup",
-        "setup/dense", "setup/scale"]
+        "",
+        "scan",
+        "scan/Dense_0",
+        "scan/Scale_0",
+        "remat",
+        "vmap",
+        "shared",
+        "setup",
+        "setup/dense",
+        "setup/scale",
+    ]
     assert report.row("scan").param_count == 0
     assert report.row("scan/Dense_0").param_count == 2 * (DIM * DIM + DIM)
     assert report.row("setup").param_count == DIM
@@ -338,14 +368,16 @@ def test_transformed_modules_are_resolved_at_their_paths(transformed):
 
 def test_a_rule_on_a_path_inside_scan_applies_there(transformed):
     _, variables, x = transformed
-    model = mpl.apply_policy(Transformed(), Rules({"scan/Dense_0": "float32"},
-                                                  default="mixed_bfloat16"))
+    model = mpl.apply_policy(
+        Transformed(), Rules({"scan/Dense_0": "float32"}, default="mixed_bfloat16")
+    )
     fwd = mpjax.inspect_matmuls(lambda v: model.apply(v, x))(variables)
     assert [m.operand_dtypes for m in fwd].count((F32, F32)) == 1
     assert jax.eval_shape(model.apply, variables, x).dtype == F32
 
 
 # --- bf16 storage. -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("policy, output", [("bfloat16", BF16), ("p=bf16,c=bf16,o=f32", F32)])
 def test_bf16_storage_creates_bf16_params_except_norms_and_grads_follow(lm, policy, output):
@@ -363,6 +395,7 @@ def test_bf16_storage_creates_bf16_params_except_norms_and_grads_follow(lm, poli
 
 
 # --- Regions, nesting, wrapping forms. ---------------------------------------------------------
+
 
 def test_a_wrapped_class_is_a_submodule_with_its_own_rules_inside_a_wrapped_model():
     F32Dense = mpl.apply_policy(nn.Dense, "float32")
@@ -399,6 +432,54 @@ def test_the_model_is_traced_in_its_own_dtypes_and_cast_at_the_operations():
     assert seen == [F32, F32] and out.dtype == F32
     (dot,) = mpjax.inspect_matmuls(lambda v: model.apply(v, x))(variables)
     assert dot.operand_dtypes == (BF16, BF16) and dot.region == "dense"
+
+
+class WithF32Head(nn.Module):
+    """A model whose head asks for f32 through Flax's own attributes."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(4, name="body")(x))
+        return nn.Dense(2, dtype=jnp.float32, param_dtype=jnp.float32, name="head")(h)
+
+
+def test_the_policy_wins_over_a_modules_own_dtype_attributes():
+    model = mpl.apply_policy(WithF32Head(), "mixed_bfloat16")
+    x = jnp.ones((2, 4))
+    params = _init(model, x)["params"]
+    fwd, bwd = _forward_and_backward(model, params, x)
+    assert {m.region for m in fwd} == {"body", "head"}
+    assert len(bwd) == 6  # each forward matmul and its two transposes
+    assert {m.operand_dtypes for m in fwd + bwd} == {(BF16, BF16)}
+
+
+def test_a_rule_for_its_path_keeps_a_module_with_dtype_f32_in_f32():
+    model = mpl.apply_policy(WithF32Head(), Rules({"head": "float32"}, default="mixed_bfloat16"))
+    x = jnp.ones((2, 4))
+    fwd, bwd = _forward_and_backward(model, _init(model, x)["params"], x)
+    assert {(m.region, m.operand_dtypes) for m in fwd + bwd} == {
+        ("head", (F32, F32)),
+        ("body", (BF16, BF16)),
+    }
+    assert sum(m.region == "head" for m in bwd) == 3
+
+
+def test_full_precision_around_a_modules_code_keeps_it_in_f32():
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(4, name="body")(x)
+            with mpjax.full_precision():
+                return nn.Dense(2, name="head")(h)
+
+    model = mpl.apply_policy(Model(), "mixed_bfloat16")
+    x = jnp.ones((2, 4))
+    fwd, bwd = _forward_and_backward(model, _init(model, x)["params"], x)
+    assert {(m.region, m.operand_dtypes) for m in fwd} == {
+        ("head", (F32, F32)),
+        ("body", (BF16, BF16)),
+    }
+    assert {m.operand_dtypes for m in bwd if m.region == "head"} == {(F32, F32)}
 
 
 def test_wrapped_model_works_as_a_submodule_of_an_unwrapped_one_under_jit():
@@ -450,9 +531,11 @@ def test_wrapping_again_replaces_the_rules():
 
 # --- Rule problems. ----------------------------------------------------------------------------
 
+
 def test_a_never_matching_rule_warns_exactly_once():
-    rules = Rules([("decoder/*", "float32"), ("up", None), (nn.Dense, None)],
-                  default="mixed_bfloat16")
+    rules = Rules(
+        [("decoder/*", "float32"), ("up", None), (nn.Dense, None)], default="mixed_bfloat16"
+    )
     model = mpl.apply_policy(Block(), rules)
     x = jnp.ones((1, SEQ, DIM))
     with warnings.catch_warnings(record=True) as caught:
@@ -470,6 +553,7 @@ def test_a_never_matching_rule_warns_exactly_once():
 
 # --- The cost: no more converts than the same model written with dtype=jnp.bfloat16. -----------
 
+
 def _train_step_converts(model, x):
     params = _init(model, x)["params"]
     tx = optax.adam(1e-3)
@@ -477,6 +561,7 @@ def _train_step_converts(model, x):
     def step(params, opt_state):
         def loss(p):
             return jnp.mean(jnp.square(model.apply({"params": p}, x).astype(jnp.float32)))
+
         grads = jax.grad(loss)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
@@ -495,6 +580,7 @@ def test_wrapped_train_step_has_no_more_converts_than_hand_written_bf16():
 
 
 # --- describe(). -------------------------------------------------------------------------------
+
 
 class Tiny(nn.Module):
     @nn.compact
@@ -531,10 +617,18 @@ def test_describe_to_dict_is_plain_json():
     data = report.to_dict()
     assert json.loads(json.dumps(data)) == data
     assert data["rows"][1] == {
-        "path": "proj", "type": "Dense",
-        "policy": {"param_dtype": "float32", "compute_dtype": "bfloat16",
-                   "output_dtype": "float32"},
-        "rule": "default", "param_count": 16, "param_bytes": 64, "matmuls": [["bf16,bf16", 3]]}
+        "path": "proj",
+        "type": "Dense",
+        "policy": {
+            "param_dtype": "float32",
+            "compute_dtype": "bfloat16",
+            "output_dtype": "float32",
+        },
+        "rule": "default",
+        "param_count": 16,
+        "param_bytes": 64,
+        "matmuls": [["bf16,bf16", 3]],
+    }
     assert data["problems"] == [] and data["matmuls_traced"] is True
     assert (data["total_params"], data["total_bytes"]) == (44, 176)
 
@@ -565,11 +659,13 @@ def test_describe_method_and_rngs_options():
 
     model = mpl.apply_policy(Net(), "mixed_bfloat16")
     x = jnp.ones((1, 3))
-    report = mpjax.describe(model, rngs={"params": jax.random.key(1),
-                                         "dropout": jax.random.key(2)})(x)
+    report = mpjax.describe(
+        model, rngs={"params": jax.random.key(1), "dropout": jax.random.key(2)}
+    )(x)
     assert report.row("proj").matmuls == (("bf16,bf16", 3),)
-    variables = jax.eval_shape(model.init, {"params": jax.random.key(0),
-                                            "dropout": jax.random.key(0)}, x)
+    variables = jax.eval_shape(
+        model.init, {"params": jax.random.key(0), "dropout": jax.random.key(0)}, x
+    )
     report = mpjax.describe(model, variables=variables, method="project")(x)
     assert [r.path for r in report.rows] == [""]  # project calls no submodule
 
@@ -580,7 +676,11 @@ def test_describe_counts_given_variables_in_their_stored_dtype():
     variables = jax.eval_shape(model.init, jax.random.key(0), x)
     report = mpjax.describe(model, variables=variables)(x)
     assert [(r.path, r.param_count, r.param_bytes) for r in report.rows] == [
-        ("", 0, 0), ("proj", 16, 32), ("norm", 8, 32), ("scale", 20, 40)]
+        ("", 0, 0),
+        ("proj", 16, 32),
+        ("norm", 8, 32),
+        ("scale", 20, 40),
+    ]
     unwrapped = mpjax.describe(Tiny(), rules="bfloat16")(x)
     assert unwrapped.rows == report.rows
 
@@ -598,15 +698,16 @@ def test_deprecated_linen_describe_warns_prints_and_returns_the_report(capsys):
 
 # --- Bad input. --------------------------------------------------------------------------------
 
+
 def test_bad_input_raises_clear_errors():
     with pytest.raises(TypeError, match=r"`module`; got 42"):
         mpl.apply_policy(42, "mixed_bfloat16")
-    with pytest.raises(TypeError, match=r"mpjax\.nnx\.apply_policy"):
+    with pytest.raises(TypeError, match=r"mpjax\.nnx\.set_policy"):
         mpl.apply_policy(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "mixed_bfloat16")
     with pytest.raises(ValueError, match=r"Unknown policy 'mixed_bf16'"):
         mpl.apply_policy(nn.Dense(2), "mixed_bf16")
-    with pytest.raises(TypeError, match=r"Cannot make a policy from \[\]"):
-        mpl.apply_policy(nn.Dense(2), [])
+    with pytest.raises(TypeError, match=r"`policy_or_rules` must be mpjax.Rules, .*got 3\.5"):
+        mpl.apply_policy(nn.Dense(2), 3.5)
     bound = nn.Dense(2).bind({"params": {}})
     with pytest.raises(ValueError, match=r"(?s)already bound.*apply_policy\(nn\.Dense, rules\)"):
         mpl.apply_policy(bound, "mixed_bfloat16")
@@ -642,6 +743,7 @@ def test_a_method_reaching_into_a_submodule_runs_under_the_rules():
     model = mpl.apply_policy(Net(), "mixed_bfloat16")
     x = jnp.ones((2, 3))
     variables = _init(model, x)
-    fwd = mpjax.inspect_matmuls(
-        lambda v: model.apply(v, x, method=lambda m, x: m.encoder(x)))(variables)
+    fwd = mpjax.inspect_matmuls(lambda v: model.apply(v, x, method=lambda m, x: m.encoder(x)))(
+        variables
+    )
     assert [m.operand_dtypes for m in fwd] == [(BF16, BF16)]

@@ -5,7 +5,7 @@ of mpjax: a linen ``Einsum`` module whose ``dtype`` field is the *param* dtype, 
 hold raw ``nnx.Param``s and call ``jnp.einsum`` with no ``dtype`` attribute, a mixture of
 experts with integer routing, a head that decodes with another module's embedding table,
 attention and norms that switch to f32 by hand, integer dots in mask arithmetic, and scanned,
-rematerialized blocks. For each, under ``linen.apply_policy`` / ``nnx.apply_policy`` and under
+rematerialized blocks. For each, under ``linen.apply_policy`` / ``nnx.set_policy`` and under
 ``mpjax.autocast``:
 
 - every floating matmul of the forward pass and of the gradient (w.r.t. params and floating
@@ -50,7 +50,7 @@ EXPERTS, TOP_K, LAYERS = 4, 2, 2
 def segment_ids(seed=3):
     """Packed sequences: two segments per row (int32), the mask's integer input."""
     ids = jnp.ones((B, T), jnp.int32)
-    return ids.at[:, T // 2 + seed % 2:].set(2)
+    return ids.at[:, T // 2 + seed % 2 :].set(2)
 
 
 def token_ids(seed=4):
@@ -77,8 +77,9 @@ class Einsum(nn.Module):
 
     @nn.compact
     def __call__(self, eqn: str, x: jax.Array) -> jax.Array:
-        w = self.param("w", nn.initializers.lecun_normal(in_axis=-2, out_axis=-1), self.shape,
-                       self.dtype)
+        w = self.param(
+            "w", nn.initializers.lecun_normal(in_axis=-2, out_axis=-1), self.shape, self.dtype
+        )
         return jnp.einsum(eqn, x, w)
 
 
@@ -135,8 +136,9 @@ class EinsumTransformer(nn.Module):
         mask = attention_mask(segments)
         for i in range(LAYERS):
             x = Block(self.dtype, name=f"layer_{i}")(x, mask)
-        return Einsum((D, VOCAB), self.dtype, name="head")("BTD,DV->BTV",
-                                                           RMSNorm(name="final_norm")(x))
+        return Einsum((D, VOCAB), self.dtype, name="head")(
+            "BTD,DV->BTV", RMSNorm(name="final_norm")(x)
+        )
 
 
 # --- (d) linen: the same blocks under nn.scan and nn.remat. -----------------------------------
@@ -155,11 +157,17 @@ class ScannedEinsumTransformer(nn.Module):
     @nn.compact
     def __call__(self, x, segments):
         mask = attention_mask(segments)
-        stack = nn.scan(nn.remat(ScanBlock), variable_axes={"params": 0},
-                        split_rngs={"params": True}, in_axes=nn.broadcast, length=LAYERS)
+        stack = nn.scan(
+            nn.remat(ScanBlock),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=nn.broadcast,
+            length=LAYERS,
+        )
         x, _ = stack(self.dtype, name="layers")(x, mask)
-        return Einsum((D, VOCAB), self.dtype, name="head")("BTD,DV->BTV",
-                                                           RMSNorm(name="final_norm")(x))
+        return Einsum((D, VOCAB), self.dtype, name="head")(
+            "BTD,DV->BTV", RMSNorm(name="final_norm")(x)
+        )
 
 
 # --- (b) NNX: raw Params, jnp.einsum, no dtype attribute; mixture of experts. -----------------
@@ -215,6 +223,7 @@ class MoEStack(nnx.Module):
     def __init__(self, rngs: nnx.Rngs, scan: bool):
         self.scan = scan
         if scan:
+
             @nnx.split_rngs(splits=LAYERS)
             @nnx.vmap(in_axes=(0,), out_axes=0)
             def stacked(rngs):
@@ -227,6 +236,7 @@ class MoEStack(nnx.Module):
 
     def __call__(self, x):
         if self.scan:
+
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
             @nnx.remat
             def body(x, layer):
@@ -264,8 +274,7 @@ class TiedLM(nnx.Module):
         self.read_table = read_table
         self.embedder = Embedder(rngs)
         self.attn_norm = nnx.LayerNorm(D, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(num_heads=HEADS, in_features=D, decode=False,
-                                           rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(num_heads=HEADS, in_features=D, decode=False, rngs=rngs)
         self.mlp_norm = Norm(D)
         self.up = nnx.Linear(D, FF, rngs=rngs)
         self.down = nnx.Linear(FF, D, rngs=rngs)
@@ -366,8 +375,10 @@ def test_the_f32_models_have_the_patterns_they_stand_for():
     scan and remat bodies, and a head that reads another module's table."""
     forward, _ = _reference_matmuls("einsum_transformer")
     # Per layer q, kv, logits, probs x v, o, gating, down; the head; the integer mask dot.
-    assert forward.operand_dtypes() == {("float32", "float32"): 7 * LAYERS + 1,
-                                        ("int32", "int32"): 1}, str(forward)
+    assert forward.operand_dtypes() == {
+        ("float32", "float32"): 7 * LAYERS + 1,
+        ("int32", "int32"): 1,
+    }, str(forward)
     scanned, _ = _reference_matmuls("scanned_remat_einsum_transformer")
     contexts = {"/".join(m.context) for m in scanned}
     assert any("scan" in c and ("checkpoint" in c or "remat" in c) for c in contexts), contexts

@@ -32,8 +32,9 @@ class Block(nnx.Module):
     def __init__(self, rngs, dtype=None, **attention):
         dt = {} if dtype is None else {"dtype": dtype}
         self.ln1 = nnx.LayerNorm(D, rngs=rngs, **dt)
-        self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=D, decode=False, rngs=rngs,
-                                           **dt, **attention)
+        self.attn = nnx.MultiHeadAttention(
+            num_heads=2, in_features=D, decode=False, rngs=rngs, **dt, **attention
+        )
         self.ln2 = nnx.LayerNorm(D, rngs=rngs, **dt)
         self.fc1 = nnx.Linear(D, 4 * D, rngs=rngs, **dt)
         self.fc2 = nnx.Linear(4 * D, D, rngs=rngs, **dt)
@@ -67,7 +68,9 @@ class ConvNet(nnx.Module):
 
 def block(policy="mixed_bfloat16", seed=0, **attention):
     model = Block(nnx.Rngs(seed), **attention)
-    return model if policy is None else mpnnx.apply_policy(model, policy)
+    if policy is not None:
+        mpnnx.set_policy(model, policy)
+    return model
 
 
 def normal(*shape, seed=1):
@@ -98,8 +101,11 @@ def dtypes_of(report):
 
 def equations(fn, *args, names):
     """(primitive name, first operand dtype) of every equation named in ``names``."""
-    return [(e.primitive.name, np.dtype(e.invars[0].aval.dtype))
-            for e, _ in iter_equations(fn, *args) if e.primitive.name in names]
+    return [
+        (e.primitive.name, np.dtype(e.invars[0].aval.dtype))
+        for e, _ in iter_equations(fn, *args)
+        if e.primitive.name in names
+    ]
 
 
 def adam_update(opt, model, grads):
@@ -167,7 +173,8 @@ def test_a_users_own_attention_function_is_kept_and_cast_at_its_matmuls():
 
     model, x = block(attention_fn=my_attention), x_seq()
     assert model.attn.attention_fn is my_attention and block().attn.attention_fn is (
-        nnx.dot_product_attention)  # apply_policy changes no function of a module
+        nnx.dot_product_attention
+    )  # set_policy changes no function of a module
     report = mpjax.inspect_matmuls(grad_fn)(model, x)
     assert calls and dtypes_of(report) == {("bfloat16", "bfloat16")}
 
@@ -206,8 +213,9 @@ def test_grads_and_params_stay_f32_and_follow_the_f32_update_across_adam_steps()
     assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {F32}  # the param dtype
     params = nnx.state(model, nnx.Param)
     assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {F32}
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
-                 params, ref_params)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), params, ref_params
+    )
     kernel = np.asarray(model.fc1.kernel[...])
     rounded = np.asarray(jnp.asarray(kernel, BF16).astype(F32))
     assert np.mean(kernel == rounded) < 0.1  # real f32 values, not bf16 ones stored in f32
@@ -235,16 +243,102 @@ def test_state_paths_checkpoints_and_split_merge_are_unchanged():
 
 def test_applying_again_replaces_the_policy():
     model, x = block(), x_seq()
-    mpnnx.apply_policy(model, "float32")
+    mpnnx.set_policy(model, "float32")
     assert type(model).__mro__[1] is Block and type(model.fc1).__mro__[1] is nnx.Linear
     assert dtypes_of(mpjax.inspect_matmuls(loss)(model, x)) == {("float32", "float32")}
+
+
+def test_set_policy_configures_in_place_and_returns_none():
+    model, x = Block(nnx.Rngs(0)), x_seq()
+    assert mpnnx.set_policy(model, "mixed_bfloat16") is None
+    assert type(model).__mro__[1] is Block
+    assert dtypes_of(mpjax.inspect_matmuls(loss)(model, x)) == {("bfloat16", "bfloat16")}
+
+
+def test_apply_policy_is_a_deprecated_alias_that_returns_the_model():
+    model, x = Block(nnx.Rngs(0)), x_seq()
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"mpjax.nnx.apply_policy is deprecated: use "
+        r"mpjax.nnx.set_policy\(model, policy_or_rules\)",
+    ):
+        returned = mpnnx.apply_policy(model, "mixed_bfloat16")
+    assert returned is model and type(model).__mro__[1] is Block
+    assert dtypes_of(mpjax.inspect_matmuls(loss)(model, x)) == {("bfloat16", "bfloat16")}
+
+
+@pytest.mark.parametrize("spec", [{"fc2": "mixed_bfloat16"}, [("fc2", "mixed_bfloat16")]])
+def test_set_policy_and_linen_apply_policy_take_the_same_rule_forms(spec):
+    model, x = Block(nnx.Rngs(0)), x_seq()
+    mpnnx.set_policy(model, spec)  # Rules(spec): default float32, fc2 in bf16
+    report = mpjax.inspect_matmuls(grad_fn)(model, x)
+    assert {m.region for m in report if m.lhs_dtype == BF16} == {"fc2"}
+    assert report.operand_dtypes() == {("bfloat16", "bfloat16"): 3, ("float32", "float32"): 21}
+    wrapped = mpjax.linen.apply_policy(nn.Dense(3), spec)
+    assert type(wrapped)._mpjax_state.rules == mpjax.as_rules(spec) == Rules(spec)
+
+
+@pytest.mark.parametrize("spec", [3, None, {1.5}])
+def test_set_policy_and_linen_apply_policy_reject_the_same_forms_alike(spec):
+    with pytest.raises(TypeError) as nnx_error:
+        mpnnx.set_policy(Dense(2, 2, nnx.Rngs(0)), spec)
+    with pytest.raises(TypeError) as linen_error:
+        mpjax.linen.apply_policy(nn.Dense(2), spec)
+    assert str(nnx_error.value) == str(linen_error.value)
+    assert str(nnx_error.value).startswith("`policy_or_rules` must be mpjax.Rules, a policy")
+
+
+class WithF32Head(nnx.Module):
+    """A model whose head asks for f32 through Flax's own attributes."""
+
+    def __init__(self, rngs):
+        self.body = nnx.Linear(D, D, rngs=rngs)
+        self.head = nnx.Linear(D, 2, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jax.nn.relu(self.body(x)))
+
+
+def test_the_policy_wins_over_a_modules_own_dtype_attributes():
+    model, x = WithF32Head(nnx.Rngs(0)), x_seq()
+    mpnnx.set_policy(model, "mixed_bfloat16")
+    forward = mpjax.inspect_matmuls(loss)(model, x)
+    backward = mpjax.inspect_matmuls(grad_fn)(model, x)
+    # Backward: both forward matmuls, both kernel gradients, the input gradient of the head.
+    assert {m.region for m in forward} == {"body", "head"} and len(backward) == 5
+    assert dtypes_of(forward) == dtypes_of(backward) == {("bfloat16", "bfloat16")}
+
+
+def test_a_rule_for_its_path_keeps_a_module_in_f32():
+    model, x = WithF32Head(nnx.Rngs(0)), x_seq()
+    mpnnx.set_policy(model, Rules({"head": "float32"}, default="mixed_bfloat16"))
+    report = mpjax.inspect_matmuls(grad_fn)(model, x)
+    assert {m.region for m in report if m.lhs_dtype == F32} == {"head"}
+    assert report.operand_dtypes() == {("float32", "float32"): 3, ("bfloat16", "bfloat16"): 2}
+
+
+def test_full_precision_around_a_submodule_call_keeps_it_in_f32():
+    class Model(WithF32Head):
+        def __call__(self, x):
+            h = jax.nn.relu(self.body(x))
+            with mpjax.full_precision():
+                return self.head(h)
+
+    model, x = Model(nnx.Rngs(0)), x_seq()
+    mpnnx.set_policy(model, "mixed_bfloat16")
+    report = mpjax.inspect_matmuls(grad_fn)(model, x)
+    assert {(m.region, m.lhs_dtype.name) for m in report} == {
+        ("head", "float32"),
+        ("body", "bfloat16"),
+    }
 
 
 # --- the other stock layers, the custom module, BatchNorm, storage -----------------------------
 
 
 def test_custom_module_params_are_cast_at_use_and_never_overwritten():
-    model = mpnnx.apply_policy(Dense(4, 3, nnx.Rngs(0)), "mixed_bfloat16")
+    model = Dense(4, 3, nnx.Rngs(0))
+    mpnnx.set_policy(model, "mixed_bfloat16")
     stored, x = model.w, jnp.ones((2, 4))
     report = mpjax.inspect_matmuls(grad_fn)(model, x)
     assert len(report) == 2 and dtypes_of(report) == {("bfloat16", "bfloat16")}  # x @ w, dw
@@ -267,8 +361,9 @@ def test_params_in_a_list_are_cast_at_use():
         def __call__(self, x):
             return x @ self.ws[0][...] @ self.ws[1][...]
 
-    model = mpnnx.apply_policy(Stack(), "mixed_bfloat16")
-    report = mpjax.inspect_matmuls(grad_fn)(model, jnp.ones((1, 4)))
+    model = Stack()
+    mpnnx.set_policy(model, "mixed_bfloat16")
+    report = mpjax.inspect_matmuls(grad_fn, model, jnp.ones((1, 4)))
     assert len(report) == 5 and dtypes_of(report) == {("bfloat16", "bfloat16")}
     assert {v.dtype for v in jax.tree.leaves(nnx.state(model))} == {F32}
 
@@ -305,7 +400,8 @@ class ScannedStack(nnx.Module):
 
 
 def test_scan_remat_vmap_stacks_and_rng_counters_work():
-    model = mpnnx.apply_policy(ScannedStack(nnx.Rngs(0, dropout=1)), "mixed_bfloat16")
+    model = ScannedStack(nnx.Rngs(0, dropout=1))
+    mpnnx.set_policy(model, "mixed_bfloat16")
     x = normal(2, D)
     report = mpjax.inspect_matmuls(grad_fn)(model, x)
     assert report.operand_dtypes() == {("bfloat16", "bfloat16"): 6}
@@ -318,7 +414,8 @@ def test_scan_remat_vmap_stacks_and_rng_counters_work():
 
 
 def test_batchnorm_keeps_f32_running_stats_and_updates_them_in_train_mode():
-    model = mpnnx.apply_policy(ConvNet(nnx.Rngs(0)), "mixed_bfloat16")
+    model = ConvNet(nnx.Rngs(0))
+    mpnnx.set_policy(model, "mixed_bfloat16")
     x = normal(2, 6, 6, 3, seed=2)
     report = mpjax.inspect_matmuls(grad_fn)(model, x)
     assert {m.primitive for m in report} == {"conv_general_dilated", "dot_general"}
@@ -345,7 +442,8 @@ def test_embed_attend_linear_general_and_rmsnorm_run_in_bf16():
             h = self.proj(self.embed(tokens)).reshape(tokens.shape + (D,))
             return self.embed.attend(self.norm(h))
 
-    model = mpnnx.apply_policy(TiedLM(nnx.Rngs(0)), "mixed_bfloat16")
+    model = TiedLM(nnx.Rngs(0))
+    mpnnx.set_policy(model, "mixed_bfloat16")
     tokens = jnp.array([[1, 2, 3], [4, 5, 10]])
     report = mpjax.inspect_matmuls(grad_fn)(model, tokens)
     assert len(report) == 6 and dtypes_of(report) == {("bfloat16", "bfloat16")}
@@ -357,7 +455,8 @@ def test_embed_attend_linear_general_and_rmsnorm_run_in_bf16():
 
 
 def test_bf16_param_storage():
-    model = mpnnx.apply_policy(ConvNet(nnx.Rngs(0)), "p=bf16,c=bf16,o=f32")
+    model = ConvNet(nnx.Rngs(0))
+    mpnnx.set_policy(model, "p=bf16,c=bf16,o=f32")
     x = normal(2, 6, 6, 3, seed=2)
     assert model.conv.kernel[...].dtype == BF16 and model.head.w[...].dtype == BF16
     assert model.bn.scale[...].dtype == F32 and model.bn.mean[...].dtype == F32  # norm rule
@@ -412,7 +511,8 @@ warning: rule 'decoder/*' matches no module."""
 def test_describe_returns_the_expected_table_and_prints_nothing(capsys):
     rules = Rules({"head": "float32", "decoder/*": "float32"}, default="mixed_bfloat16")
     with pytest.warns(RuleWarning):
-        model = mpnnx.apply_policy(ConvNet(nnx.Rngs(0)), rules)
+        model = ConvNet(nnx.Rngs(0))
+        mpnnx.set_policy(model, rules)
     x = jax.ShapeDtypeStruct((2, 6, 6, 3), jnp.float32)
     report = mpjax.describe(model)(x)  # with inputs: the matmuls that ran, per module
     assert capsys.readouterr().out == ""
@@ -437,10 +537,18 @@ def test_describe_to_dict_is_plain_json():
     data = mpjax.describe(model, rules="mixed_bfloat16")(x).to_dict()
     assert json.loads(json.dumps(data)) == data
     assert data["rows"][2] == {
-        "path": "conv", "type": "Conv",
-        "policy": {"param_dtype": "float32", "compute_dtype": "bfloat16",
-                   "output_dtype": "float32"},
-        "rule": "default", "param_count": 112, "param_bytes": 448, "matmuls": [["bf16,bf16", 3]]}
+        "path": "conv",
+        "type": "Conv",
+        "policy": {
+            "param_dtype": "float32",
+            "compute_dtype": "bfloat16",
+            "output_dtype": "float32",
+        },
+        "rule": "default",
+        "param_count": 112,
+        "param_bytes": 448,
+        "matmuls": [["bf16,bf16", 3]],
+    }
     assert data["matmuls_traced"] is True and data["total_params"] == 130
     untraced = mpjax.describe(model, rules="mixed_bfloat16")().to_dict()
     assert untraced["matmuls_traced"] is False and untraced["rows"][2]["matmuls"] == []
@@ -468,8 +576,11 @@ def test_describe_passes_every_keyword_to_the_model():
 def test_describe_rejects_linen_options_for_nnx_models():
     model = ConvNet(nnx.Rngs(0))
     for option in ("variables", "rngs", "method"):
-        with pytest.raises(TypeError, match=rf"`{option}`, which does not apply to a "
-                                            r"flax\.nnx module \(ConvNet\); it takes only rules"):
+        with pytest.raises(
+            TypeError,
+            match=rf"`{option}`, which does not apply to a "
+            r"flax\.nnx module \(ConvNet\); it takes only rules",
+        ):
             mpjax.describe(model, rules="mixed_bfloat16", **{option: {}})
 
 
@@ -491,18 +602,22 @@ def test_describe_paths_go_through_lists():
 
     report = mpjax.describe(Stack(nnx.Rngs(0)), rules="mixed_bfloat16")()
     assert [(r.path, r.type_name, r.param_count) for r in report.rows] == [
-        ("", "Stack", 0), ("blocks", "List", 0), ("blocks/0", "Dense", 6), ("blocks/1", "Dense", 6)]
+        ("", "Stack", 0),
+        ("blocks", "List", 0),
+        ("blocks/0", "Dense", 6),
+        ("blocks/1", "Dense", 6),
+    ]
 
 
 def test_bad_input_raises_errors_naming_the_argument():
     with pytest.raises(TypeError, match="mpjax.linen.apply_policy"):
-        mpnnx.apply_policy(nn.Dense(3), "mixed_bfloat16")
+        mpnnx.set_policy(nn.Dense(3), "mixed_bfloat16")
     with pytest.raises(TypeError, match="nnx.Module instance as `model`, got 3"):
-        mpnnx.apply_policy(3, "mixed_bfloat16")
+        mpnnx.set_policy(3, "mixed_bfloat16")
     with pytest.raises(TypeError, match="got the class Block"):
-        mpnnx.apply_policy(Block, "mixed_bfloat16")
+        mpnnx.set_policy(Block, "mixed_bfloat16")
     with pytest.raises(ValueError, match="mixed_bfloat61"):
-        mpnnx.apply_policy(block(policy=None), "mixed_bfloat61")
+        mpnnx.set_policy(block(policy=None), "mixed_bfloat61")
     with pytest.raises(ValueError, match="no policy applied"):
         mpjax.describe(block(policy=None))
     with pytest.raises(TypeError, match="got the class Block. Build the model first"):
@@ -513,6 +628,7 @@ def test_readme_nnx_example_runs_and_prints_its_table(capsys):
     section = README.read_text().split("### NNX\n", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     printed = re.search(r"```text\n(.*?)```", section, re.S).group(1)
-    with jax.numpy_dtype_promotion("standard"):  # optax's adam, as in adam_update
-        exec(compile(code, "README.md (NNX)", "exec"), {})
+    with jax.numpy_dtype_promotion("standard"), warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # the README uses the current API
+        exec(compile(code, "README.md (NNX)", "exec"), {})  # optax's adam: standard promotion
     assert capsys.readouterr().out == printed

@@ -46,7 +46,9 @@ def test_policy_is_frozen_and_hashable():
 
 def test_repr_and_str_are_readable_and_str_round_trips():
     policy = get_policy("mixed_float16")
-    assert repr(policy) == "Policy(param_dtype=float32, compute_dtype=float16, output_dtype=float32)"
+    assert (
+        repr(policy) == "Policy(param_dtype=float32, compute_dtype=float16, output_dtype=float32)"
+    )
     assert str(policy) == "p=f32,c=f16,o=f32"
     for spec in ["float32", "bf16", "mixed_bfloat16", "p=f16,c=f16,o=f32", "c=float8_e4m3fn"]:
         policy = get_policy(spec)
@@ -139,8 +141,18 @@ def test_nested_tree_casts_only_floating_array_leaves(method):
     assert out["w"].dtype == F16 and out["np_w"].dtype == F16
     assert out["np_scalar"].dtype == F16
     assert out["nested"][0].dtype == F16
-    for name in ["ints", "np_ints", "bools", "complex", "key", "raw_key", "name", "py_float",
-                 "py_int", "none"]:
+    for name in [
+        "ints",
+        "np_ints",
+        "bools",
+        "complex",
+        "key",
+        "raw_key",
+        "name",
+        "py_float",
+        "py_int",
+        "none",
+    ]:
         assert out[name] is tree[name], name
     assert out["nested"][1][0] is tree["nested"][1][0]
 
@@ -161,7 +173,9 @@ def test_cast_is_identical_under_jit(method):
     policy = _policy_casting_to(method, BF16)
     # jit turns numpy leaves into jax arrays (int64 into int32): compare on what jit sees.
     tree = {k: v for k, v in _mixed_tree().items() if k not in ("name", "none")}
-    tree = jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x, tree)
+    tree = jax.tree.map(
+        lambda x: jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic)) else x, tree
+    )
     eager = getattr(policy, method)(tree)
     jitted = jax.jit(getattr(policy, method))(tree)
     assert jax.tree.structure(eager) == jax.tree.structure(jitted)
@@ -263,7 +277,10 @@ def test_policy_passes_through_unchanged():
         ("p=", "Malformed entry 'p='"),
         ("=f32", "Malformed entry '=f32'"),
         ("p=f32;c=bf16", "Unknown dtype name 'f32;c=bf16'"),
-        ("p=float8_e4m3fn", "param_dtype float8_e4m3fn is too narrow.*float32, bfloat16 or float16"),
+        (
+            "p=float8_e4m3fn",
+            "param_dtype float8_e4m3fn is too narrow.*float32, bfloat16 or float16",
+        ),
         ("float8_e5m2", "param_dtype float8_e5m2 is too narrow"),
     ],
 )
@@ -275,7 +292,10 @@ def test_grammar_errors_name_the_bad_part(spec, message):
 @pytest.mark.parametrize(
     "args, message",
     [
-        ((jnp.int32, F32, F32), "param_dtype must be a floating-point dtype, got int32.*Valid names"),
+        (
+            (jnp.int32, F32, F32),
+            "param_dtype must be a floating-point dtype, got int32.*Valid names",
+        ),
         ((F32, jnp.bool_, F32), "compute_dtype must be a floating-point dtype, got bool"),
         ((F32, F32, jnp.int8), "output_dtype must be a floating-point dtype, got int8"),
         ((F32, jnp.complex64, F32), "compute_dtype must be a floating-point dtype, got complex64"),
@@ -289,7 +309,9 @@ def test_constructor_errors(args, message):
 
 
 def test_constructor_rejects_non_dtypes_with_type_error():
-    with pytest.raises(TypeError, match="param_dtype must be a floating dtype.*got 3.5 of type float"):
+    with pytest.raises(
+        TypeError, match="param_dtype must be a floating dtype.*got 3.5 of type float"
+    ):
         Policy(3.5, F32, F32)
 
 
@@ -308,7 +330,9 @@ def test_get_policy_rejects_non_floating_dtype_objects():
 # jmp interop
 
 
-@pytest.mark.parametrize("spec", ["mixed_bfloat16", "mixed_float16", "float32", "p=bf16,c=bf16,o=f32"])
+@pytest.mark.parametrize(
+    "spec", ["mixed_bfloat16", "mixed_float16", "float32", "p=bf16,c=bf16,o=f32"]
+)
 def test_jmp_round_trip(spec):
     policy = get_policy(spec)
     theirs = policy.to_jmp()
@@ -327,3 +351,60 @@ def test_jmp_and_mpjax_cast_arrays_alike():
     for method in CAST_METHODS:
         a, b = getattr(ours, method)(tree), getattr(theirs, method)(tree)
         assert jax.tree.map(lambda x: x.dtype, a) == jax.tree.map(lambda x: x.dtype, b)
+
+
+def test_to_jmp_without_jmp_names_the_extra(monkeypatch):
+    monkeypatch.setattr(mpjax.policy, "jmp", None)
+    message = r'^Policy.to_jmp\(\) needs jmp.*pip install "mpjax\[jmp\]"'
+    with pytest.raises(ImportError, match=message):
+        get_policy("mixed_bfloat16").to_jmp()
+
+
+def test_any_jmp_style_policy_object_is_a_policy():
+    class Duck:
+        param_dtype, compute_dtype, output_dtype = jnp.float32, jnp.bfloat16, jnp.float16
+
+    assert isinstance(Duck(), mpjax.policy.JmpStylePolicy)
+    assert get_policy(Duck()) == Policy(F32, BF16, F16)
+    with pytest.raises(ValueError, match="compute_dtype must be a floating-point dtype, got int32"):
+        get_policy(
+            type("Bad", (), {"param_dtype": F32, "compute_dtype": np.int32, "output_dtype": F32})()
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# is_floating: the one "is this floating" predicate
+
+
+@pytest.mark.parametrize(
+    "x, expected",
+    [
+        (jnp.bfloat16, True),
+        (np.float16, True),
+        (F64, True),
+        (jnp.float8_e4m3fn, True),
+        (jnp.ones(2), True),
+        (np.ones(2, np.float16), True),
+        (np.float32(1), True),
+        (jax.ShapeDtypeStruct((2,), jnp.bfloat16), True),
+        (jax.typeof(jnp.ones(())), True),
+        (jnp.int32, False),
+        (np.arange(2), False),
+        (jnp.ones(2, bool), False),
+        (jnp.ones(2, jnp.complex64), False),
+        (jax.random.key(0), False),
+        (1.0, False),
+        (None, False),
+        ("float32", False),
+    ],
+)
+def test_is_floating(x, expected):
+    assert mpjax.policy.is_floating(x) is expected
+
+
+def test_is_floating_under_jit_sees_tracers():
+    seen = []
+    jax.jit(lambda x, n: seen.append((mpjax.policy.is_floating(x), mpjax.policy.is_floating(n))))(
+        jnp.ones(2), jnp.arange(2)
+    )
+    assert seen == [(True, False)]

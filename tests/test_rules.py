@@ -12,6 +12,7 @@ from flax import nnx
 
 import mpjax
 from mpjax import ModuleRow, Policy, PrecisionReport, Rule, Rules, get_policy
+from mpjax import rules as rules_module
 
 F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
 MIXED = get_policy("mixed_bfloat16")
@@ -63,9 +64,20 @@ def test_first_match_wins():
     assert rules.resolve("block_1/d", nn.Dense).policy.compute_dtype == F32
 
 
-@pytest.mark.parametrize("norm", [nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm,
-                                  nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm,
-                                  MyLayerNorm])
+@pytest.mark.parametrize(
+    "norm",
+    [
+        nn.LayerNorm,
+        nn.RMSNorm,
+        nn.BatchNorm,
+        nn.GroupNorm,
+        nnx.LayerNorm,
+        nnx.RMSNorm,
+        nnx.BatchNorm,
+        nnx.GroupNorm,
+        MyLayerNorm,
+    ],
+)
 @pytest.mark.parametrize("default", ["mixed_bfloat16", "bfloat16", "mixed_float16"])
 def test_builtin_norm_rule_keeps_params_and_statistics_f32_output_compute(norm, default):
     default = get_policy(default)
@@ -146,6 +158,65 @@ def test_as_rules():
     assert made.default == get_policy("mixed_float16") and any(r.builtin for r in made.rules)
 
 
+def test_as_rules_takes_mappings_and_lists_of_rules_as_rules_does():
+    mapping = {"head": "float32", nn.LayerNorm: "bf16"}
+    assert mpjax.as_rules(mapping) == Rules(mapping)
+    entries = [("head", "float32"), Rule(nn.Dense, "f16")]
+    assert mpjax.as_rules(entries) == Rules(entries) == mpjax.as_rules(tuple(entries))
+    assert mpjax.as_rules(mapping).default == get_policy("float32")
+
+
+@pytest.mark.parametrize("spec", [3, None, {1, 2}, object()])
+def test_as_rules_rejects_anything_else_naming_the_argument(spec):
+    with pytest.raises(
+        TypeError,
+        match=r"^`policy_or_rules` must be mpjax.Rules, a policy .*"
+        r"or a mapping or list of rules .*got ",
+    ):
+        mpjax.as_rules(spec)
+    with pytest.raises(TypeError, match=r"^`rules` must be"):
+        mpjax.as_rules(spec, "rules")
+
+
+def test_integrations_register_their_norms_in_order_with_stable_names():
+    names = [r.name for r in Rules().rules]
+    assert names == [
+        f"builtin: {lib}.{norm} in f32"
+        for lib in ("linen", "nnx")
+        for norm in ("LayerNorm", "RMSNorm", "BatchNorm", "GroupNorm")
+    ]
+    assert [r.key for r in Rules().rules] == [
+        nn.LayerNorm,
+        nn.RMSNorm,
+        nn.BatchNorm,
+        nn.GroupNorm,
+        nnx.LayerNorm,
+        nnx.RMSNorm,
+        nnx.BatchNorm,
+        nnx.GroupNorm,
+    ]
+
+
+def test_register_builtin_rule_appends_or_replaces_by_key(monkeypatch):
+    monkeypatch.setattr(rules_module, "_BUILTIN_RULES", list(rules_module._BUILTIN_RULES))
+    before = Rules(default="bf16")
+
+    class Norm:
+        pass
+
+    rules_module.register_builtin_rule(Rule(Norm, rules_module.norm_policy, name="my norm"))
+    after = Rules(default="bf16")
+    assert after.rules[:-1] == before.rules and after.rules[-1].builtin
+    assert after.resolve("n", Norm).policy == Policy(F32, F32, BF16)
+    assert before.resolve("n", Norm).rule is None  # rules made earlier keep their rules
+    rules_module.register_builtin_rule(Rule(Norm, "float16", name="my norm, f16"))
+    again = Rules(default="bf16")
+    assert len(again.rules) == len(after.rules)
+    assert again.resolve("n", Norm).rule.name == "my norm, f16"
+    with pytest.raises(TypeError, match=r"register_builtin_rule\(\) takes a Rule as `rule`"):
+        rules_module.register_builtin_rule((Norm, "float16"))
+
+
 def test_rules_and_rule_are_hashable_values():
     assert hash(Rule("a", "f32")) == hash(Rule("a", "f32"))
     assert Rules({"a": "f32"}, default="bf16") == Rules({"a": "f32"}, default="bf16")
@@ -156,8 +227,9 @@ def test_precision_report_table_and_totals():
     report = PrecisionReport(
         rows=(
             ModuleRow("", "GPT", MIXED, "default", 0, 0),
-            ModuleRow("block_0/norm", "LayerNorm", Policy(F32, F32, BF16), "builtin: LayerNorm",
-                      256, 1024),
+            ModuleRow(
+                "block_0/norm", "LayerNorm", Policy(F32, F32, BF16), "builtin: LayerNorm", 256, 1024
+            ),
             ModuleRow("head", "Dense", Policy(F32, F32, F32), "head", 1_000_000, 4_000_000),
         ),
         problems=("rule 'x' matches no module.",),
@@ -167,10 +239,31 @@ def test_precision_report_table_and_totals():
     with pytest.raises(KeyError, match="No module at path 'nope'"):
         report.row("nope")
     lines = str(report).splitlines()
-    assert lines[0].split() == ["path", "type", "params", "compute", "output", "rule", "#params",
-                                "bytes", "matmuls", "ran", "in"]
-    assert lines[2].split() == ["<root>", "GPT", "float32", "bfloat16", "float32", "default", "0",
-                                "0", "B", "-"]
+    assert lines[0].split() == [
+        "path",
+        "type",
+        "params",
+        "compute",
+        "output",
+        "rule",
+        "#params",
+        "bytes",
+        "matmuls",
+        "ran",
+        "in",
+    ]
+    assert lines[2].split() == [
+        "<root>",
+        "GPT",
+        "float32",
+        "bfloat16",
+        "float32",
+        "default",
+        "0",
+        "0",
+        "B",
+        "-",
+    ]
     assert lines[3].split()[:5] == ["block_0/norm", "LayerNorm", "float32", "float32", "bfloat16"]
     assert lines[4].endswith("1,000,000  3.8 MiB  -")
     assert lines[6].split() == ["total", "1,000,256", "3.8", "MiB"]
@@ -191,7 +284,10 @@ def test_describe_says_which_import_describes_flax_modules(monkeypatch):
     monkeypatch.setattr(describing, "_describers", unregistered)
     monkeypatch.setattr(describing, "_packages", set())
     for model in (nn.Dense(2), nnx.Linear(2, 2, rngs=nnx.Rngs(0))):
-        with pytest.raises(TypeError, match=r"takes a function made by mpjax\.autocast; got a "
-                                            rf"{type(model).__name__}\. Flax modules are described "
-                                            r"once mpjax\.linen \(linen\) or mpjax\.nnx \(NNX\)"):
+        with pytest.raises(
+            TypeError,
+            match=r"takes a function made by mpjax\.autocast; got a "
+            rf"{type(model).__name__}\. Flax modules are described "
+            r"once mpjax\.linen \(linen\) or mpjax\.nnx \(NNX\)",
+        ):
             mpjax.describe(model)

@@ -3,7 +3,7 @@
 
 The same properties as ``test_model_patterns.py``: every floating matmul forward and backward
 in bf16, f32 params and gradients, outputs f32 and within 5% of the f32 model. Flax models go
-through ``linen.apply_policy`` / ``nnx.apply_policy`` and ``mpjax.autocast``; the Equinox models
+through ``linen.apply_policy`` / ``nnx.set_policy`` and ``mpjax.autocast``; the Equinox models
 through ``mpjax.autocast``. Tiny random configurations, nothing downloaded.
 
 These packages are not written for strict dtype promotion (Flax's ``combine_masks``, which the
@@ -64,8 +64,9 @@ def _transformers_module(model_class: str, config_class: str, **config):
 
 def gpt2():
     """GPT-2: its tied head applies a Dense to ``self.transformer.variables[...]["wte"]``."""
-    module = _transformers_module("FlaxGPT2LMHeadModel", "GPT2Config", n_positions=16, n_embd=16,
-                                  n_layer=2, n_head=2)
+    module = _transformers_module(
+        "FlaxGPT2LMHeadModel", "GPT2Config", n_positions=16, n_embd=16, n_layer=2, n_head=2
+    )
     ids = token_ids()
     inputs = (ids, jnp.ones_like(ids), jnp.broadcast_to(jnp.arange(T), (B, T)))
     return module, inputs, {"return_dict": False}
@@ -74,9 +75,15 @@ def gpt2():
 def llama():
     """Llama: RMSNorm in f32 by hand, rotary embeddings, grouped-query attention."""
     module = _transformers_module(
-        "FlaxLlamaForCausalLM", "LlamaConfig", hidden_size=16, intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        max_position_embeddings=16)
+        "FlaxLlamaForCausalLM",
+        "LlamaConfig",
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+    )
     ids = token_ids()
     inputs = (ids, jnp.ones_like(ids), jnp.broadcast_to(jnp.arange(T), (B, T)))
     return module, inputs, {"return_dict": False}
@@ -85,8 +92,16 @@ def llama():
 def nano_moe():
     """NanoMoE: top-k routing over per-expert Dense layers, a one-hot load-balancing loss."""
     nano = pytest.importorskip("nano_moe")
-    config = nano.NanoMoEConfig(vocab_size=VOCAB, n_layers=2, n_heads=2, d_model=16, d_ff=32,
-                                n_experts=4, top_k=2, block_size=T)
+    config = nano.NanoMoEConfig(
+        vocab_size=VOCAB,
+        n_layers=2,
+        n_heads=2,
+        d_model=16,
+        d_ff=32,
+        n_experts=4,
+        top_k=2,
+        block_size=T,
+    )
     return nano.NanoMoE(config), (token_ids(),), {}
 
 
@@ -100,8 +115,14 @@ def mamba2():
     """Mamba2: tied head ``h @ self.backbone.embedder.embedding[:].T``, a depthwise conv that
     reads its child ``nnx.Conv``'s kernel, RMSNorm and residual stream in f32 by hand."""
     mamba2_jax = pytest.importorskip("mamba2_jax")
-    config = mamba2_jax.Mamba2Config(vocab_size=VOCAB, hidden_size=16, state_size=8, head_dim=8,
-                                     chunk_size=4, num_hidden_layers=2)
+    config = mamba2_jax.Mamba2Config(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        state_size=8,
+        head_dim=8,
+        chunk_size=4,
+        num_hidden_layers=2,
+    )
     return lambda: mamba2_jax.Mamba2ForCausalLM(config, rngs=nnx.Rngs(key())), (token_ids(),)
 
 
@@ -118,8 +139,9 @@ def _equinox_subject(model, x) -> Subject:
     def reference(params, x):
         return jax.vmap(eqx.combine(params, static))(x)
 
-    return Subject(mpjax.autocast(reference, POLICY), jax.jit(reference), params, (x,),
-                   grad_inputs=(0,))
+    return Subject(
+        mpjax.autocast(reference, POLICY), jax.jit(reference), params, (x,), grad_inputs=(0,)
+    )
 
 
 def equinox_mlp():

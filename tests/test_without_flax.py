@@ -104,6 +104,7 @@ import mpjax
 
 assert not [m for m, v in sys.modules.items() if m.split(".")[0] == "flax" and v is not None]
 assert "mpjax.linen" not in sys.modules and "mpjax.nnx" not in sys.modules
+assert not {"linen", "nnx"} & set(mpjax.__all__)
 
 fast = mpjax.autocast(lambda w, x: jnp.tanh(x @ w).sum())
 w, x = jnp.ones((4, 4)), jnp.ones((2, 4))

@@ -1,0 +1,261 @@
+"""The package's architecture: imports flow one way through the layers, with no cycle and no
+import hidden in a function, and the core works with Flax unavailable."""
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "mpjax"
+
+# Lowest first. A module may import modules of its own layer or of lower ones, never of a
+# higher one. Every module of the package must have a layer.
+LAYERS = (
+    {"policy", "deprecation"},
+    {"rules"},
+    # The casting engine's parts, the inspection of jaxprs, and the optimizer side.
+    {
+        "regions",
+        "op_categories",
+        "jax_compat",
+        "table",
+        "inspection",
+        "gradient_checks",
+        "loss_scaling",
+        "master_weights",
+    },
+    {"autocast", "report"},
+    {"describe"},  # the one report entry point: the integrations register with it
+    {"linen", "nnx", "flax_serialization"},  # the Flax integrations
+    {"__init__"},
+)
+LAYER = {module: i for i, layer in enumerate(LAYERS) for module in layer}
+
+# Modules that must import without Flax, and run: everything below the integrations.
+FLAX_FREE = (
+    "policy",
+    "deprecation",
+    "rules",
+    "regions",
+    "op_categories",
+    "jax_compat",
+    "table",
+    "inspection",
+    "autocast",
+    "report",
+    "describe",
+)
+# The optimizer side, which must not need Flax either.
+OPTIMIZER_SIDE = ("gradient_checks", "loss_scaling", "master_weights")
+
+
+def _mpjax_module(name: str) -> str | None:
+    """``"rules"`` for ``"mpjax.rules"`` (or ``"mpjax.rules.Rules"``), ``"__init__"`` for
+    ``"mpjax"``, None for another package."""
+    parts = name.split(".")
+    if parts[0] != "mpjax":
+        return None
+    if len(parts) > 1 and (PACKAGE / f"{parts[1]}.py").exists():
+        return parts[1]
+    return "__init__"
+
+
+def _imports(node: ast.AST) -> list[tuple[str, ast.AST]]:
+    """``(imported mpjax module, import node)`` for each import statement under ``node``."""
+    found = []
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Import):
+            found += [(_mpjax_module(alias.name), sub) for alias in sub.names]
+        elif isinstance(sub, ast.ImportFrom):
+            assert sub.level == 0, "mpjax uses absolute imports"
+            base = sub.module or ""
+            # `from mpjax import linen` imports a module; `from mpjax.rules import Rules` a name.
+            found += [
+                (
+                    _mpjax_module(f"{base}.{alias.name}")
+                    if base == "mpjax"
+                    else _mpjax_module(base),
+                    sub,
+                )
+                for alias in sub.names
+            ]
+    return [(module, sub) for module, sub in found if module is not None]
+
+
+def _functions(tree: ast.Module) -> list[ast.AST]:
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+    ]
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the mpjax modules it imports, at module level or in a function."""
+    graph = {}
+    for path in sorted(PACKAGE.glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        graph[path.stem] = {module for module, _ in _imports(tree)} - {path.stem}
+    return graph
+
+
+def _flax_imports(module: str) -> list[str]:
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+    return [name for name in names if name.split(".")[0] == "flax"]
+
+
+def _needs(module: str, graph: dict[str, set[str]]) -> set[str]:
+    """``module`` and every mpjax module it imports, directly or not (``__init__`` aside:
+    importing a submodule runs the package's ``__init__`` whatever it is)."""
+    seen, todo = set(), [module]
+    while todo:
+        current = todo.pop()
+        if current not in seen:
+            seen.add(current)
+            todo += graph[current] - {"__init__"}
+    return seen
+
+
+def test_every_module_has_a_layer():
+    modules = {path.stem for path in PACKAGE.glob("*.py")}
+    assert modules - set(LAYER) == set(), "give each new module a layer in LAYERS"
+    assert set(LAYER) - modules == set(), "LAYERS names modules that no longer exist"
+
+
+def test_imports_flow_down_the_layers():
+    upward = [
+        f"{module} (layer {LAYER[module]}) imports {imported} (layer {LAYER[imported]})"
+        for module, imports in _graph().items()
+        for imported in sorted(imports)
+        if LAYER[imported] > LAYER[module]
+    ]
+    assert upward == []
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = _graph()
+    state: dict[str, str] = {}
+    cycles = []
+
+    def visit(module, stack):
+        state[module] = "open"
+        for imported in sorted(graph[module]):
+            if state.get(imported) == "open":
+                cycles.append(" -> ".join(stack[stack.index(imported) :] + [imported]))
+            elif imported not in state:
+                visit(imported, stack + [imported])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+def test_no_function_imports_an_mpjax_module():
+    found = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for function in _functions(tree):
+            found += [
+                f"{path.name}:{node.lineno} imports mpjax.{module} inside a function"
+                for module, node in _imports(function)
+            ]
+    assert found == []
+
+
+def test_the_checker_sees_imports_in_functions_and_upward_imports():
+    # The checks above pass on the package; here they must catch what they look for.
+    tree = ast.parse(
+        textwrap.dedent("""
+        from mpjax.policy import Policy
+        def f():
+            from mpjax import linen
+            import mpjax.describe as d
+    """)
+    )
+    (function,) = _functions(tree)
+    assert [m for m, _ in _imports(tree)] == ["policy", "linen", "describe"]
+    assert [m for m, _ in _imports(function)] == ["linen", "describe"]
+    assert _mpjax_module("mpjax") == "__init__" and _mpjax_module("flax.linen") is None
+
+
+@pytest.mark.parametrize("module", FLAX_FREE)
+def test_the_core_imports_no_flax(module):
+    graph = _graph()
+    assert {m: _flax_imports(m) for m in _needs(module, graph) if _flax_imports(m)} == {}
+
+
+@pytest.mark.parametrize("module", OPTIMIZER_SIDE)
+def test_the_optimizer_side_imports_no_flax(module):
+    graph = _graph()
+    assert {m: _flax_imports(m) for m in _needs(module, graph) if _flax_imports(m)} == {}
+
+
+def _run_without_flax(code: str) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a fresh Python in which ``import flax`` fails."""
+    prelude = "import sys\nsys.modules['flax'] = None  # `import flax` raises ImportError\n"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+CORE_WITHOUT_FLAX = """
+    import jax, jax.numpy as jnp
+    {setup}
+    policy = get_policy("mixed_bfloat16")
+    assert policy.compute_dtype == jnp.bfloat16
+    assert Rules({{"head": "float32"}}, default=policy).resolve("head", object).policy == (
+        get_policy("float32"))
+    w, x = jnp.ones((3, 3)), jnp.ones((2, 3))
+    f = autocast(lambda w, x: jnp.tanh(x @ w), policy)
+    assert f(w, x).dtype == jnp.float32
+    assert [m.operand_dtypes for m in inspect_matmuls(f)(w, x)] == [(jnp.bfloat16,) * 2]
+    for name in ("linen", "nnx"):
+        try:
+            {import_integration}
+        except ImportError as error:
+            assert 'pip install "mpjax[flax]"' in str(error), error
+        else:
+            raise AssertionError(f"mpjax.{{name}} imported without Flax")
+    print("ok")
+"""
+
+
+def test_the_core_modules_import_and_run_without_flax():
+    # The package's __init__ is bypassed (an empty package object), so that what is checked is
+    # the core modules themselves: the whole package is checked by the test below.
+    setup = f"""
+    import importlib, types
+    package = types.ModuleType("mpjax")
+    package.__path__ = [{str(PACKAGE)!r}]
+    sys.modules["mpjax"] = package
+    for module in {FLAX_FREE!r}:
+        importlib.import_module("mpjax." + module)
+    from mpjax.policy import get_policy
+    from mpjax.rules import Rules
+    from mpjax.autocast import autocast
+    from mpjax.inspection import inspect_matmuls
+    """
+    code = CORE_WITHOUT_FLAX.format(
+        setup=textwrap.indent(textwrap.dedent(setup), "    ").strip(),
+        import_integration='importlib.import_module("mpjax." + name)',
+    )
+    result = _run_without_flax(code)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+# `import mpjax` as a whole with Flax blocked, loss scaling included: tests/test_without_flax.py.
