@@ -321,6 +321,7 @@ def as_rules(spec: RulesLike, argument: str = "policy_or_rules") -> Rules:
 
     Args:
       spec: one of
+
         - a :class:`Rules` (returned as is);
         - anything :func:`mpjax.get_policy` accepts: the default policy, with the built-in
           rules;

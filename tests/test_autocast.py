@@ -577,7 +577,7 @@ def test_autocast_wins_over_a_modules_dtype_and_a_rule_or_full_precision_opts_ou
         loss = lambda v: auto(v, X).sum()  # noqa: E731
         return {
             (m.scope.rsplit("/", 1)[-1], m.operand_dtypes)
-            for m in mpjax.inspect_matmuls(jax.grad(loss), variables)
+            for m in mpjax.inspect_matmuls(jax.grad(loss))(variables)
         }
 
     assert matmuls(mpjax.autocast(Net().apply)) == {("body", (BF16, BF16)), ("head", (BF16, BF16))}
@@ -663,14 +663,14 @@ def test_describe_rejects_autocast_functions_it_did_not_make_and_options():
 
 def test_deprecated_autocast_report_warns_prints_and_returns_the_report(capsys):
     auto = mpjax.autocast(lambda w, x: jax.nn.softmax(x @ w))
-    with pytest.warns(DeprecationWarning, match=r"use mpjax\.describe\(fn\)\(\*args, \*\*kwargs\)"):
+    with pytest.warns(mpjax.MpjaxDeprecationWarning, match=r"use mpjax\.describe\(fn\)\(\*args, \*\*kwargs\)"):
         report = mpjax.autocast_report(auto, W, X)
     assert capsys.readouterr().out == str(report) + "\n"
     assert report == mpjax.describe(auto)(W, X)
-    with pytest.warns(DeprecationWarning):
+    with pytest.warns(mpjax.MpjaxDeprecationWarning):
         quiet = mpjax.autocast_report(auto, W, X, print_table=False)
     assert quiet == report and capsys.readouterr().out == ""
-    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="autocast"):
+    with pytest.warns(mpjax.MpjaxDeprecationWarning), pytest.raises(TypeError, match="autocast"):
         mpjax.autocast_report(jnp.sin, X)
 
 

@@ -1004,7 +1004,7 @@ def test_get_loss_scale_is_deprecated_and_still_works():
         ls = mpjax.get_loss_scale("static:512")
     assert isinstance(ls, StaticLossScale) and float(ls.loss_scale) == 512.0
     with (
-        pytest.warns(DeprecationWarning),
+        pytest.warns(mpjax.MpjaxDeprecationWarning),
         pytest.raises(ValueError, match="Unknown loss_scale 'dynamc'"),
     ):
         mpjax.get_loss_scale("dynamc")
@@ -1017,7 +1017,7 @@ def test_loss_scale_for_is_deprecated_and_still_works():
     ):
         ls = mpjax.loss_scale_for("mixed_float16")
     assert type(ls) is DynamicLossScale and float(ls.loss_scale) == 2.0**15
-    with pytest.warns(DeprecationWarning):
+    with pytest.warns(mpjax.MpjaxDeprecationWarning):
         assert type(mpjax.loss_scale_for("bf16")) is NoOpLossScale
 
 

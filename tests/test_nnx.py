@@ -259,7 +259,7 @@ def test_apply_policy_is_a_deprecated_alias_that_returns_the_model():
     model, x = Block(nnx.Rngs(0)), x_seq()
     with pytest.warns(
         DeprecationWarning,
-        match=r"mpjax.nnx.apply_policy is deprecated: use "
+        match=r"mpjax.nnx.apply_policy\(model, policy_or_rules\) is deprecated.*use "
         r"mpjax.nnx.set_policy\(model, policy_or_rules\)",
     ):
         returned = mpnnx.apply_policy(model, "mixed_bfloat16")
@@ -363,7 +363,7 @@ def test_params_in_a_list_are_cast_at_use():
 
     model = Stack()
     mpnnx.set_policy(model, "mixed_bfloat16")
-    report = mpjax.inspect_matmuls(grad_fn, model, jnp.ones((1, 4)))
+    report = mpjax.inspect_matmuls(grad_fn)(model, jnp.ones((1, 4)))
     assert len(report) == 5 and dtypes_of(report) == {("bfloat16", "bfloat16")}
     assert {v.dtype for v in jax.tree.leaves(nnx.state(model))} == {F32}
 
@@ -586,11 +586,11 @@ def test_describe_rejects_linen_options_for_nnx_models():
 
 def test_deprecated_nnx_describe_warns_prints_and_returns_the_report(capsys):
     x = jax.ShapeDtypeStruct((2, 6, 6, 3), jnp.float32)
-    with pytest.warns(DeprecationWarning, match=r"use mpjax\.describe\(model, rules=\.\.\.\)"):
+    with pytest.warns(mpjax.MpjaxDeprecationWarning, match=r"use mpjax\.describe\(model, rules=\.\.\.\)"):
         report = mpnnx.describe(ConvNet(nnx.Rngs(0)), "mixed_bfloat16", inputs=(x,))
     assert capsys.readouterr().out == str(report) + "\n"
     assert report == mpjax.describe(ConvNet(nnx.Rngs(0)), rules="mixed_bfloat16")(x)
-    with pytest.warns(DeprecationWarning):
+    with pytest.warns(mpjax.MpjaxDeprecationWarning):
         quiet = mpnnx.describe(ConvNet(nnx.Rngs(0)), "mixed_bfloat16", print_table=False)
     assert capsys.readouterr().out == "" and not quiet.matmuls_traced
 
