@@ -664,7 +664,9 @@ def test_describe_rejects_autocast_functions_it_did_not_make_and_options():
 
 def test_deprecated_autocast_report_warns_prints_and_returns_the_report(capsys):
     auto = mpjax.autocast(lambda w, x: jax.nn.softmax(x @ w))
-    with pytest.warns(mpjax.MpjaxDeprecationWarning, match=r"use mpjax\.describe\(fn\)\(\*args, \*\*kwargs\)"):
+    with pytest.warns(
+        mpjax.MpjaxDeprecationWarning, match=r"use mpjax\.describe\(fn\)\(\*args, \*\*kwargs\)"
+    ):
         report = mpjax.autocast_report(auto, W, X)
     assert capsys.readouterr().out == str(report) + "\n"
     assert report == mpjax.describe(auto)(W, X)

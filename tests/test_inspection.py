@@ -169,7 +169,9 @@ def test_options_go_with_the_function():
 
 def test_uncurried_calls_still_work_with_a_deprecation_warning():
     x, w = _x_w()
-    with pytest.warns(mpjax.MpjaxDeprecationWarning, match=r"use inspect_matmuls\(fn\)\(\*args, \*\*kwargs\)"):
+    with pytest.warns(
+        mpjax.MpjaxDeprecationWarning, match=r"use inspect_matmuls\(fn\)\(\*args, \*\*kwargs\)"
+    ):
         (m,) = mpjax.inspect_matmuls(lambda x, w: x @ w, x, w)
     assert m.operand_dtypes == (BF16, BF16)
     with pytest.warns(mpjax.MpjaxDeprecationWarning, match=r"inspect_matmuls\(fn\)"):
@@ -179,6 +181,8 @@ def test_uncurried_calls_still_work_with_a_deprecation_warning():
             )
             == ()
         )
-    with pytest.warns(mpjax.MpjaxDeprecationWarning, match=r"use hlo_op_counts\(fn\)\(\*args, \*\*kwargs\)"):
+    with pytest.warns(
+        mpjax.MpjaxDeprecationWarning, match=r"use hlo_op_counts\(fn\)\(\*args, \*\*kwargs\)"
+    ):
         counts = mpjax.hlo_op_counts(lambda x, w: x @ w, x, w, compiled=False)
     assert counts == mpjax.hlo_op_counts(lambda x, w: x @ w, compiled=False)(x, w)

@@ -687,7 +687,9 @@ def test_describe_counts_given_variables_in_their_stored_dtype():
 
 def test_deprecated_linen_describe_warns_prints_and_returns_the_report(capsys):
     x = jnp.ones((1, 3))
-    with pytest.warns(mpjax.MpjaxDeprecationWarning, match=r"use mpjax\.describe\(model, rules=\.\.\.\)"):
+    with pytest.warns(
+        mpjax.MpjaxDeprecationWarning, match=r"use mpjax\.describe\(model, rules=\.\.\.\)"
+    ):
         report = mpl.describe(Tiny(), x, rules="mixed_bfloat16")
     assert capsys.readouterr().out == str(report) + "\n"
     assert report == mpjax.describe(Tiny(), rules="mixed_bfloat16")(x)

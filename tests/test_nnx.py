@@ -586,7 +586,9 @@ def test_describe_rejects_linen_options_for_nnx_models():
 
 def test_deprecated_nnx_describe_warns_prints_and_returns_the_report(capsys):
     x = jax.ShapeDtypeStruct((2, 6, 6, 3), jnp.float32)
-    with pytest.warns(mpjax.MpjaxDeprecationWarning, match=r"use mpjax\.describe\(model, rules=\.\.\.\)"):
+    with pytest.warns(
+        mpjax.MpjaxDeprecationWarning, match=r"use mpjax\.describe\(model, rules=\.\.\.\)"
+    ):
         report = mpnnx.describe(ConvNet(nnx.Rngs(0)), "mixed_bfloat16", inputs=(x,))
     assert capsys.readouterr().out == str(report) + "\n"
     assert report == mpjax.describe(ConvNet(nnx.Rngs(0)), rules="mixed_bfloat16")(x)
