@@ -1,0 +1,123 @@
+"""Lookups of a parameter under a policy read the stored table and cast only the rows read.
+
+An embedding gathered from a table cast whole to bf16 costs a full-table convert forward and,
+backward, a scatter-add into a bf16 table: the most expensive kernel of a GPT step on a GPU and
+a gradient accumulated in bf16. Under mpjax the gather reads the f32 table, the scatter-add of
+its gradient accumulates in f32, and only a tied decoding matmul (``attend``) reads the table
+in the compute dtype. Read from the jaxpr of the gradient: compiled CPU HLO upcasts bf16
+scatters, so it would hide a bf16 scatter that a GPU runs.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mpjax
+from mpjax.inspection import iter_equations
+
+VOCAB, DIM, SEQ = 50, 16, 8
+F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
+IDS = jnp.arange(2 * SEQ, dtype=jnp.int32).reshape(2, SEQ) % VOCAB
+
+
+def _lookups(grad_fn, *args):
+    """(gathers, scatter-adds, converts of a whole table) of the gradient's jaxpr, as
+    (operand dtype, operand shape) pairs."""
+    gathers, scatters, table_converts = [], [], []
+    for eqn, _ in iter_equations(grad_fn, *args):
+        name = eqn.primitive.name
+        operand = eqn.invars[0].aval
+        seen = (np.dtype(operand.dtype), tuple(operand.shape))
+        if name == "gather":
+            gathers.append(seen)
+        elif name in ("scatter-add", "scatter_add"):
+            scatters.append(seen)
+        elif name == "convert_element_type" and tuple(operand.shape) == (VOCAB, DIM):
+            table_converts.append((seen, np.dtype(eqn.outvars[0].aval.dtype)))
+    return gathers, scatters, table_converts
+
+
+class LinenLM(nn.Module):
+    tied: bool = False
+
+    @nn.compact
+    def __call__(self, ids):
+        wte = nn.Embed(VOCAB, DIM, name="wte")
+        wpe = self.param("wpe", nn.initializers.normal(0.02), (SEQ, DIM))
+        h = wte(ids) + wpe[: ids.shape[-1]]  # position embeddings as a slice
+        h = nn.Dense(DIM, name="fc")(h)
+        return wte.attend(h) if self.tied else nn.Dense(VOCAB, name="head")(h)
+
+
+def _check(gathers, scatters, table_converts, tied):
+    assert gathers == [(F32, (VOCAB, DIM))], gathers
+    assert scatters == [(F32, (VOCAB, DIM))], scatters
+    # Untied, the table is never converted; tied, only the decoding matmul reads it in bf16
+    # (and its gradient comes back to f32), never the lookup.
+    assert not [c for c in table_converts if c[1] == BF16] or tied, table_converts
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_linen_embedding_gathers_rows_of_the_f32_table_and_accumulates_in_f32(tied):
+    model = mpjax.linen.apply_policy(LinenLM(tied=tied), "mixed_bfloat16")
+    variables = model.init(jax.random.key(0), IDS)
+    grad_fn = jax.grad(lambda v: model.apply(v, IDS).astype(jnp.float32).sum())
+    _check(*_lookups(grad_fn, variables), tied)
+    grads = grad_fn(variables)
+    assert grads["params"]["wte"]["embedding"].dtype == F32
+
+
+def test_linen_tied_decoding_still_runs_in_the_compute_dtype():
+    model = mpjax.linen.apply_policy(LinenLM(tied=True), "mixed_bfloat16")
+    variables = model.init(jax.random.key(0), IDS)
+    grad_fn = jax.grad(lambda v: model.apply(v, IDS).astype(jnp.float32).sum())
+    dtypes = mpjax.inspect_matmuls(grad_fn)(variables).operand_dtypes()
+    assert set(dtypes) == {("bfloat16", "bfloat16")}, dtypes
+
+
+class NnxLM(nnx.Module):
+    def __init__(self, rngs):
+        self.wte = nnx.Embed(VOCAB, DIM, rngs=rngs)
+        self.fc = nnx.Linear(DIM, DIM, rngs=rngs)
+
+    def __call__(self, ids):
+        h = self.fc(self.wte(ids))
+        return self.wte.attend(h)
+
+
+def test_nnx_embedding_gathers_rows_of_the_f32_table_and_accumulates_in_f32():
+    model = NnxLM(nnx.Rngs(0))
+    mpjax.nnx.set_policy(model, "mixed_bfloat16")
+    grad_fn = nnx.grad(lambda m: m(IDS).astype(jnp.float32).sum())
+    _check(*_lookups(grad_fn, model), tied=True)
+    assert grad_fn(model).wte.embedding[...].dtype == F32
+
+
+def test_autocast_take_and_indexing_read_the_f32_table():
+    def lm(params, ids):
+        h = jnp.take(params["wte"], ids, axis=0) + params["wte"][ids]  # two lookup spellings
+        return (h @ params["w"]).sum()
+
+    params = {
+        "wte": jnp.ones((VOCAB, DIM)) / DIM,
+        "w": jnp.ones((DIM, DIM)),
+    }
+    grad_fn = jax.grad(mpjax.autocast(lm))
+    gathers, scatters, table_converts = _lookups(grad_fn, params, IDS)
+    assert gathers == [(F32, (VOCAB, DIM))] * 2, gathers
+    assert scatters and all(s == (F32, (VOCAB, DIM)) for s in scatters), scatters
+    assert not [c for c in table_converts if c[1] == BF16], table_converts
+    assert grad_fn(params, IDS)["wte"].dtype == F32
+
+
+def test_the_check_catches_a_table_cast_whole_before_the_lookup():
+    # Flax's own bf16 Embed casts the whole table, then gathers: what the tests above rule out.
+    embed = nn.Embed(VOCAB, DIM, dtype=jnp.bfloat16)
+    variables = embed.init(jax.random.key(0), IDS)
+    grad_fn = jax.grad(lambda v: embed.apply(v, IDS).astype(jnp.float32).sum())
+    gathers, scatters, table_converts = _lookups(grad_fn, variables)
+    assert gathers == [(BF16, (VOCAB, DIM))] and scatters == [(BF16, (VOCAB, DIM))]
+    assert ((F32, (VOCAB, DIM)), BF16) in table_converts
