@@ -10,6 +10,7 @@ from typing import Any
 
 from mpjax import autocast as _autocast_module
 from mpjax import loss_scaling as _loss_scaling_module
+from mpjax.attention import dot_product_attention
 from mpjax.autocast import AutocastReport, AutocastRow, AutocastWarning, autocast
 from mpjax.deprecation import MpjaxDeprecationWarning
 from mpjax.describe import describe
@@ -105,6 +106,7 @@ __all__ = [
     "cast_floating",
     "check_overflow",
     "describe",
+    "dot_product_attention",
     "full_precision",
     "get_policy",
     "hlo_op_counts",

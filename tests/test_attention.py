@@ -1,0 +1,176 @@
+"""Fused attention (``mpjax.dot_product_attention``): the same function as attention written
+out in f32, with causal, padding and bias masks; clear errors for what the fused kernel cannot
+do; and routed to Flax's attention layers by a rule, under a policy."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mpjax
+
+B, T, S, N, H = 2, 6, 6, 4, 8
+BF16 = np.dtype(jnp.bfloat16)
+
+
+def _qkv(dtype=jnp.float32, kv_heads=N):
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (B, T, N, H))
+    k = jax.random.normal(kk, (B, S, kv_heads, H))
+    v = jax.random.normal(kv, (B, S, kv_heads, H))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def _reference(q, k, v, bias=None, mask=None):
+    """Attention written out in float64 with NumPy: softmax(q k^T / sqrt(d) + bias) v."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    k, v = (np.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
+    logits = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+    if bias is not None:
+        logits = logits + np.asarray(bias, np.float64)
+    if mask is not None:
+        logits = np.where(np.asarray(mask), logits, -np.inf)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return np.einsum("bnts,bsnh->btnh", weights, v)
+
+
+CAUSAL = np.tril(np.ones((T, S), bool))[None, None]
+PADDING = np.ones((B, 1, 1, S), bool)
+PADDING[1, ..., S - 2 :] = False  # the second sequence is 2 tokens shorter
+
+
+@pytest.mark.parametrize(
+    "case", ["plain", "is_causal", "causal_mask", "padding", "bias", "grouped_query"]
+)
+def test_matches_attention_written_out_in_f32(case):
+    q, k, v = _qkv(kv_heads=2 if case == "grouped_query" else N)
+    kwargs, ref = {}, {}
+    if case == "is_causal":
+        kwargs, ref = {"is_causal": True}, {"mask": CAUSAL}
+    elif case == "causal_mask":
+        kwargs = ref = {"mask": CAUSAL}
+    elif case == "padding":
+        kwargs = ref = {"mask": PADDING & CAUSAL}
+    elif case == "bias":
+        bias = jax.random.normal(jax.random.key(3), (1, N, T, S))
+        kwargs = ref = {"bias": bias}
+    out = mpjax.dot_product_attention(q, k, v, **kwargs)
+    assert out.dtype == jnp.float32 and out.shape == (B, T, N, H)
+    np.testing.assert_allclose(out, _reference(q, k, v, **ref), atol=2e-5, rtol=2e-5)
+
+
+def test_bf16_inputs_stay_within_bf16_error_of_f32():
+    q, k, v = _qkv(jnp.bfloat16)
+    out = mpjax.dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == BF16
+    expected = _reference(q, k, v, mask=CAUSAL)
+    np.testing.assert_allclose(np.asarray(out, np.float32), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_inputs_of_mixed_dtypes_meet_in_their_common_dtype_or_dtype():
+    q, k, v = _qkv()
+    assert mpjax.dot_product_attention(q.astype(jnp.bfloat16), k, v).dtype == jnp.float32
+    assert mpjax.dot_product_attention(q, k, v, dtype=jnp.bfloat16).dtype == BF16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dropout_rate": 0.1}, r"no dropout, got dropout_rate=0.1"),
+        ({"precision": "highest"}, r"takes no `precision`"),
+        ({"qk_attn_weights_einsum": jnp.einsum}, r"got `qk_attn_weights_einsum`"),
+        ({"temperature": 2.0}, r"unknown keyword `temperature`"),
+    ],
+)
+def test_what_the_fused_kernel_cannot_do_is_a_clear_error(kwargs, message):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=message):
+        mpjax.dot_product_attention(q, k, v, **kwargs)
+
+
+def test_dropout_in_inference_and_flax_only_options_are_accepted():
+    q, k, v = _qkv()
+    out = mpjax.dot_product_attention(
+        q,
+        k,
+        v,
+        dropout_rate=0.1,
+        deterministic=True,
+        force_fp32_for_softmax=True,
+        einsum_dot_general=None,
+    )
+    np.testing.assert_allclose(out, _reference(q, k, v), atol=2e-5, rtol=2e-5)
+
+
+def test_rank_other_than_3_or_4_is_a_clear_error():
+    q, k, v = (x[None] for x in _qkv())
+    with pytest.raises(ValueError, match=r"rank 4 .* or 3 .*got a query of shape"):
+        mpjax.dot_product_attention(q, k, v)
+
+
+def _spy(calls):
+    # functools.wraps keeps the signature: Flax passes an attention_fn only the keywords its
+    # signature names.
+    @functools.wraps(mpjax.dot_product_attention)
+    def attention_fn(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return mpjax.dot_product_attention(*args, **kwargs)
+
+    return attention_fn
+
+
+class LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+        return nn.MultiHeadDotProductAttention(num_heads=N, name="attn")(x, mask=mask)
+
+
+def test_a_rule_routes_linen_attention_to_the_fused_path_under_the_policy():
+    x = jax.random.normal(jax.random.key(1), (B, T, N * H))
+    calls = []
+    fused = mpjax.Rules(
+        [(nn.MultiHeadDotProductAttention, None, {"attention_fn": _spy(calls)})],
+        default="mixed_bfloat16",
+    )
+    model = mpjax.linen.apply_policy(LinenBlock(), fused)
+    variables = model.init(jax.random.key(0), x)
+    grad_fn = jax.grad(lambda v: model.apply(v, x).sum())
+    dtypes = mpjax.inspect_matmuls(grad_fn)(variables).operand_dtypes()
+    assert calls and set(dtypes) == {("bfloat16", "bfloat16")}, dtypes
+    # The same model under float32, fused or Flax's own attention: the same function.
+    out_fused = mpjax.linen.apply_policy(LinenBlock(), fused.with_default("float32")).apply(
+        variables, x
+    )
+    out_flax = mpjax.linen.apply_policy(LinenBlock(), "float32").apply(variables, x)
+    np.testing.assert_allclose(out_fused, out_flax, atol=1e-5, rtol=1e-5)
+
+
+def test_a_rule_routes_nnx_attention_to_the_fused_path_under_the_policy():
+    x = jax.random.normal(jax.random.key(1), (B, T, N * H))
+    calls = []
+    model = nnx.MultiHeadAttention(num_heads=N, in_features=N * H, decode=False, rngs=nnx.Rngs(0))
+    reference = model(x, mask=CAUSAL)
+    mpjax.nnx.set_policy(
+        model,
+        mpjax.Rules(
+            [(nnx.MultiHeadAttention, None, {"attention_fn": _spy(calls)})], default="float32"
+        ),
+    )
+    np.testing.assert_allclose(model(x, mask=CAUSAL), reference, atol=1e-5, rtol=1e-5)
+    assert calls
+    mpjax.nnx.set_policy(
+        model,
+        mpjax.Rules(
+            [(nnx.MultiHeadAttention, None, {"attention_fn": _spy(calls)})],
+            default="mixed_bfloat16",
+        ),
+    )
+    grad_fn = nnx.grad(lambda m: m(x, mask=CAUSAL).sum())
+    dtypes = mpjax.inspect_matmuls(grad_fn)(model).operand_dtypes()
+    assert set(dtypes) == {("bfloat16", "bfloat16")}, dtypes
