@@ -55,20 +55,16 @@ from mpjax.policy import Policy, PolicyLike, cast_floating
 from mpjax.report import ModuleRow, PrecisionReport, eval_shape_of, matmuls_by_region
 from mpjax.rules import (
     Resolution,
-    Rule,
     Rules,
     RulesLike,
     RuleWarning,
     as_rules,
-    norm_policy,
-    register_builtin_rule,
+    register_norm_rules,
 )
 
 __all__ = ["apply_policy", "describe"]
 
-for _norm in (nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm):
-    register_builtin_rule(Rule(_norm, norm_policy, name=f"builtin: linen.{_norm.__name__} in f32"))
-del _norm
+register_norm_rules("linen", nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm)
 
 _RESOLUTION = "_mpjax_resolution"  # instance-dict key marking a configured bound module
 

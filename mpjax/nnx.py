@@ -58,20 +58,16 @@ from mpjax.policy import Policy, PolicyLike, is_floating
 from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
 from mpjax.rules import (
     Resolution,
-    Rule,
     Rules,
     RulesLike,
     RuleWarning,
     as_rules,
-    norm_policy,
-    register_builtin_rule,
+    register_norm_rules,
 )
 
 __all__ = ["apply_policy", "describe", "set_policy"]
 
-for _norm in (nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm):
-    register_builtin_rule(Rule(_norm, norm_policy, name=f"builtin: nnx.{_norm.__name__} in f32"))
-del _norm
+register_norm_rules("nnx", nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm)
 
 # Containers hold modules and Params for the module that uses them; they own nothing themselves.
 _CONTAINERS = (nnx.List, nnx.Dict)

@@ -162,6 +162,16 @@ def register_builtin_rule(rule: Rule) -> None:
     _BUILTIN_RULES.append(rule)
 
 
+def register_norm_rules(library: str, *classes: type) -> None:
+    """Registers the built-in rule giving each normalization layer class :func:`norm_policy`
+    (f32 params and statistics, output in the compute dtype), named for reports after
+    ``library`` and the class: ``"builtin: linen.LayerNorm in f32"``."""
+    for cls in classes:
+        register_builtin_rule(
+            Rule(cls, norm_policy, name=f"builtin: {library}.{cls.__name__} in f32")
+        )
+
+
 def builtin_rules() -> tuple[Rule, ...]:
     """The built-in rules registered so far, in registration order."""
     return tuple(_BUILTIN_RULES)
