@@ -229,9 +229,6 @@ class NoOpLossScale(_LossScaleBase):
     Array(1., dtype=float32)
     """
 
-    def __init__(self):
-        pass
-
     @property
     def loss_scale(self) -> jax.Array:
         """The scale, a float32 scalar array: always 1."""
