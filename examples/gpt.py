@@ -3,6 +3,18 @@
 Token + learned position embeddings, pre-norm blocks of causal self-attention and a GELU MLP,
 a final LayerNorm and an output head tied to the token embedding (or untied, by config).
 
+Two choices change how the model runs, not what it computes:
+
+- ``attention``: ``"fused"`` (default) calls :func:`mpjax.dot_product_attention`, which is
+  ``jax.nn.dot_product_attention`` (cuDNN's flash attention on a GPU for bf16/f16, XLA
+  otherwise) and never materializes the ``T x T`` scores in memory on a GPU; ``"naive"`` writes
+  attention out as two einsums and an f32 softmax.
+- ``scan_layers``/``remat``: the blocks run in a Python loop (one copy of the block per layer
+  in the compiled program) or under ``nn.scan`` (one copy, params stacked on a leading layer
+  axis: ``h/attn/qkv/kernel`` is ``[n_layer, d, 3d]``), which is what keeps the compile time
+  of deep models short; each block may be rematerialized (``nn.remat``) in the backward pass
+  to save activation memory.
+
 The model takes Flax's usual ``dtype`` (compute) and ``param_dtype`` (storage) fields and
 passes them to every layer. Left at their defaults (``None`` / float32) the model is plain
 f32 Flax: that is what a policy-aware wrapper receives. Setting them by hand
@@ -20,10 +32,20 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+import mpjax
+
+ATTENTION = ("fused", "naive")
+# What a rematerialized block keeps from its forward pass; the rest is recomputed backward.
+REMAT_POLICIES = {
+    "none": None,  # no remat: everything the backward pass needs is kept
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only the block's input
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep weight matmuls
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """Shape of the model.
+    """Shape of the model, and how it runs.
 
     Attributes:
       vocab_size: number of token ids; 256 for bytes.
@@ -33,6 +55,12 @@ class GPTConfig:
       d_model: width of the residual stream.
       mlp_ratio: hidden width of the MLP as a multiple of ``d_model``.
       tie_embeddings: use the token embedding matrix as the output head (GPT-2 does).
+      attention: ``"fused"`` (:func:`mpjax.dot_product_attention`) or ``"naive"`` (einsums and
+        a softmax); the same function either way.
+      scan_layers: run the blocks under ``nn.scan`` (params stacked on a leading layer axis)
+        instead of a Python loop.
+      remat: rematerialize each block in the backward pass: ``"none"``, ``"full"`` (keep only
+        the block's input) or ``"dots"`` (keep the weight matmuls' outputs).
     """
 
     vocab_size: int = 256
@@ -42,10 +70,21 @@ class GPTConfig:
     d_model: int = 128
     mlp_ratio: int = 4
     tie_embeddings: bool = True
+    attention: str = "fused"
+    scan_layers: bool = False
+    remat: str = "none"
 
     def __post_init__(self):
         if self.d_model % self.n_head:
             raise ValueError(f"n_head={self.n_head} must divide d_model={self.d_model}.")
+        if self.attention not in ATTENTION:
+            raise ValueError(
+                f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}."
+            )
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}."
+            )
 
     def num_params(self) -> int:
         """Parameter count, position embeddings included (nanoGPT leaves them out)."""
@@ -120,7 +159,8 @@ class LayerNorm(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention; the softmax runs in f32 whatever the compute dtype."""
+    """Multi-head causal self-attention; the softmax runs in f32 whatever the compute dtype
+    (cuDNN's fused kernel computes it in f32 too)."""
 
     config: GPTConfig
     dtype: Any = None
@@ -139,14 +179,17 @@ class CausalSelfAttention(nn.Module):
             name="qkv",
         )(x)
         q, k, v = (a.reshape(b, t, h, d // h) for a in jnp.split(qkv, 3, axis=-1))
-        # Scores in the compute dtype (the matmul), softmax in f32: exp of bf16/f16 scores loses
-        # the small probabilities and f16 overflows on large logits (PyTorch autocast does the
-        # same).
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // h)
-        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-        scores = jnp.where(causal, scores.astype(jnp.float32), -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
+        if cfg.attention == "fused":
+            y = mpjax.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d)
+        else:
+            # Scores in the compute dtype (the matmul), softmax in f32: exp of bf16/f16 scores
+            # loses the small probabilities and f16 overflows on large logits (PyTorch autocast
+            # does the same).
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // h)
+            causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+            scores = jnp.where(causal, scores.astype(jnp.float32), -jnp.inf)
+            probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+            y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
         # GPT-2 scales the init of projections into the residual stream by 1/sqrt(2 * n_layer).
         return nn.Dense(
             d,
@@ -198,6 +241,44 @@ class Block(nn.Module):
         return x + MLP(self.config, name="mlp", **kw)(LayerNorm(name="ln2", **kw)(x))
 
 
+class Embed(nn.Module):
+    """A lookup table (``embedding``, ``[num_embeddings, features]``) that casts only the rows
+    it reads.
+
+    Flax's ``nn.Embed(dtype=bf16)`` casts the whole table before its gather, so the gradient
+    of the table is a scatter-add in bf16: slow (it was the most expensive kernel of a bf16
+    GPT-2 step on a GPU) and lossy. Reading the rows from the table in its param dtype and
+    casting them makes the backward scatter-add accumulate in f32, as mpjax's policies do.
+    """
+
+    num_embeddings: int
+    features: int
+    embedding_init: nn.initializers.Initializer
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        self.embedding = self.param(
+            "embedding", self.embedding_init, (self.num_embeddings, self.features), self.param_dtype
+        )
+
+    def _cast(self, rows: jax.Array) -> jax.Array:
+        return rows if self.dtype is None else rows.astype(self.dtype)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """Rows ``ids`` of the table: ``[..., features]``."""
+        return self._cast(jnp.take(self.embedding, ids, axis=0))
+
+    def first(self, n: int) -> jax.Array:
+        """The first ``n`` rows, as a slice (its gradient is a pad, not a scatter-add)."""
+        return self._cast(self.embedding[:n])
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """``x @ embedding.T``: the tied output head, a matmul in the compute dtype."""
+        dtype = x.dtype if self.dtype is None else self.dtype
+        return jnp.einsum("...d,vd->...v", x.astype(dtype), self.embedding.astype(dtype))
+
+
 class GPT(nn.Module):
     """Decoder-only transformer: int tokens ``[batch, time]`` -> f32 logits ``[batch, time, vocab]``.
 
@@ -220,11 +301,10 @@ class GPT(nn.Module):
         if t > cfg.block_size:
             raise ValueError(f"Sequence length {t} exceeds block_size={cfg.block_size}.")
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_normal(0.02), name="wte", **kw)
-        wpe = nn.Embed(cfg.block_size, cfg.d_model, embedding_init=_normal(0.01), name="wpe", **kw)
-        x = wte(tokens) + wpe(jnp.arange(t))
-        for i in range(cfg.n_layer):
-            x = Block(cfg, name=f"h{i}", **kw)(x)
+        wte = Embed(cfg.vocab_size, cfg.d_model, _normal(0.02), name="wte", **kw)
+        wpe = Embed(cfg.block_size, cfg.d_model, _normal(0.01), name="wpe", **kw)
+        x = wte(tokens) + wpe.first(t)
+        x = self._blocks(x)
         x = LayerNorm(name="ln_f", **kw)(x)
         if cfg.tie_embeddings:
             logits = wte.attend(x)
@@ -234,3 +314,27 @@ class GPT(nn.Module):
             )(x)
         # The cross-entropy's log-sum-exp over the vocabulary needs f32.
         return logits.astype(jnp.float32)
+
+    def _blocks(self, x: jax.Array) -> jax.Array:
+        """The ``n_layer`` blocks: ``h0`` ... in a loop, or one ``h`` scanned over layers."""
+        cfg = self.config
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        block: Any = Block
+        if cfg.remat != "none":
+            # Under scan, the loop already keeps XLA from merging the recomputation into the
+            # forward pass, so prevent_cse (extra barriers) is only needed in the Python loop.
+            block = nn.remat(
+                Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers
+            )
+        if not cfg.scan_layers:
+            for i in range(cfg.n_layer):
+                x = block(cfg, name=f"h{i}", **kw)(x)
+            return x
+        stack = nn.scan(
+            lambda module, carry, _: (module(carry), None),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=cfg.n_layer,
+        )
+        x, _ = stack(block(cfg, name="h", **kw), x, None)
+        return x

@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPT, PRESETS, GPTConfig, LayerNorm  # noqa: E402
+from gpt import ATTENTION, GPT, PRESETS, REMAT_POLICIES, GPTConfig, LayerNorm  # noqa: E402
 
 import mpjax  # noqa: E402
 
@@ -45,6 +45,9 @@ import mpjax  # noqa: E402
 # Default configuration. Every value is a command-line flag (see --help).
 PRESET = "tiny"  # model size: tiny (CPU, minutes), small (129M params), medium (354M params)
 MODE = "mpjax"  # how the policy reaches the model: mpjax (module rules), hand, autocast
+ATTENTION_IMPL = "fused"  # fused (jax.nn.dot_product_attention: cuDNN flash on GPU) or naive
+SCAN_LAYERS = False  # run the blocks under nn.scan: one compiled block, for deep models
+REMAT = "none"  # rematerialize each block in the backward pass: none, full or dots
 POLICY = (
     "mixed_bfloat16"  # any mpjax policy: float32, mixed_bfloat16, bfloat16, "p=f32,c=bf16,o=f32"
 )
@@ -88,6 +91,9 @@ class TrainConfig:
     n_head: int | None = None
     d_model: int | None = None
     untied: bool = False
+    attention: str = ATTENTION_IMPL
+    scan_layers: bool = SCAN_LAYERS
+    remat: str = REMAT
     policy: str = POLICY
     mode: str = MODE
     loss_scale: str = LOSS_SCALE
@@ -129,6 +135,9 @@ class TrainConfig:
             d_model=self.d_model or base.d_model,
             block_size=self.seq_len or base.block_size,
             tie_embeddings=not self.untied,
+            attention=self.attention,
+            scan_layers=self.scan_layers,
+            remat=self.remat,
         )
 
     def run_name(self) -> str:
@@ -146,6 +155,8 @@ _TRAJECTORY_FIELDS = (
     "n_head",
     "d_model",
     "untied",
+    "attention",
+    "scan_layers",
     "policy",
     "loss_scale",
     "master_weights",
@@ -367,14 +378,15 @@ def make_optimizer(cfg: TrainConfig, policy: mpjax.Policy) -> optax.GradientTran
     leaves params and optimizer state untouched. Master weights wrap outside it, as
     ``mpjax.master_weights`` recommends, when params are stored narrower than f32 (unless
     --no-master-weights): the optimizer then updates an f32 copy, with f32 Adam moments.
-    Weight decay applies to matrices (kernels, embeddings) only, as in GPT-2 and nanoGPT.
+    Weight decay applies to matrices (kernels, embeddings) only, as in GPT-2 and nanoGPT:
+    chosen by name, since scanned layers stack biases and norm scales into matrices too.
     """
     adamw = optax.adamw(
         make_schedule(cfg),
         b1=cfg.beta1,
         b2=cfg.beta2,
         weight_decay=cfg.weight_decay,
-        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+        mask=decay_mask,
     )
     clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
     tx = optax.chain(clip, adamw)
@@ -383,6 +395,13 @@ def make_optimizer(cfg: TrainConfig, policy: mpjax.Policy) -> optax.GradientTran
     if uses_master_weights(cfg, policy):
         tx = mpjax.master_weights(tx)
     return tx
+
+
+def decay_mask(params: Any) -> Any:
+    """True for the leaves weight decay applies to: kernels and embedding tables."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) in ("kernel", "embedding"), params
+    )
 
 
 def uses_master_weights(cfg: TrainConfig, policy: mpjax.Policy) -> bool:
@@ -896,6 +915,25 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--n-head", type=_positive_int, help="override the preset's heads")
     g.add_argument("--d-model", type=_positive_int, help="override the preset's width")
     g.add_argument("--untied", action="store_true", help="separate output head (default: tied)")
+    g.add_argument(
+        "--attention",
+        choices=ATTENTION,
+        default=ATTENTION_IMPL,
+        help="fused: jax.nn.dot_product_attention (cuDNN flash attention on a GPU); "
+        "naive: einsums and an f32 softmax",
+    )
+    g.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="run the blocks under nn.scan (compiles one block; params get a layer axis)",
+    )
+    g.add_argument(
+        "--remat",
+        choices=list(REMAT_POLICIES),
+        default=REMAT,
+        help="recompute each block in the backward pass to save memory: none, full "
+        "(keep only its input) or dots (keep the weight matmuls)",
+    )
     g = p.add_argument_group("precision")
     g.add_argument(
         "--policy",

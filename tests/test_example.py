@@ -21,6 +21,7 @@ import gpt  # noqa: E402
 import train_transformer as tt  # noqa: E402
 
 import mpjax  # noqa: E402
+from mpjax.inspection import iter_equations  # noqa: E402
 
 # A model small enough that each compile takes a second or two on a shared CPU.
 SMALL = gpt.GPTConfig(block_size=16, n_layer=1, n_head=2, d_model=32)
@@ -127,11 +128,20 @@ def test_unigram_baseline_is_the_byte_entropy():
 # ----------------------------------------------------------------------------- train steps
 
 
-@functools.cache  # each (policy, mode) is built, initialized and jitted once
-def _setup(policy_name, mode="mpjax"):
+# The attention each mode's tests use. The model's default, fused attention, is
+# jax.nn.dot_product_attention, whose XLA path (the one a CPU runs) computes the gradient of its
+# score matmul from an f32 cotangent and the bf16 keys; under strict promotion JAX cannot
+# compile that for a model whose dtypes are set by hand. Under mpjax (module rules, autocast)
+# the casting engine runs those matmuls in bf16, so they take the default.
+ATTENTION = {"mpjax": "fused", "autocast": "fused", "hand": "naive"}
+
+
+@functools.cache  # each (policy, mode, attention) is built, initialized and jitted once
+def _setup(policy_name, mode="mpjax", attention=None):
     cfg = tt.TrainConfig(policy=policy_name, steps=10, warmup_steps=2, lr=1e-2)
     policy = mpjax.get_policy(policy_name)
-    model = tt.build_model(SMALL, policy, mode)
+    config = dataclasses.replace(SMALL, attention=attention or ATTENTION[mode])
+    model = tt.build_model(config, policy, mode)
     tx = tt.make_optimizer(cfg, policy)
     state = tt.init_state(model, tx, seed=0, seq_len=SMALL.block_size)
     return policy, model, tx, state, jax.jit(tt.make_train_step(model, tx))
@@ -400,11 +410,12 @@ def test_bad_flags_are_rejected_naming_the_flag(capsys):
 def test_train_step_costs_no_more_converts_than_the_hand_written_bf16_model(mode, corpus):
     """The example transformer's compiled train step (forward, backward, AdamW) under module
     rules or autocast has no more converts than with dtype=bf16 written by hand, and runs the
-    same matmuls in the same dtypes."""
+    same matmuls in the same dtypes (with the attention written out, which hand-set dtypes
+    run in bf16 throughout)."""
     x, y = _batch(corpus, 1, 8)
     converts, matmuls = {}, {}
     for name in ("hand", mode):
-        _, model, tx, state, _ = _setup("mixed_bfloat16", name)
+        _, model, tx, state, _ = _setup("mixed_bfloat16", name, "naive")
         converts[name] = mpjax.hlo_op_counts(tt.make_train_step(model, tx))(state, x, y)["convert"]
         grad_fn = jax.grad(lambda p: tt.loss_fn(model, p, x[0], y[0]))  # noqa: B023 (used here)
         matmuls[name] = mpjax.inspect_matmuls(grad_fn)(state.params).operand_dtypes()
@@ -414,3 +425,173 @@ def test_train_step_costs_no_more_converts_than_the_hand_written_bf16_model(mode
         == matmuls["hand"]
         == {("bfloat16", "bfloat16"): sum(matmuls["hand"].values())}
     )
+
+
+# ----------------------------------------------------------------------------- model variants
+
+DEEP = dataclasses.replace(SMALL, n_layer=3)
+
+
+def _tokens(batch=2, config=SMALL, seed=0):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(0, config.vocab_size, (batch, config.block_size)), jnp.int32)
+
+
+def _init(config):
+    return jax.jit(gpt.GPT(config).init)(jax.random.key(0), _tokens(config=config))["params"]
+
+
+def test_fused_and_naive_attention_compute_the_same_function():
+    params = _init(SMALL)
+    tokens = _tokens()
+    logits = {
+        a: gpt.GPT(dataclasses.replace(SMALL, attention=a)).apply({"params": params}, tokens)
+        for a in gpt.ATTENTION
+    }
+    np.testing.assert_allclose(logits["fused"], logits["naive"], rtol=1e-5, atol=1e-5)
+
+
+def _stacked(loop_params, n_layer):
+    """The loop model's params h0, h1, ... as the scanned model's h, stacked on axis 0."""
+    blocks = [loop_params[f"h{i}"] for i in range(n_layer)]
+    rest = {k: v for k, v in loop_params.items() if not k.startswith("h")}
+    return {**rest, "h": jax.tree.map(lambda *a: jnp.stack(a), *blocks)}
+
+
+@pytest.mark.parametrize("remat", list(gpt.REMAT_POLICIES))
+def test_scanned_and_rematerialized_layers_compute_what_the_loop_computes(remat):
+    """nn.scan over layers (and nn.remat of each block) changes how the model runs, not what
+    it computes: given the loop's params stacked, the logits and gradients are the loop's."""
+    loop_params = _init(DEEP)
+    scanned = gpt.GPT(dataclasses.replace(DEEP, scan_layers=True, remat=remat))
+    params = _stacked(loop_params, DEEP.n_layer)
+    assert jax.tree.structure(params) == jax.tree.structure(_init(scanned.config))
+    assert params["h"]["attn"]["qkv"]["kernel"].shape == (3, 32, 96)
+    tokens = _tokens(config=DEEP)
+
+    def loss(model, p):
+        return model.apply({"params": p}, tokens).std()
+
+    loop_model = gpt.GPT(dataclasses.replace(DEEP, remat=remat))
+    np.testing.assert_allclose(loss(scanned, params), loss(loop_model, loop_params), rtol=1e-5)
+    got = jax.grad(functools.partial(loss, scanned))(params)
+    want = _stacked(jax.grad(functools.partial(loss, loop_model))(loop_params), DEEP.n_layer)
+    for (path, a), b in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("mode", tt.MODEL_MODES)
+def test_scanned_rematerialized_blocks_run_in_bf16_forward_and_backward(mode):
+    """Each way of applying the policy reaches the blocks inside nn.scan and nn.remat: every
+    matmul of the gradient runs in bf16, and the jaxpr really scans and rematerializes."""
+    config = dataclasses.replace(DEEP, scan_layers=True, remat="full", attention=ATTENTION[mode])
+    policy = mpjax.get_policy("mixed_bfloat16")
+    model = tt.build_model(config, policy, mode)
+    params = model.init(jax.random.key(0), _tokens(config=config))["params"]
+    assert params["h"]["mlp"]["fc"]["kernel"].shape == (3, 32, 128)
+    x, y = _tokens(config=config, seed=1), _tokens(config=config, seed=2)
+    grad_fn = jax.grad(lambda p: tt.loss_fn(model, p, x, y))
+    report = mpjax.inspect_matmuls(grad_fn)(params)
+    assert set(report.operand_dtypes()) == {("bfloat16", "bfloat16")}, str(report)
+    names = {eqn.primitive.name for eqn, _ in iter_equations(grad_fn, params)}
+    assert "scan" in names and names & {"remat2", "checkpoint"}, names
+    assert {a.dtype for a in jax.tree.leaves(grad_fn(params))} == {np.dtype(jnp.float32)}
+
+
+def test_rules_by_path_reach_a_block_inside_the_scan():
+    """A path rule for the scanned block's MLP runs exactly its matmuls in f32."""
+    config = dataclasses.replace(DEEP, scan_layers=True, remat="dots")
+    rules = mpjax.Rules(
+        {"h/mlp*": "float32", gpt.LayerNorm: mpjax.norm_policy}, default="mixed_bfloat16"
+    )
+    model = mpjax.linen.apply_policy(gpt.GPT(config), rules)
+    params = model.init(jax.random.key(0), _tokens(config=config))["params"]
+    x = _tokens(config=config, seed=1)
+    report = mpjax.inspect_matmuls(jax.grad(lambda p: model.apply({"params": p}, x).sum()))(params)
+    # Forward: fc and proj; backward: each one's input and kernel gradients.
+    assert report.operand_dtypes()[("float32", "float32")] == 2 * 3
+    assert set(report.operand_dtypes()) == {("float32", "float32"), ("bfloat16", "bfloat16")}
+
+
+@pytest.mark.parametrize("mode", tt.MODEL_MODES)
+def test_token_rows_are_gathered_from_the_f32_table_and_positions_sliced(mode):
+    """The token lookup gathers rows of the f32 table and its gradient scatter-adds in f32 in
+    every mode (hand-set dtypes too: the example's Embed casts the rows, not the table); the
+    position table is sliced, not gathered, so there is one gather and one scatter-add."""
+    policy = mpjax.get_policy("mixed_bfloat16")
+    model = tt.build_model(dataclasses.replace(SMALL, attention="naive"), policy, mode)
+    params = model.init(jax.random.key(0), _tokens())["params"]
+    x, y = _tokens(seed=1), _tokens(seed=2)
+    eqns = [e for e, _ in iter_equations(jax.grad(lambda p: tt.loss_fn(model, p, x, y)), params)]
+    # Lookups read 2-D tables (the loss's gather of the target logits reads 3-D logits).
+    gathers = [e for e in eqns if e.primitive.name == "gather" and e.invars[0].aval.ndim == 2]
+    scatters = [
+        e for e in eqns if e.primitive.name.startswith("scatter") and e.invars[0].aval.ndim == 2
+    ]
+    table = (SMALL.vocab_size, SMALL.d_model)
+    assert [(e.invars[0].aval.shape, e.invars[0].aval.dtype) for e in gathers] == [
+        (table, np.dtype(jnp.float32))
+    ]
+    assert [(e.primitive.name, e.outvars[0].aval.dtype) for e in scatters] == [
+        ("scatter-add", np.dtype(jnp.float32))
+    ]
+    # The tied head reads the table in bf16, as a matmul operand; no gather reads it so.
+    converts = [e for e in eqns if e.primitive.name == "convert_element_type"]
+    assert any(e.invars[0].aval.shape == table for e in converts)
+
+
+def test_weight_decay_applies_to_kernels_and_embeddings_only_even_when_stacked():
+    params = _init(dataclasses.replace(DEEP, scan_layers=True, tie_embeddings=False))
+    mask = tt.decay_mask(params)
+    decayed = {
+        jax.tree_util.keystr(path)
+        for path, m in jax.tree.leaves_with_path(mask)
+        if m  # stacked biases and norm scales are matrices too, but never decayed
+    }
+    assert decayed == {
+        "['wte']['embedding']",
+        "['wpe']['embedding']",
+        "['head']['kernel']",
+        "['h']['attn']['qkv']['kernel']",
+        "['h']['attn']['proj']['kernel']",
+        "['h']['mlp']['fc']['kernel']",
+        "['h']['mlp']['proj']['kernel']",
+    }
+
+
+def test_attention_scan_and_remat_flags_reach_the_model(capsys):
+    cfg = tt.parse_args(["--attention", "naive", "--scan-layers", "--remat", "dots"])
+    assert (cfg.attention, cfg.scan_layers, cfg.remat) == ("naive", True, "dots")
+    mcfg = cfg.model_config()
+    assert (mcfg.attention, mcfg.scan_layers, mcfg.remat) == ("naive", True, "dots")
+    defaults = tt.parse_args([]).model_config()
+    assert (defaults.attention, defaults.scan_layers, defaults.remat) == ("fused", False, "none")
+    for flag, value in (("--attention", "flash"), ("--remat", "some")):
+        with pytest.raises(SystemExit):
+            tt.parse_args([flag, value])
+        assert f"argument {flag}: invalid choice: '{value}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("attention", "flash", "attention must be one of fused, naive, got 'flash'."),
+        ("remat", "all", "remat must be one of none, full, dots, got 'all'."),
+    ],
+)
+def test_model_config_rejects_unknown_choices(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(SMALL, **{field: value})
+
+
+def test_hand_written_bf16_model_with_fused_attention_trains_under_standard_promotion(corpus):
+    """The benchmark's hand-written baseline: fused attention, dtypes set by hand, compiled
+    under JAX's default (standard) promotion."""
+    with jax.numpy_dtype_promotion("standard"):
+        _, _, _, state, step = _setup("mixed_bfloat16", "hand", "fused")
+        x, y = _batch(corpus, 1, 8)
+        losses = []
+        for _ in range(3):
+            state, metrics = step(state, x, y)
+            losses.append(float(metrics["loss"]))
+    assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
