@@ -17,6 +17,13 @@ attention layers to it without touching the model::
 
 Under a policy it runs in the region's compute dtype like any other code; outside one, the
 query, key and value are brought to their common dtype.
+
+Called outside a policy with bf16/f16 inputs, the gradient of JAX's XLA path (the CPU's, or a
+GPU's when cuDNN cannot take the shapes) multiplies an f32 cotangent with the bf16/f16 keys.
+JAX checks that mix against ``jax_numpy_dtype_promotion`` when it *compiles*, so under
+``"strict"`` promotion such a gradient must be compiled under ``"standard"`` promotion (JAX's
+default). Under an mpjax policy the casting engine runs those matmuls in the compute dtype,
+and strict promotion compiles.
 """
 
 from __future__ import annotations

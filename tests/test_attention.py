@@ -174,3 +174,57 @@ def test_a_rule_routes_nnx_attention_to_the_fused_path_under_the_policy():
     grad_fn = nnx.grad(lambda m: m(x, mask=CAUSAL).sum())
     dtypes = mpjax.inspect_matmuls(grad_fn)(model).operand_dtypes()
     assert set(dtypes) == {("bfloat16", "bfloat16")}, dtypes
+
+
+def _written_out(q, k, v):
+    """Causal attention as jnp einsums and a softmax, for autodiff to compare against."""
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+    logits = jnp.where(CAUSAL, logits, -jnp.inf)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1), v)
+
+
+def test_gradient_matches_attention_written_out():
+    q, k, v = _qkv()
+    cotangent = jax.random.normal(jax.random.key(5), (B, T, N, H))
+
+    def loss(attention, q, k, v):
+        return jnp.vdot(attention(q, k, v), cotangent)
+
+    fused = functools.partial(mpjax.dot_product_attention, is_causal=True)
+    got = jax.grad(functools.partial(loss, fused), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(functools.partial(loss, _written_out), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
+
+
+def _bf16_gradient(attention):
+    q, k, v = _qkv(jnp.bfloat16)
+    return jax.jit(jax.grad(lambda q: attention(q, k, v).astype(jnp.float32).sum()))(q)
+
+
+def test_bf16_gradient_under_a_policy_compiles_under_strict_promotion():
+    """The casting engine runs the backward matmuls in bf16, so strict promotion compiles."""
+    assert jax.config.jax_numpy_dtype_promotion == "strict"  # set by conftest.py
+    fused = functools.partial(mpjax.dot_product_attention, is_causal=True)
+    under_policy = mpjax.autocast(fused, "mixed_bfloat16")
+    grad = _bf16_gradient(under_policy)
+    q, k, v = _qkv(jnp.bfloat16)
+    report = mpjax.inspect_matmuls(
+        jax.grad(lambda q: under_policy(q, k, v).astype(jnp.float32).sum())
+    )(q)
+    assert set(report.operand_dtypes()) == {("bfloat16", "bfloat16")}, str(report)
+    want = _bf16_gradient(lambda q, k, v: _written_out(*(x.astype(jnp.float32) for x in (q, k, v))))
+    np.testing.assert_allclose(np.asarray(grad, np.float32), want, atol=5e-2, rtol=5e-2)
+
+
+def test_bf16_gradient_outside_a_policy_compiles_under_standard_promotion():
+    """What the module docstring says of JAX's XLA path: its backward mixes an f32 cotangent
+    with the bf16 keys, which JAX rejects under strict promotion when it compiles."""
+    fused = functools.partial(mpjax.dot_product_attention, is_causal=True)
+    # jax.dtypes.TypePromotionError (a ValueError) is public only in newer JAX.
+    with pytest.raises(ValueError, match="float32.*bfloat16.*no available implicit"):
+        _bf16_gradient(fused)
+    with jax.numpy_dtype_promotion("standard"):
+        grad = _bf16_gradient(fused)
+    want = _bf16_gradient(lambda q, k, v: _written_out(*(x.astype(jnp.float32) for x in (q, k, v))))
+    np.testing.assert_allclose(np.asarray(grad, np.float32), want, atol=5e-2, rtol=5e-2)
