@@ -75,6 +75,15 @@ DEFAULT_INITIAL_SCALE = 2.0**15
 DEFAULT_GROWTH_FACTOR = 2.0
 DEFAULT_BACKOFF_FACTOR = 0.5
 DEFAULT_GROWTH_INTERVAL = 2000
+# The default dynamic scale's floor (jmp's too). Without one, a burst of overflows halves the
+# scale to exactly 0 after about 140 steps in a row and it never recovers (growth doubles it
+# once per 2000 finite steps); long before, every float16 gradient underflows to 0 and the
+# steps count as finite. A scale below 1 multiplies the loss by less than 1, which only helps
+# a loss whose gradients overflow float16 unscaled: a bug to fix in the model, not a scale.
+DEFAULT_MIN_SCALE = 1.0
+
+_F32 = np.finfo(np.float32)
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,6 +98,9 @@ def _host_scalar(value: Any, name: str, what: str) -> np.ndarray | None:
         value, (int, float, np.ndarray, np.generic, jax.Array)
     ):
         raise TypeError(f"{name} must be {what}, got {value!r} of type {type(value).__name__}.")
+    if isinstance(value, int) and not -(2**63) <= value < 2**63:
+        # Beyond int64 NumPy makes an object array; the value's sign and size are what count.
+        return np.asarray(math.copysign(math.inf, value) if abs(value) > 2**1000 else float(value))
     host = np.asarray(value)
     if host.shape != () or not jnp.issubdtype(host.dtype, jnp.number):
         raise ValueError(f"{name} must be {what}, got {value!r}.")
@@ -106,6 +118,11 @@ def _scale_leaf(value: Any, name: str = "loss_scale") -> jax.Array:
             as_f32 = np.float32(host)
         if not (np.isfinite(as_f32) and as_f32 > 0):
             raise ValueError(f"{name} must be positive and finite in float32, got {value!r}.")
+        if as_f32 < _F32.tiny:
+            raise ValueError(
+                f"{name} must be at least float32's smallest normal number ({_F32.tiny:g}), "
+                f"got {value!r}: a subnormal scale loses precision and backs off to 0."
+            )
     if isinstance(value, jax.Array):
         if value.dtype == jnp.float32 and not jax.typeof(value).weak_type:
             return value  # keeps its device and sharding
@@ -115,9 +132,17 @@ def _scale_leaf(value: Any, name: str = "loss_scale") -> jax.Array:
 
 def _counter_leaf(value: Any) -> jax.Array:
     """Checks a growth counter the user passed; returns it as an int32 scalar array."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= _INT32_MAX:
+        raise ValueError(
+            f"counter must be below 2**31 - 1 (it is an int32 that counts up), got {value!r}."
+        )
     host = _host_scalar(value, "counter", "a non-negative integer")
     if host is not None and (not jnp.issubdtype(host.dtype, jnp.integer) or host < 0):
         raise ValueError(f"counter must be a non-negative integer, got {value!r}.")
+    if host is not None and host >= _INT32_MAX:
+        raise ValueError(
+            f"counter must be below 2**31 - 1 (it is an int32 that counts up), got {value!r}."
+        )
     if isinstance(value, jax.Array):
         if value.dtype == jnp.int32 and not jax.typeof(value).weak_type:
             return value
@@ -135,6 +160,11 @@ def _optional_bound(value: Any, name: str) -> float | None:
         in_range = math.isfinite(np.float32(value))
     if not (value > 0 and in_range):
         raise ValueError(f"{name} must be positive and finite in float32 or None, got {value!r}.")
+    if value < _F32.tiny:
+        raise ValueError(
+            f"{name} must be at least float32's smallest normal number ({_F32.tiny:g}) or "
+            f"None, got {value!r}."
+        )
     return value
 
 
@@ -290,8 +320,19 @@ class DynamicLossScale(_LossScaleBase):
     After a step with non-finite gradients the scale is multiplied by ``backoff_factor`` and the
     counter resets. After a finite step the counter grows by one; on the
     ``growth_interval``-th consecutive finite step the scale is multiplied by ``growth_factor``
-    (only if the result stays finite) and the counter resets. ``min_scale`` and ``max_scale``,
-    when given, clamp the result (PyTorch has neither).
+    (only if the result stays finite) and the counter resets. ``min_scale`` and ``max_scale``
+    clamp the result (PyTorch has neither).
+
+    The scale has a floor by default, ``min_scale=1.0`` (jmp's): without one, a burst of about
+    140 overflows in a row halves it to exactly 0, from which it never recovers, and long
+    before that every float16 gradient underflows to 0 while the steps count as finite. At the
+    floor, a step that still overflows is skipped and counted like any other, so
+    :func:`check_overflow` stops a run that cannot recover. ``min_scale=None`` removes the
+    floor, for PyTorch's exact trajectory.
+
+    An all-zero gradient is not taken for underflow: gradients can be legitimately zero (a
+    fully masked batch, a frozen branch), and with the floor the scale never sinks to where
+    every gradient underflows.
 
     The default initial scale is ``2**15`` (jmp and Keras), not PyTorch's ``2**16``: float16's
     largest finite value is 65504, so a float16 loss scaled by ``2**16`` overflows on the first
@@ -305,20 +346,24 @@ class DynamicLossScale(_LossScaleBase):
     checkpoints) and, on restore, taken from the optimizer the code builds.
 
     Args:
-      loss_scale: initial scale, a positive number (Python, NumPy or a jax scalar array).
-      counter: consecutive finite steps since the last change, a non-negative integer.
-      growth_factor: factor applied on growth, greater than 1.
-      backoff_factor: factor applied on overflow, in (0, 1).
-      growth_interval: consecutive finite steps before growth, at least 1.
-      min_scale: floor for the scale after backoff, or None for no floor.
+      loss_scale: initial scale, a positive number (Python, NumPy or a jax scalar array),
+        normal in float32.
+      counter: consecutive finite steps since the last change, a non-negative integer below
+        ``2**31 - 1``.
+      growth_factor: factor applied on growth, greater than 1 and finite in float32.
+      backoff_factor: factor applied on overflow, in (0, 1) and normal in float32.
+      growth_interval: consecutive finite steps before growth, from 1 to ``2**31 - 1``.
+      min_scale: floor for the scale after backoff (default 1.0), or None for no floor.
       max_scale: cap for the scale after growth, or None for no cap.
 
     Inside ``jax.jit`` a traced ``loss_scale`` or ``counter`` is cast, not checked.
 
     Raises:
-      ValueError: for a non-positive or non-finite scale, a negative counter,
-        ``growth_factor <= 1``, ``backoff_factor`` outside (0, 1), ``growth_interval < 1``,
-        ``min_scale > max_scale`` or an initial scale outside ``[min_scale, max_scale]``.
+      ValueError: for a scale that is not positive, finite and normal in float32, a counter
+        outside ``[0, 2**31 - 1)``, a ``growth_factor`` that is not above 1 or overflows
+        float32, a ``backoff_factor`` outside (0, 1) or subnormal in float32, a
+        ``growth_interval`` outside ``[1, 2**31 - 1]``, ``min_scale > max_scale`` or an
+        initial scale outside ``[min_scale, max_scale]``.
       TypeError: for an argument that is not a number of the right kind.
 
     >>> ls = DynamicLossScale(16.0, growth_interval=1)
@@ -342,24 +387,37 @@ class DynamicLossScale(_LossScaleBase):
         growth_factor: float = DEFAULT_GROWTH_FACTOR,
         backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
         growth_interval: int = DEFAULT_GROWTH_INTERVAL,
-        min_scale: float | None = None,
+        min_scale: float | None = DEFAULT_MIN_SCALE,
         max_scale: float | None = None,
     ):
         growth, backoff, interval = growth_factor, backoff_factor, growth_interval
         if isinstance(growth, bool) or not isinstance(growth, (int, float, np.number)):
             raise TypeError(f"growth_factor must be a number greater than 1, got {growth!r}.")
-        if not (growth > 1 and math.isfinite(growth)):
-            raise ValueError(f"growth_factor must be finite and greater than 1, got {growth!r}.")
+        with np.errstate(over="ignore", under="ignore"):  # reported just below
+            growth32, backoff32 = np.float32(growth), np.float32(backoff)
+        if not (growth32 > 1 and np.isfinite(growth32)):
+            raise ValueError(
+                "growth_factor must be greater than 1 and finite in float32 (the scale's "
+                f"dtype), got {growth!r}."
+            )
         if isinstance(backoff, bool) or not isinstance(backoff, (int, float, np.number)):
             raise TypeError(f"backoff_factor must be a number in (0, 1), got {backoff!r}.")
-        if not 0 < backoff < 1:
+        if not (0 < backoff < 1 and backoff32 < 1):
             raise ValueError(
                 f"backoff_factor must be in the open interval (0, 1), got {backoff!r}."
             )
+        if backoff32 < _F32.tiny:
+            raise ValueError(
+                "backoff_factor must be at least float32's smallest normal number "
+                f"({_F32.tiny:g}): one backoff by {backoff!r} would leave a scale of 0."
+            )
         if isinstance(interval, bool) or not isinstance(interval, (int, np.integer)):
             raise TypeError(f"growth_interval must be an integer >= 1, got {interval!r}.")
-        if interval < 1:
-            raise ValueError(f"growth_interval must be an integer >= 1, got {interval!r}.")
+        if not 1 <= interval <= _INT32_MAX:
+            raise ValueError(
+                "growth_interval must be an integer from 1 to 2**31 - 1 (the counter is an "
+                f"int32), got {interval!r}."
+            )
         low = _optional_bound(min_scale, "min_scale")
         high = _optional_bound(max_scale, "max_scale")
         if low is not None and high is not None and low > high:
@@ -372,7 +430,8 @@ class DynamicLossScale(_LossScaleBase):
             if (low is not None and initial < low) or (high is not None and initial > high):
                 raise ValueError(
                     f"loss_scale {loss_scale!r} is outside [min_scale, max_scale] = "
-                    f"[{low}, {high}]."
+                    f"[{low}, {high}]; pass a lower min_scale (or min_scale=None for no floor) "
+                    "or a higher max_scale."
                 )
         fields = {
             "loss_scale": scale,
@@ -495,10 +554,54 @@ class LossScalingState(NamedTuple):
         return self.loss_scale.counter
 
 
-def _all_finite(tree: Any) -> jax.Array:
-    """One bool for the whole tree; under jit with sharded leaves the reduction is global."""
+AxisName = str | tuple[str, ...]
+"""A mapped axis name (``shard_map``, ``pmap``) or a tuple of them."""
+
+
+def _all_finite(tree: Any, axis_name: AxisName | None = None) -> jax.Array:
+    """One bool for the whole tree; under jit with sharded leaves the reduction is global, and
+    with ``axis_name`` it is also taken over the devices of those mapped axes."""
     checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return functools.reduce(jnp.logical_and, checks, jnp.array(True))
+    finite = functools.reduce(jnp.logical_and, checks, jnp.array(True))
+    if axis_name is not None:
+        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    return finite
+
+
+def _check_axis_name(axis_name: Any) -> AxisName | None:
+    if axis_name is None or isinstance(axis_name, str):
+        return axis_name
+    if (
+        isinstance(axis_name, (tuple, list))
+        and axis_name
+        and all(isinstance(a, str) for a in axis_name)
+    ):
+        return tuple(axis_name)
+    raise TypeError(
+        "axis_name must be None, a mapped axis name (str) or a non-empty tuple of them, got "
+        f"{axis_name!r}."
+    )
+
+
+def _is_multi_steps(x: Any) -> bool:
+    return isinstance(x, optax.MultiStepsState)
+
+
+def _multi_steps_states(state: Any) -> list[optax.MultiStepsState]:
+    leaves = jax.tree.leaves(state, is_leaf=_is_multi_steps)
+    return [x for x in leaves if _is_multi_steps(x)]
+
+
+def _keep_inner_of_multi_steps(old: Any, new: Any) -> Any:
+    """``new`` with the optimizer state and step count of its ``MultiSteps`` taken from
+    ``old``, and everything else (the cleared accumulator, the reset micro-step) from ``new``."""
+
+    def merge(o, n):
+        if not _is_multi_steps(o):
+            return n
+        return n._replace(inner_opt_state=o.inner_opt_state, gradient_step=o.gradient_step)
+
+    return jax.tree.map(merge, old, new, is_leaf=_is_multi_steps)
 
 
 def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
@@ -508,6 +611,8 @@ def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
 def loss_scaling(
     inner: optax.GradientTransformation,
     loss_scale: LossScale | str | int | float = "dynamic",
+    *,
+    axis_name: AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` so that it sees unscaled gradients and never a non-finite step.
 
@@ -523,15 +628,23 @@ def loss_scaling(
     in a row overflow; ``state.consecutive_skipped`` counts them and :func:`check_overflow`
     raises outside jit when it gets too long.
 
-    Gradient accumulation: wrap ``optax.MultiSteps`` (pass the ``MultiSteps`` object itself or
-    its ``gradient_transformation()``), not the other way round:
+    Gradient accumulation: wrap ``optax.MultiSteps`` (the ``MultiSteps`` object itself or its
+    ``gradient_transformation()``, alone or anywhere inside ``inner``: in a chain, inside
+    :func:`mpjax.master_weights`), not the other way round:
     ``loss_scaling(optax.MultiSteps(inner, k))``. Each micro-batch is unscaled and checked
     before it reaches the accumulator, so an inf or NaN never enters it (``MultiSteps`` around
     ``loss_scaling`` would accumulate it, and its reset multiplies by 0, which keeps NaN). As in
     PyTorch, a micro-batch with non-finite gradients dooms its whole optimizer step: the rest
     of the window still runs, then the step is skipped (inner state and ``gradient_step`` as if
     the window never happened, accumulator cleared). The scale stays constant within a window
-    and is adjusted once per optimizer step, so ``growth_interval`` counts optimizer steps.
+    and is adjusted once per optimizer step, so ``growth_interval`` counts optimizer steps;
+    ``applied`` is True only after a micro-batch that completed an optimizer step.
+
+    Many devices: inside ``shard_map`` or ``pmap``, where each device holds its own gradients,
+    pass the mapped axes as ``axis_name``. The finite check is then taken over all their
+    devices, so every device skips the same steps and keeps the same scale, and replicated
+    params stay identical (as Flax's ``DynamicScale(axis_name=...)``). Under ``jax.jit`` with
+    sharded arrays no ``axis_name`` is needed: the check is global already.
 
     To choose the scale from a policy: ``loss_scaling(inner, "dynamic" if
     policy.needs_loss_scaling else "none")`` (see :attr:`mpjax.Policy.needs_loss_scaling`).
@@ -542,6 +655,8 @@ def loss_scaling(
       loss_scale: a :class:`DynamicLossScale`, :class:`StaticLossScale` or
         :class:`NoOpLossScale`, or ``"dynamic"`` (the default: PyTorch's rule starting at
         ``2**15``), ``"none"``, ``"static:N"`` or a number N for a static scale.
+      axis_name: the mapped axis name, or a tuple of names, over which devices must agree on
+        whether a step was finite; None (the default) outside ``shard_map``/``pmap``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`LossScalingState`.
@@ -549,8 +664,9 @@ def loss_scaling(
       ``params`` are given, a gradient tree matching them (``ValueError`` otherwise).
 
     Raises:
-      ValueError: for an unknown string, a malformed ``"static:N"`` or a non-positive scale.
-      TypeError: for a ``loss_scale`` of any other type.
+      ValueError: for an unknown string, a malformed ``"static:N"`` or a non-positive scale,
+        and (from ``init``) for an ``inner`` holding more than one ``optax.MultiSteps``.
+      TypeError: for a ``loss_scale`` or ``axis_name`` of any other type.
 
     >>> import optax
     >>> tx = loss_scaling(optax.sgd(1.0), "static:8")
@@ -562,12 +678,19 @@ def loss_scaling(
     (Array([-2., -2.], dtype=float32), Array(True, dtype=bool))
     """
     scale0 = _parse_loss_scale(loss_scale)
+    axis_name = _check_axis_name(axis_name)
     inner = optax.with_extra_args_support(inner)
 
     def init(params):
+        inner_state = inner.init(params)
+        if len(_multi_steps_states(inner_state)) > 1:
+            raise ValueError(
+                "loss_scaling: inner holds more than one optax.MultiSteps; accumulate "
+                "gradients with one MultiSteps."
+            )
         return LossScalingState(
             loss_scale=scale0,
-            inner_state=inner.init(params),
+            inner_state=inner_state,
             applied=jnp.array(True),
             skipped_steps=jnp.zeros((), jnp.int32),
             consecutive_skipped=jnp.zeros((), jnp.int32),
@@ -580,21 +703,21 @@ def loss_scaling(
         # Back to each gradient's own dtype, so inner state dtypes never change; the check comes
         # after the cast because a value finite in float32 can overflow float16.
         grads = jax.tree.map(lambda u, g: u.astype(g.dtype), unscaled, updates)
-        finite = _all_finite(grads)
+        finite = _all_finite(grads, axis_name)
         # Zeros instead of inf/NaN: the inner update runs either way (a select, not a cond,
         # keeps shardings intact) and must not compute with values it would then discard.
         safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
         new_updates, new_inner = inner.update(safe_grads, state.inner_state, params, **extra_args)
         window_ok = state.window_finite & finite
 
-        if isinstance(state.inner_state, optax.MultiStepsState):
-            old = state.inner_state
-            step_done = new_inner.gradient_step != old.gradient_step
+        multi_steps = _multi_steps_states(state.inner_state)
+        if multi_steps:
+            (old,) = multi_steps
+            (new,) = _multi_steps_states(new_inner)
+            step_done = new.gradient_step != old.gradient_step
             discard = step_done & ~window_ok
-            new_inner = new_inner._replace(
-                inner_opt_state=_select(discard, old.inner_opt_state, new_inner.inner_opt_state),
-                gradient_step=jnp.where(discard, old.gradient_step, new_inner.gradient_step),
-            )
+            kept = _keep_inner_of_multi_steps(state.inner_state, new_inner)
+            new_inner = _select(discard, kept, new_inner)
             applied = step_done & window_ok
             new_scale = _select(step_done, state.loss_scale.adjust(window_ok), state.loss_scale)
             next_window_finite = window_ok | step_done
@@ -681,10 +804,11 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     not its optimizer scales the loss.
 
     Args:
-      loss: the loss, a floating-point scalar array.
+      loss: the loss, a floating-point array (usually a scalar) or a Python float.
       opt_state: the full optimizer state.
 
     Raises:
+      TypeError: if ``loss`` is not floating point (a string, an integer, a bool array...).
       ValueError: if ``opt_state`` holds more than one :class:`LossScalingState`.
 
     >>> state = loss_scaling(optax.sgd(1.0), "static:4").init(jnp.ones(1))
@@ -693,6 +817,13 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     >>> scale_loss(jnp.float32(0.5), optax.sgd(1.0).init(jnp.ones(1)))  # no loss scaling
     Array(0.5, dtype=float32)
     """
+    if isinstance(loss, float):
+        loss = jnp.asarray(loss, jnp.float32)
+    if not is_floating(loss):
+        raise TypeError(
+            "scale_loss: loss must be a floating-point array (the value to differentiate), got "
+            f"{loss!r} of type {type(loss).__name__}."
+        )
     state = _find_state(opt_state)
     return loss if state is None else state.loss_scale.scale(loss)
 
@@ -750,7 +881,9 @@ def check_overflow(opt_state: Any, max_consecutive: int) -> None:
     step overflows, training silently stops. Call this outside ``jax.jit``, for example every
     few steps in the training loop (it reads one scalar from the device). The state of
     :func:`loss_scaling` is found as by :func:`scale_loss`; without one nothing is ever
-    skipped, and this never raises.
+    skipped, and this never raises. A state with one copy per device (what ``pmap`` returns,
+    or ``shard_map`` with per-device state) must agree across devices, which
+    ``loss_scaling(..., axis_name=...)`` guarantees; disagreeing copies raise ``ValueError``.
 
     Args:
       opt_state: the full optimizer state.
@@ -759,8 +892,8 @@ def check_overflow(opt_state: Any, max_consecutive: int) -> None:
 
     Raises:
       PersistentOverflowError: if ``max_consecutive`` or more steps in a row were skipped.
-      ValueError: for ``max_consecutive < 1`` or an ``opt_state`` holding more than one
-        :class:`LossScalingState`.
+      ValueError: for ``max_consecutive < 1``, an ``opt_state`` holding more than one
+        :class:`LossScalingState`, or per-device copies that disagree.
       TypeError: for a non-integer ``max_consecutive``, or when called inside ``jax.jit``.
 
     >>> state = loss_scaling(optax.sgd(1.0)).init(jnp.ones(1))
@@ -778,12 +911,21 @@ def check_overflow(opt_state: Any, max_consecutive: int) -> None:
             "check_overflow reads values from the device: call it outside jax.jit, on the "
             "opt_state a jitted step returns."
         )
-    count = int(info.consecutive_skipped)
+    per_device = np.asarray(info.consecutive_skipped).reshape(-1)
+    scales = np.asarray(info.loss_scale).reshape(-1)
+    if len(set(per_device.tolist())) > 1 or len(set(scales.tolist())) > 1:
+        raise ValueError(
+            "check_overflow: the devices disagree on the loss scaling (consecutive skipped "
+            f"steps {sorted(set(per_device.tolist()))}, scales {sorted(set(scales.tolist()))}): "
+            "their params have diverged. Inside shard_map or pmap, pass the mapped axes to "
+            "mpjax.loss_scaling(..., axis_name=...) so that every device skips the same steps."
+        )
+    count = int(per_device[0])
     if count >= max_consecutive:
         raise PersistentOverflowError(
             f"The last {count} optimizer steps were all skipped because the gradients had inf "
             f"or NaN (limit: {max_consecutive}); the loss scale is now "
-            f"{float(info.loss_scale):g}. Nothing has been applied since. Remedies:\n"
+            f"{float(scales[0]):g}. Nothing has been applied since. Remedies:\n"
             "  1. check the loss and the forward pass for inf/NaN (they overflow at any scale);\n"
             "  2. keep overflow-prone ops (softmax, norms, losses) in float32 via the policy;\n"
             "  3. lower the learning rate if the params themselves diverged;\n"

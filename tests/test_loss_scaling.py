@@ -11,6 +11,10 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import mpjax
 from mpjax import (
@@ -75,7 +79,7 @@ def test_reference_trajectory_pytorch_example():
     # PyTorch's rule worked by hand: init 16, interval 3, overflow at (0-indexed) steps 6, 9
     # and 10. Growth after each third finite step in a row, halving on every overflow.
     finite = [i not in (6, 9, 10) for i in range(11)]
-    used, after = run_adjust(DynamicLossScale(16, growth_interval=3), finite)
+    used, after = run_adjust(DynamicLossScale(16, growth_interval=3, min_scale=None), finite)
     assert after == [16, 16, 32, 32, 32, 64, 32, 32, 32, 16, 8]
     # The scale that scaled the loss at step k is the one after step k - 1.
     assert used == [16, 16, 16, 32, 32, 32, 64, 32, 32, 32, 16]
@@ -93,7 +97,8 @@ def test_reference_trajectory_pytorch_example():
 def test_trajectory_matches_pytorch_rule_with_custom_factors(kwargs):
     rng = np.random.default_rng(0)
     finite = list(rng.random(40) > 0.3)
-    loss_scale = DynamicLossScale(16.0, **kwargs)
+    # No floor unless the case sets one: PyTorch's GradScaler has none.
+    loss_scale = DynamicLossScale(16.0, **{"min_scale": None, **kwargs})
     _, after = run_adjust(loss_scale, finite)
     expected, scale, tracker = [], np.float32(16.0), 0
     for f in finite:
@@ -300,7 +305,7 @@ def test_replace_builds_a_validated_copy():
     other = ls.replace(loss_scale=32)
     assert float(other.loss_scale) == 32.0 and other.loss_scale.dtype == F32
     assert other.growth_interval == 3
-    with pytest.raises(ValueError, match="growth_interval must be an integer >= 1"):
+    with pytest.raises(ValueError, match="growth_interval must be an integer from 1 to 2"):
         ls.replace(growth_interval=0)
 
 
@@ -366,7 +371,7 @@ def test_policy_needs_loss_scaling_picks_the_loss_scale(policy, expected):
         (lambda: StaticLossScale(0), "loss_scale must be positive"),
         (
             lambda: DynamicLossScale(growth_factor=1.0),
-            r"growth_factor must be .*greater than 1, got 1.0",
+            r"growth_factor must be greater than 1 and finite in float32 .*got 1.0",
         ),
         (lambda: DynamicLossScale(growth_factor=0.5), "growth_factor"),
         (
@@ -377,7 +382,7 @@ def test_policy_needs_loss_scaling_picks_the_loss_scale(policy, expected):
         (lambda: DynamicLossScale(backoff_factor=-0.5), "backoff_factor"),
         (
             lambda: DynamicLossScale(growth_interval=0),
-            "growth_interval must be an integer >= 1, got 0",
+            r"growth_interval must be an integer from 1 to 2\*\*31 - 1 .*got 0",
         ),
         (lambda: DynamicLossScale(min_scale=0.0), "min_scale must be positive"),
         (lambda: DynamicLossScale(max_scale=-1.0), "max_scale must be positive"),
@@ -553,7 +558,7 @@ def test_clipping_sees_unscaled_gradients():
 
 
 def test_persistent_overflow_never_applies_and_check_overflow_raises():
-    tx = loss_scaling(optax.adam(1e-3), DynamicLossScale(2.0**15))
+    tx = loss_scaling(optax.adam(1e-3), DynamicLossScale(2.0**15, min_scale=None))
     initial_params = params = {"w": jnp.linspace(-1.0, 1.0, 4)}
     with standard_promotion():
         state = tx.init(params)
@@ -1034,3 +1039,337 @@ def test_find_loss_scaling_state_is_deprecated_and_still_works():
         warnings.simplefilter("ignore", DeprecationWarning)
         with pytest.raises(ValueError, match="exactly one LossScalingState, found 0"):
             mpjax.find_loss_scaling_state(optax.adam(1.0).init(params))
+
+
+# ---------------------------------------------------------------------------------------------
+# A scale that cannot die
+
+
+def test_default_floor_survives_a_burst_of_overflows_and_recovers():
+    """300 overflows in a row leave the default scale at its floor of 1 (without a floor it
+    reaches exactly 0 after about 140, forever), every step skipped and counted; clean steps
+    then grow it back, and a small float16 gradient survives scaling all along."""
+    ls = DynamicLossScale()
+    assert ls.min_scale == 1.0
+    adjust = jax.jit(lambda ls, finite: ls.adjust(finite))
+    for _ in range(300):
+        ls = adjust(ls, jnp.array(False))
+    assert float(ls.loss_scale) == 1.0
+    for _ in range(2 * 2000):
+        ls = adjust(ls, jnp.array(True))
+    assert float(ls.loss_scale) == 4.0
+    assert float(ls.scale(jnp.array(1e-7, F16))) > 0  # 1e-7 is a float16 subnormal, not 0
+
+    no_floor = DynamicLossScale(min_scale=None)
+    for _ in range(150):
+        no_floor = adjust(no_floor, jnp.array(False))
+    assert float(no_floor.loss_scale) == 0.0
+
+
+def test_a_scale_at_the_floor_still_counts_skips_for_check_overflow():
+    tx = loss_scaling(optax.sgd(1.0), DynamicLossScale(4.0))
+    params = {"w": jnp.ones(1)}
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    for _ in range(5):
+        _, state = step({"w": jnp.full(1, jnp.inf)}, state, params)
+    assert float(state.scale) == 1.0 and int(state.consecutive_skipped) == 5
+    with pytest.raises(PersistentOverflowError, match=r"The last 5 .*loss scale is now 1\."):
+        check_overflow(state, max_consecutive=5)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: DynamicLossScale(1e-40), r"loss_scale must be at least float32's smallest normal"),
+        (lambda: StaticLossScale(1e-40), r"loss_scale must be at least float32's smallest normal"),
+        (
+            lambda: DynamicLossScale(min_scale=1e-40),
+            r"min_scale must be at least float32's smallest normal number .* or None, got 1e-40",
+        ),
+        (
+            lambda: DynamicLossScale(backoff_factor=1e-50),
+            r"backoff_factor must be at least float32's smallest normal .*scale of 0",
+        ),
+        (
+            lambda: DynamicLossScale(backoff_factor=1e-40),
+            r"backoff_factor must be at least float32's smallest normal",
+        ),
+        (
+            lambda: DynamicLossScale(growth_factor=1e300),
+            r"growth_factor must be greater than 1 and finite in float32 .*got 1e\+300",
+        ),
+        (
+            lambda: DynamicLossScale(growth_factor=1 + 1e-10),
+            r"growth_factor must be greater than 1 and finite in float32",
+        ),
+        (
+            lambda: DynamicLossScale(growth_interval=2**31),
+            r"growth_interval must be an integer from 1 to 2\*\*31 - 1 .*got 2147483648",
+        ),
+        (lambda: DynamicLossScale(counter=2**31), r"counter must be below 2\*\*31 - 1"),
+        (lambda: DynamicLossScale(counter=2**31 - 1), r"counter must be below 2\*\*31 - 1"),
+        (
+            lambda: DynamicLossScale(0.5),
+            r"outside \[min_scale, max_scale\] = \[1.0, None\]; pass a lower min_scale "
+            r"\(or min_scale=None",
+        ),
+    ],
+)
+def test_values_that_break_in_float32_or_int32_are_rejected(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_largest_valid_hyperparameters_are_accepted():
+    ls = DynamicLossScale(
+        counter=2**31 - 3, growth_interval=2**31 - 1, backoff_factor=1e-30, growth_factor=1e30
+    )
+    ls = ls.adjust(True)  # counts up to 2**31 - 2 without wrapping around
+    assert int(ls.counter) == 2**31 - 2 and float(ls.loss_scale) == 2.0**15
+    ls = ls.adjust(True)  # the interval's last step: grows and resets
+    assert int(ls.counter) == 0 and float(ls.loss_scale) == np.float32(2.0**15 * 1e30)
+    assert float(ls.adjust(False).loss_scale) == np.float32(np.float32(2.0**15 * 1e30) * 1e-30)
+    assert float(DynamicLossScale(0.5, min_scale=None).loss_scale) == 0.5
+
+
+@pytest.mark.parametrize("loss", ["x", jnp.array(3), jnp.array(True), None, [1.0]])
+def test_scale_loss_rejects_a_loss_that_is_not_floating(loss):
+    state = loss_scaling(optax.sgd(1.0), "static:4").init(jnp.ones(1))
+    with pytest.raises(TypeError, match="scale_loss: loss must be a floating-point array"):
+        scale_loss(loss, state)
+
+
+def test_scale_loss_takes_a_python_float():
+    state = loss_scaling(optax.sgd(1.0), "static:4").init(jnp.ones(1))
+    out = scale_loss(0.5, state)
+    assert out.dtype == F32 and float(out) == 2.0
+
+
+# ---------------------------------------------------------------------------------------------
+# MultiSteps anywhere inside the wrapped transformation
+
+
+def _nested_multisteps(inner, k):
+    return {
+        "bare": optax.MultiSteps(inner, k),
+        "in_chain": optax.chain(optax.clip_by_global_norm(100.0), optax.MultiSteps(inner, k)),
+        "chain_of_chain": optax.chain(
+            optax.identity(), optax.chain(optax.clip(100.0), optax.MultiSteps(inner, k))
+        ),
+    }
+
+
+@pytest.mark.parametrize("where", ["bare", "in_chain", "chain_of_chain"])
+def test_multisteps_anywhere_adjusts_once_per_optimizer_step(where):
+    k = 3
+    tx = loss_scaling(
+        _nested_multisteps(optax.sgd(1.0), k)[where], DynamicLossScale(8.0, growth_interval=1)
+    )
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    used, applied = [], []
+    with standard_promotion():
+        for i in range(3 * k):
+            used.append(float(scale_loss(jnp.array(1.0), state)))
+            _, state = step({"w": jnp.full(2, float(i)) * state.scale}, state, params)
+            applied.append(bool(state.applied))
+    assert used == [8, 8, 8, 16, 16, 16, 32, 32, 32]
+    assert applied == [False, False, True] * 3
+
+
+@pytest.mark.parametrize("where", ["in_chain", "chain_of_chain"])
+def test_multisteps_in_a_chain_skips_a_poisoned_window_bit_exactly(where):
+    k = 3
+    inner = optax.adam(1e-2)
+    tx = loss_scaling(
+        _nested_multisteps(inner, k)[where], DynamicLossScale(2.0**10, growth_interval=1)
+    )
+    params = {"w": jnp.linspace(-1.0, 1.0, 4)}
+    step = jax.jit(tx.update)
+    micro = [jnp.linspace(0.1, 0.4, 4) * (i + 1) for i in range(3 * k)]
+
+    def run(batches):
+        p, s = params, tx.init(params)
+        applied = []
+        for g, poison in batches:
+            updates, s = step({"w": (g + poison) * s.scale}, s, p)
+            p = optax.apply_updates(p, updates)
+            applied.append(bool(s.applied))
+        return p, s, applied
+
+    with standard_promotion():
+        p_a, s_a, applied_a = run([(g, jnp.nan if i == 4 else 0.0) for i, g in enumerate(micro)])
+        p_b, s_b, _ = run([(g, 0.0) for i, g in enumerate(micro) if i not in {3, 4, 5}])
+    assert applied_a == [False, False, True, False, False, False, False, False, True]
+    assert_trees_bitwise_equal(p_a, p_b)
+    (ms_a,) = [x for x in jax.tree.leaves(s_a, is_leaf=_is_ms) if _is_ms(x)]
+    (ms_b,) = [x for x in jax.tree.leaves(s_b, is_leaf=_is_ms) if _is_ms(x)]
+    assert_trees_bitwise_equal(ms_a.inner_opt_state, ms_b.inner_opt_state)
+    assert int(ms_a.gradient_step) == 2
+    assert int(s_a.skipped_steps) == 1
+
+
+def _is_ms(x):
+    return isinstance(x, optax.MultiStepsState)
+
+
+def test_two_multisteps_inside_one_loss_scaling_is_a_clear_error():
+    tx = loss_scaling(
+        optax.chain(optax.MultiSteps(optax.sgd(1.0), 2), optax.MultiSteps(optax.sgd(1.0), 2))
+    )
+    with pytest.raises(ValueError, match="inner holds more than one optax.MultiSteps"):
+        tx.init({"w": jnp.ones(1)})
+
+
+# ---------------------------------------------------------------------------------------------
+# Many devices: axis_name
+
+
+N_DEVICES = 8
+
+
+def _per_device_step(axis_name):
+    """One loss-scaled SGD step per device inside shard_map, each device with its own
+    gradients (device 3's overflows), unchecked as such code often runs; returns each
+    device's params and loss-scaling state, stacked."""
+    mesh = Mesh(np.array(jax.devices()[:N_DEVICES]), ("data",))
+    tx = loss_scaling(optax.sgd(0.1), DynamicLossScale(8.0), axis_name=axis_name)
+    params = jnp.ones(4)
+    state = tx.init(params)
+
+    def body(grads, params, state):
+        updates, state = tx.update(grads[0], state, params)
+        new = optax.apply_updates(params, updates)
+        return new[None], jax.tree.map(lambda x: x[None], state)
+
+    grads = jnp.ones((N_DEVICES, 4)).at[3, 0].set(jnp.inf)
+    fn = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P("data"), P(), P()),
+        out_specs=(P("data"), P("data")),
+        check_vma=False,
+    )
+    return jax.jit(fn)(grads, params, state)
+
+
+def test_axis_name_makes_every_device_skip_a_step_one_device_overflowed():
+    params, state = _per_device_step("data")
+    np.testing.assert_array_equal(params, np.ones((N_DEVICES, 4), np.float32))
+    np.testing.assert_array_equal(state.scale, np.full(N_DEVICES, 4.0, np.float32))
+    np.testing.assert_array_equal(state.skipped_steps, np.ones(N_DEVICES, np.int32))
+    check_overflow(state, max_consecutive=2)  # the copies agree: one skip, under the limit
+    with pytest.raises(PersistentOverflowError, match="The last 1 optimizer steps"):
+        check_overflow(state, max_consecutive=1)
+
+
+def test_without_axis_name_devices_diverge_and_check_overflow_says_so():
+    params, state = _per_device_step(None)
+    assert sorted(set(np.asarray(state.scale).tolist())) == [4.0, 8.0]  # the control
+    assert not np.array_equal(params[3], params[0])
+    with pytest.raises(ValueError, match="devices disagree.*axis_name"):
+        check_overflow(state, max_consecutive=10)
+
+
+@pytest.mark.parametrize("axis_name", [1, (), ("data", 2), b"data"])
+def test_axis_name_of_the_wrong_type_is_a_clear_error(axis_name):
+    with pytest.raises(TypeError, match="axis_name must be None, a mapped axis name"):
+        loss_scaling(optax.sgd(1.0), axis_name=axis_name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Properties (hypothesis): the constructors accept exactly what works, the rule is PyTorch's
+
+ANYTHING = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.complex_numbers(),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=5),
+)
+
+
+def _floor_ok(scale):
+    return np.isfinite(scale) and scale >= np.finfo(np.float32).tiny
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=ANYTHING)
+def test_any_initial_scale_is_accepted_only_if_it_works_in_float32(value):
+    try:
+        ls = DynamicLossScale(value, min_scale=None)
+    except (TypeError, ValueError):
+        with np.errstate(over="ignore", under="ignore"):
+            usable = (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and _floor_ok(np.float32(value))
+            )
+        assert not usable, value
+        return
+    scale = float(ls.loss_scale)
+    assert ls.loss_scale.dtype == F32 and _floor_ok(np.float32(scale))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    growth=ANYTHING,
+    backoff=ANYTHING,
+    interval=ANYTHING,
+    min_scale=ANYTHING,
+)
+def test_any_hyperparameters_either_raise_clearly_or_keep_the_scale_alive(
+    growth, backoff, interval, min_scale
+):
+    try:
+        ls = DynamicLossScale(
+            1.0 if min_scale is None else 2.0**15,
+            growth_factor=growth,
+            backoff_factor=backoff,
+            growth_interval=interval,
+            min_scale=min_scale,
+        )
+    except (TypeError, ValueError):
+        return
+    counter_max = np.iinfo(np.int32).max
+    assert 1 <= ls.growth_interval <= counter_max
+    for finite in [False] * 40 + [True] * 3:
+        ls = ls.adjust(finite)
+        scale = np.float32(ls.loss_scale)
+        assert np.isfinite(scale) and 0 <= int(ls.counter) < counter_max
+        if ls.min_scale is not None:
+            assert scale >= np.float32(ls.min_scale) > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    growth=st.floats(1.01, 64.0),
+    backoff=st.floats(0.01, 0.99),
+    interval=st.integers(1, 6),
+    min_scale=st.one_of(st.none(), st.floats(1e-3, 1.0)),
+    max_scale=st.one_of(st.none(), st.floats(1e3, 1e9)),
+    initial=st.floats(1.0, 1e3),
+    finite=st.lists(st.booleans(), max_size=30),
+)
+def test_the_update_rule_is_pytorchs_with_the_clamps(
+    growth, backoff, interval, min_scale, max_scale, initial, finite
+):
+    ls = DynamicLossScale(
+        initial,
+        growth_factor=growth,
+        backoff_factor=backoff,
+        growth_interval=interval,
+        min_scale=min_scale,
+        max_scale=max_scale,
+    )
+    scale, tracker = np.float32(initial), 0
+    for f in finite:
+        ls = ls.adjust(f)
+        scale, tracker = torch_rule(
+            scale, tracker, f, growth, backoff, interval, min_scale, max_scale
+        )
+        assert float(ls.loss_scale) == float(scale)
+        assert int(ls.counter) == tracker
