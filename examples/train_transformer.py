@@ -33,10 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sharding  # noqa: E402
 from gpt import ATTENTION, GPT, PRESETS, REMAT_POLICIES, GPTConfig, LayerNorm  # noqa: E402
 
 import mpjax  # noqa: E402
@@ -119,6 +121,10 @@ class TrainConfig:
     seed: int = SEED
     max_consecutive_skips: int = MAX_CONSECUTIVE_SKIPS
     num_devices: int = 0
+    fsdp: int = 1
+    coordinator: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
     out: str | None = None
     resume: bool = False
     sample_bytes: int = SAMPLE_BYTES
@@ -493,15 +499,23 @@ def make_train_step(model: GPT, tx: optax.GradientTransformation):
     return train_step
 
 
-def init_state(model: GPT, tx: optax.GradientTransformation, seed: int, seq_len: int) -> TrainState:
+def init_state(
+    model: GPT, tx: optax.GradientTransformation, seed: int, seq_len: int, mesh: Mesh | None = None
+) -> TrainState:
     """Initial params (in the model's param dtype) and optimizer state, built in one jit:
-    eager initialization dispatches and compiles every small op separately, which is slower."""
+    eager initialization dispatches and compiles every small op separately, which is slower.
+
+    With a ``mesh``, every array is created where :func:`sharding.state_shardings` puts it
+    (sliced over ``"fsdp"``), so no device ever holds the whole unsharded state.
+    """
 
     def init(key):
         params = model.init(key, jnp.zeros((1, seq_len), jnp.int32))["params"]
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
-    return jax.jit(init)(jax.random.key(seed))
+    key = jax.random.key(seed)
+    shardings = None if mesh is None else sharding.state_shardings(jax.eval_shape(init, key), mesh)
+    return jax.jit(init, out_shardings=shardings)(key)
 
 
 def make_generate(model: GPT, length: int):
@@ -605,6 +619,12 @@ class TrainingStopped(RuntimeError):
     """Training stopped early: persistent overflow, or a non-finite loss without loss scaling."""
 
 
+def _layout(mesh: Mesh) -> str:
+    """How the devices split the work: ``"2 replicas x 4 fsdp, 2 processes"``."""
+    text = f"{mesh.shape['data']} replicas x {mesh.shape['fsdp']} fsdp"
+    return text + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
+
+
 def _devices(n: int) -> list:
     available = jax.devices()
     if n < 0 or n > len(available):
@@ -624,6 +644,8 @@ def validate(cfg: TrainConfig) -> None:
         "eval_batches",
         "log_interval",
         "max_consecutive_skips",
+        "fsdp",
+        "num_processes",
     )
     for name in positive:
         if getattr(cfg, name) <= 0:
@@ -639,6 +661,15 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.temperature <= 0:
         raise ValueError(f"--temperature must be positive, got {cfg.temperature}.")
     resolve_loss_scale(cfg.loss_scale, mpjax.get_policy(cfg.policy))
+    if cfg.num_processes > 1 and not cfg.coordinator:
+        raise ValueError(
+            f"--num-processes {cfg.num_processes} needs --coordinator host:port (process 0's)."
+        )
+    if not 0 <= cfg.process_id < cfg.num_processes:
+        raise ValueError(
+            f"--process-id must be in [0, --num-processes={cfg.num_processes}), got "
+            f"{cfg.process_id}."
+        )
 
 
 def _write_jsonl(path: pathlib.Path, records: list[dict]) -> None:
@@ -677,10 +708,12 @@ def train(cfg: TrainConfig) -> dict:
             f"--batch-size {cfg.batch_size} must be a multiple of the number of devices "
             f"({len(devices)}), since each device takes an equal share."
         )
-    mesh = Mesh(np.array(devices), ("data",))
+    mesh = sharding.make_mesh(devices, cfg.fsdp)
     replicated = NamedSharding(mesh, P())
-    batch_sharding = NamedSharding(mesh, P(None, "data"))  # [grad_accum, batch, seq]
-    eval_sharding = NamedSharding(mesh, P("data"))  # [batch, seq]
+    batch_sharding = sharding.batch_sharding(mesh)  # [grad_accum, batch, seq]
+    eval_sharding = sharding.eval_sharding(mesh)  # [batch, seq]
+    # With several processes, process 0 alone writes the log and the summary.
+    writes_files = jax.process_index() == 0
 
     # Data.
     corpus = load_corpus(cfg.data, cfg.max_bytes)
@@ -710,14 +743,17 @@ def train(cfg: TrainConfig) -> dict:
     # Model, optimizer, state.
     model = build_model(mcfg, policy, cfg.mode)
     tx = make_optimizer(cfg, policy)
-    state = jax.device_put(init_state(model, tx, cfg.seed, seq_len), replicated)
+    state = init_state(model, tx, cfg.seed, seq_len, mesh)
+    state_shardings = jax.tree.map(lambda a: a.sharding, state)
     n_params = sum(p.size for p in jax.tree.leaves(state.params))
     if resume_meta is None:
-        log_path.unlink(missing_ok=True)
+        if writes_files:
+            log_path.unlink(missing_ok=True)
     else:
         state = restore_state(manager, resume_meta["step"], state)
         rng.bit_generator.state = json.loads(resume_meta["rng_state"])
-        _keep_log_until(log_path, int(state.step))
+        if writes_files:
+            _keep_log_until(log_path, int(state.step))
     start_step = int(state.step)
 
     tokens_per_step = cfg.grad_accum * cfg.batch_size * seq_len
@@ -729,7 +765,8 @@ def train(cfg: TrainConfig) -> dict:
         f"optimizer: {describe_optimizer(cfg, policy)}\n"
         f"data: {'stdlib .py sources' if cfg.data is None else cfg.data}: {len(train_data):,} train "
         f"/ {len(val_data):,} val bytes; unigram baseline {baseline:.3f} nats/byte\n"
-        f"devices: {len(devices)} x {devices[0].device_kind}; {tokens_per_step:,} tokens/step "
+        f"devices: {len(devices)} x {devices[0].device_kind} ({_layout(mesh)}); "
+        f"{tokens_per_step:,} tokens/step "
         f"({cfg.grad_accum} x {cfg.batch_size} x {seq_len}); out: {out_dir}"
         + (f"\nresuming at step {start_step}" if start_step else "")
     )
@@ -741,7 +778,9 @@ def train(cfg: TrainConfig) -> dict:
     t0 = time.perf_counter()
     step_fn = (
         jax.jit(
-            make_train_step(model, tx), out_shardings=(replicated, replicated), donate_argnums=0
+            make_train_step(model, tx),
+            out_shardings=(state_shardings, replicated),
+            donate_argnums=0,
         )
         .lower(state, x_spec, x_spec)
         .compile()
@@ -752,7 +791,11 @@ def train(cfg: TrainConfig) -> dict:
 
     def evaluate(params) -> float:
         losses = [
-            eval_fn(params, jax.device_put(x, eval_sharding), jax.device_put(y, eval_sharding))
+            eval_fn(
+                params,
+                sharding.global_batch(x, eval_sharding),
+                sharding.global_batch(y, eval_sharding),
+            )
             for x, y in val_batches
         ]
         return float(np.mean(jax.device_get(losses)))
@@ -768,7 +811,9 @@ def train(cfg: TrainConfig) -> dict:
         for step in range(start_step, cfg.steps):
             x, y = sample_batch(train_data, rng, (cfg.grad_accum, cfg.batch_size), seq_len)
             state, metrics = step_fn(
-                state, jax.device_put(x, batch_sharding), jax.device_put(y, batch_sharding)
+                state,
+                sharding.global_batch(x, batch_sharding),
+                sharding.global_batch(y, batch_sharding),
             )
             done = step + 1
             if done % cfg.log_interval and done % cfg.eval_interval and done != cfg.steps:
@@ -795,7 +840,8 @@ def train(cfg: TrainConfig) -> dict:
                     f"({val_loss / math.log(2):.3f} bits)"
                 )
             history.append(record)
-            _write_jsonl(log_path, [record])
+            if writes_files:
+                _write_jsonl(log_path, [record])
             pbar.update(done - last_logged)
             pbar.set_postfix(
                 {
@@ -837,11 +883,13 @@ def train(cfg: TrainConfig) -> dict:
         "skipped_steps": history[-1]["skipped_steps"] if history else 0,
         "final_loss_scale": history[-1]["loss_scale"] if history else None,
         "devices": len(devices),
+        "processes": jax.process_count(),
         "device_kind": devices[0].device_kind,
     }
     if cfg.sample_bytes > 0:
         summary["sample"] = sample_text(model, state.params, cfg, jax.random.key(cfg.seed))
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if writes_files:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     summary["state"] = state
     summary["history"] = history
     return summary
@@ -852,7 +900,11 @@ def sample_text(model: GPT, params: Any, cfg: TrainConfig, key: jax.Array) -> st
     prompt = np.frombuffer(cfg.sample_prompt.encode(), dtype=np.uint8).astype(np.int32)
     if prompt.size == 0:
         prompt = np.array([ord("\n")], np.int32)
-    params = jax.device_put(params, jax.devices()[0])
+    # Every process gathers the whole params (sliced over fsdp, or over processes) to sample
+    # on one of its own devices.
+    params = jax.device_put(
+        multihost_utils.process_allgather(params, tiled=True), jax.local_devices()[0]
+    )
     out = make_generate(model, cfg.sample_bytes)(
         params, jnp.asarray(prompt), key, jnp.asarray(cfg.temperature, jnp.float32)
     )
@@ -1006,6 +1058,21 @@ def make_parser() -> argparse.ArgumentParser:
         "--ckpt-interval", type=int, default=CKPT_INTERVAL, help="0 disables checkpoints"
     )
     g.add_argument("--num-devices", type=int, default=0, help="devices to use; 0 means all")
+    g.add_argument(
+        "--fsdp",
+        type=_positive_int,
+        default=1,
+        help="devices that share each param and its optimizer state, sliced (FSDP); the "
+        "others are data-parallel replicas",
+    )
+    g.add_argument(
+        "--coordinator",
+        help="host:port of process 0, to train as one of --num-processes processes",
+    )
+    g.add_argument(
+        "--num-processes", type=_positive_int, default=1, help="processes running this script"
+    )
+    g.add_argument("--process-id", type=int, default=0, help="this process's index, from 0")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     g = p.add_argument_group("sampling")
     g.add_argument("--sample-bytes", type=int, default=SAMPLE_BYTES, help="0 disables sampling")
@@ -1027,7 +1094,18 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.coordinator:
+        # Before anything touches a device, checking the flags included.
+        try:
+            sharding.initialize(args.coordinator, args.num_processes, args.process_id)
+        except ValueError as e:
+            parser.error(str(e))
     cfg = parse_args(argv)
+    if jax.process_index() != 0:  # process 0 reports for all
+        cfg = dataclasses.replace(cfg, progress=False)
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the process)
     try:
         summary = train(cfg)
     except TrainingStopped as e:

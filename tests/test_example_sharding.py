@@ -2,7 +2,12 @@
 nothing but memory (the same losses as one device)."""
 
 import dataclasses
+import json
+import os
 import pathlib
+import shutil
+import socket
+import subprocess
 import sys
 
 import jax
@@ -126,3 +131,99 @@ def test_scanned_layers_are_sliced_along_their_widest_axis_not_the_layer_axis():
     specs = jax.tree.map(lambda s: s.spec, sharding.state_shardings(params, mesh))
     assert specs["h"]["mlp"]["fc"]["kernel"] == P(None, None, "fsdp")  # [layer, 64, 256]
     assert specs["h"]["ln1"]["scale"] == P()  # [layer, 64]: small
+
+
+# ----------------------------------------------------------------------------- processes
+
+SCRIPT = ROOT / "examples" / "train_transformer.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _flags(data, out, *extra):
+    return [
+        *("--n-layer", "1", "--d-model", "64", "--n-head", "2", "--seq-len", "16"),
+        *("--batch-size", "8", "--steps", "4", "--warmup-steps", "1", "--log-interval", "1"),
+        *("--eval-interval", "2", "--eval-batches", "2", "--ckpt-interval", "2"),
+        *("--policy", "mixed_float16", "--fsdp", "2", "--sample-bytes", "8", "--no-progress"),
+        *("--data", str(data), "--out", str(out)),
+        *extra,
+    ]
+
+
+def _launch(args, devices):
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    }
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _two_processes(flags):
+    """Runs the script as 2 processes of 2 CPU devices each; returns process 0's stdout."""
+    port = _free_port()
+    procs = [
+        _launch(
+            [*flags, "--coordinator", f"localhost:{port}", "--num-processes", "2"]
+            + ["--process-id", str(i)],
+            devices=2,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    return outputs[0][0]
+
+
+def _losses(out):
+    lines = (out / "log.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "corpus.py"
+    path.write_bytes(tt.load_corpus(None, max_bytes=40_000).tobytes())
+    return path
+
+
+def test_two_processes_train_like_one_checkpoint_and_resume(corpus_file, tmp_path):
+    """2 processes x 2 CPU devices (FSDP 2 x 2 replicas) train on the same batches as one
+    process with 4 devices and reach the same losses; resumed from a checkpoint after an
+    interruption, they continue to the same losses again."""
+    one = _launch(_flags(corpus_file, tmp_path / "one"), devices=4)
+    _, err = one.communicate(timeout=300)
+    assert one.returncode == 0, err[-3000:]
+
+    out = _two_processes(_flags(corpus_file, tmp_path / "two"))
+    assert "devices: 4 x cpu (2 replicas x 2 fsdp, 2 processes)" in out
+    assert "done: 4 steps" in out
+    want = _losses(tmp_path / "one")
+    got = _losses(tmp_path / "two")
+    assert sorted(got) == [1, 2, 3, 4]
+    np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-5)
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["devices"] == 4
+
+    # Interrupted after step 2: only that checkpoint is left. Resuming continues from it.
+    checkpoints = tmp_path / "two" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["2", "4"]
+    shutil.rmtree(checkpoints / "4")
+    out = _two_processes(_flags(corpus_file, tmp_path / "two", "--resume"))
+    assert "resuming at step 2" in out
+    resumed = _losses(tmp_path / "two")
+    assert sorted(resumed) == [1, 2, 3, 4]
+    np.testing.assert_allclose([resumed[s] for s in (3, 4)], [got[s] for s in (3, 4)], rtol=1e-6)
