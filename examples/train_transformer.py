@@ -621,7 +621,8 @@ class TrainingStopped(RuntimeError):
 
 def _layout(mesh: Mesh) -> str:
     """How the devices split the work: ``"2 replicas x 4 fsdp, 2 processes"``."""
-    text = f"{mesh.shape['data']} replicas x {mesh.shape['fsdp']} fsdp"
+    replicas = mesh.shape["data"]
+    text = f"{replicas} replica{'s' * (replicas != 1)} x {mesh.shape['fsdp']} fsdp"
     return text + (f", {jax.process_count()} processes" if jax.process_count() > 1 else "")
 
 
