@@ -1,49 +1,132 @@
-"""Validation of the gradients an optimizer wrapper receives.
+"""Checks of what mpjax's optax wrappers receive: the wrapped transformation, the state handed
+back to ``update``, and the gradients.
 
-:func:`mpjax.loss_scaling` and :func:`mpjax.master_weights` both reject gradients they cannot
-handle, with the same messages, before tracing any arithmetic on them.
+:func:`mpjax.loss_scaling` and :func:`mpjax.master_weights` both reject what they cannot
+handle, with the same messages, at the call that is wrong and before tracing any arithmetic.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mpjax.policy import is_floating
 
 
+def check_transformation(inner: Any, where: str) -> None:
+    """Rejects an ``inner`` that is not an optax ``GradientTransformation``.
+
+    Args:
+      inner: what the wrapper was given to wrap.
+      where: the wrapper's name, prefixed to the message.
+
+    Raises:
+      TypeError: unless ``inner`` has callable ``init`` and ``update``; the message says how to
+        fix the usual mistakes (``None``, a name such as ``'adam'``, an optax factory such as
+        ``optax.adam`` instead of ``optax.adam(learning_rate)``).
+
+    >>> check_transformation("adam", "my_wrapper")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: my_wrapper: inner must be an optax GradientTransformation ..., got the string 'adam'...
+    """
+    if callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None)):
+        return
+    expected = f"{where}: inner must be an optax GradientTransformation (with init and update)"
+    if isinstance(inner, str):
+        hint = f"got the string {inner!r}: build the optimizer, e.g. optax.{inner}(learning_rate)."
+    elif callable(inner):
+        name = getattr(inner, "__qualname__", getattr(inner, "__name__", repr(inner)))
+        try:
+            params = ", ".join(inspect.signature(inner).parameters)
+        except (TypeError, ValueError):
+            params = "..."
+        hint = (
+            f"got the function {name}: call it to build the transformation, "
+            f"{name}({params}), e.g. optax.adam(1e-3)."
+        )
+    else:
+        hint = f"got {inner!r} of type {type(inner).__name__}."
+    raise TypeError(f"{expected}, {hint}")
+
+
+def check_state(state: Any, expected: type, where: str) -> None:
+    """Rejects a state that ``update`` cannot have made: not an ``expected`` instance.
+
+    Raises:
+      TypeError: naming the type received and how to get the right state.
+    """
+    if isinstance(state, expected):
+        return
+    raise TypeError(
+        f"{where}: update got a state of type {type(state).__name__}, not the "
+        f"{expected.__name__} this transformation's init returns. Pass the state from "
+        "tx.init(params) (or the last update) of this same transformation, not the state of "
+        "another optimizer or of a part of the chain."
+    )
+
+
 def check_gradients(grads: Any, params: Any, where: str) -> None:
-    """Rejects non-floating gradients and gradients whose tree differs from the params.
+    """Rejects gradients the wrapper cannot handle.
 
     Args:
       grads: the gradient tree an ``update`` received.
-      params: the params tree, or None when the caller passed none (then only the dtypes are
-        checked).
+      params: the params tree, or None when the caller passed none (then only the gradients
+        themselves are checked).
       where: the name of the transformation, prefixed to every message.
 
     Raises:
-      TypeError: for a gradient leaf that is not floating-point, naming its path.
-      ValueError: when ``params`` is given and its tree structure differs from ``grads``'.
+      TypeError: for ``grads`` of None, a gradient leaf that is not an array (a Python float),
+        a leaf that is not floating-point, or a floating gradient for an integer param (which
+        ``optax.apply_updates`` would truncate); each naming the path.
+      ValueError: when ``params`` is given and its tree structure, or a leaf's shape, differs
+        from ``grads``'.
 
     >>> check_gradients({"n": jnp.ones(1, jnp.int32)}, None, "my_transform")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     TypeError: my_transform: gradients must be floating-point, got int32 at grads['n']. ...
     """
+    if grads is None:
+        raise TypeError(f"{where}: update got grads=None; pass the gradient tree.")
     for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
+        at = f"grads{jax.tree_util.keystr(path)}"
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+            raise TypeError(
+                f"{where}: gradients must be arrays, got {leaf!r} of type "
+                f"{type(leaf).__name__} at {at}. Pass what jax.grad returns."
+            )
         dtype = jnp.result_type(leaf)
         if not is_floating(dtype):
             raise TypeError(
-                f"{where}: gradients must be floating-point, got {dtype} at "
-                f"grads{jax.tree_util.keystr(path)}. Differentiate with respect to the "
-                "floating-point params only (integer leaves have no gradient)."
+                f"{where}: gradients must be floating-point, got {dtype} at {at}. Differentiate "
+                "with respect to the floating-point params only (integer leaves have no "
+                "gradient)."
             )
-    if params is not None:
-        grads_tree, params_tree = jax.tree.structure(grads), jax.tree.structure(params)
-        if grads_tree != params_tree:  # type: ignore[operator]
+    if params is None:
+        return
+    grads_tree, params_tree = jax.tree.structure(grads), jax.tree.structure(params)
+    if grads_tree != params_tree:  # type: ignore[operator]
+        raise ValueError(
+            f"{where}: the grads tree does not match the params tree.\n"
+            f"  grads:  {grads_tree}\n  params: {params_tree}"
+        )
+    for (path, g), p in zip(
+        jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(params), strict=True
+    ):
+        at = jax.tree_util.keystr(path)
+        if np.shape(g) != np.shape(p):
             raise ValueError(
-                f"{where}: the grads tree does not match the params tree.\n"
-                f"  grads:  {grads_tree}\n  params: {params_tree}"
+                f"{where}: grads{at} has shape {np.shape(g)} but params{at} has shape "
+                f"{np.shape(p)}; each gradient must have its param's shape."
+            )
+        if not is_floating(jnp.result_type(p)):
+            raise TypeError(
+                f"{where}: params{at} is {jnp.result_type(p)}, and a floating-point update "
+                "would be truncated on it. Keep integer leaves out of the optimizer (e.g. "
+                "optax.masked or optax.partition), or store them outside the params."
             )

@@ -48,7 +48,7 @@ import optax
 
 from mpjax import jax_compat
 from mpjax.deprecation import warn_deprecated
-from mpjax.gradient_checks import check_gradients
+from mpjax.gradient_checks import check_gradients, check_state, check_transformation
 from mpjax.policy import PolicyLike, get_policy, is_floating
 
 __all__ = [
@@ -660,13 +660,15 @@ def loss_scaling(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`LossScalingState`.
-      ``update`` requires floating-point gradients (``TypeError`` otherwise) and, when
-      ``params`` are given, a gradient tree matching them (``ValueError`` otherwise).
+      ``update`` requires this transformation's state and floating-point array gradients
+      (``TypeError`` otherwise) and, when ``params`` are given, a gradient tree matching them
+      in structure and shapes (``ValueError``) for floating-point params (``TypeError``).
 
     Raises:
       ValueError: for an unknown string, a malformed ``"static:N"`` or a non-positive scale,
         and (from ``init``) for an ``inner`` holding more than one ``optax.MultiSteps``.
-      TypeError: for a ``loss_scale`` or ``axis_name`` of any other type.
+      TypeError: for a ``loss_scale`` or ``axis_name`` of any other type, or an ``inner``
+        that is not an optax transformation (``optax.adam`` instead of ``optax.adam(lr)``).
 
     >>> import optax
     >>> tx = loss_scaling(optax.sgd(1.0), "static:8")
@@ -677,6 +679,7 @@ def loss_scaling(
     >>> updates["w"], state.applied
     (Array([-2., -2.], dtype=float32), Array(True, dtype=bool))
     """
+    check_transformation(inner, "loss_scaling")
     scale0 = _parse_loss_scale(loss_scale)
     axis_name = _check_axis_name(axis_name)
     inner = optax.with_extra_args_support(inner)
@@ -698,6 +701,7 @@ def loss_scaling(
         )
 
     def update(updates, state, params=None, **extra_args):
+        check_state(state, LossScalingState, "loss_scaling")
         check_gradients(updates, params, "loss_scaling")
         unscaled = state.loss_scale.unscale(updates)
         # Back to each gradient's own dtype, so inner state dtypes never change; the check comes

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mpjax.gradient_checks import check_gradients
+from mpjax.gradient_checks import check_gradients, check_state, check_transformation
 from mpjax.policy import is_floating
 
 
@@ -73,8 +73,13 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
       :class:`MasterWeightsState`. Its ``update`` needs ``params`` (``ValueError`` without),
-      floating-point gradients (``TypeError``) in a tree matching the params (``ValueError``);
-      its updates have each param's dtype.
+      this transformation's state and floating-point array gradients (``TypeError``) in a tree
+      matching the params in structure and shapes (``ValueError``); its updates have each
+      param's dtype.
+
+    Raises:
+      TypeError: for an ``inner`` that is not an optax transformation (``None``, a name, or a
+        factory such as ``optax.adam`` instead of ``optax.adam(learning_rate)``).
 
     >>> import optax
     >>> params = {"w": jnp.ones(1, jnp.bfloat16)}
@@ -86,6 +91,7 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
     >>> state.master["w"], params["w"]
     (Array([0.98999834], dtype=float32), Array([0.988281], dtype=bfloat16))
     """
+    check_transformation(inner, "master_weights")
     inner = optax.with_extra_args_support(inner)
 
     def init(params):
@@ -100,6 +106,7 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
             raise ValueError(
                 "master_weights needs the params: call update(grads, opt_state, params)."
             )
+        check_state(state, MasterWeightsState, "master_weights")
         check_gradients(updates, params, "master_weights")
         grads = jax.tree.map(
             lambda g, p: g.astype(jnp.float32) if _needs_master(p) else g, updates, params

@@ -1373,3 +1373,81 @@ def test_the_update_rule_is_pytorchs_with_the_clamps(
         )
         assert float(ls.loss_scale) == float(scale)
         assert int(ls.counter) == tracker
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input to the transformations
+
+
+@pytest.mark.parametrize("wrapper", [loss_scaling, mpjax.master_weights])
+@pytest.mark.parametrize(
+    "inner, message",
+    [
+        (None, "got None of type NoneType"),
+        (
+            "adam",
+            r"got the string 'adam': build the optimizer, e\.g\. optax\.adam\(learning_rate\)",
+        ),
+        (optax.adam, r"got the function adam: call it to build the transformation, adam\("),
+        (5, "got 5 of type int"),
+    ],
+)
+def test_wrapping_something_that_is_not_a_transformation_is_a_clear_error(wrapper, inner, message):
+    name = wrapper.__name__
+    with pytest.raises(TypeError, match=rf"{name}: inner must be an optax GradientTransformation"):
+        wrapper(inner)
+    with pytest.raises(TypeError, match=message):
+        wrapper(inner)
+
+
+def _bad_updates():
+    params = {"w": jnp.ones(2)}
+    return [
+        (None, params, TypeError, "update got grads=None"),
+        (
+            {"w": 1.0},
+            params,
+            TypeError,
+            r"gradients must be arrays, got 1.0 of type float at grads\['w'\]",
+        ),
+        (
+            {"w": jnp.ones(3)},
+            params,
+            ValueError,
+            r"grads\['w'\] has shape \(3,\) but params\['w'\] has shape \(2,\)",
+        ),
+        ({"v": jnp.ones(2)}, params, ValueError, "the grads tree does not match the params tree"),
+        (
+            {"w": jnp.ones(2)},
+            {"w": jnp.ones(2, jnp.int32)},
+            TypeError,
+            r"params\['w'\] is int32, and a floating-point update would be truncated",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("wrapper", [loss_scaling, mpjax.master_weights])
+@pytest.mark.parametrize("case", range(5))
+def test_update_rejects_bad_gradients_naming_the_path(wrapper, case):
+    grads, params, error, message = _bad_updates()[case]
+    tx = wrapper(optax.sgd(1.0))
+    state = tx.init(jax.tree.map(lambda p: p.astype(jnp.float32), params))
+    with pytest.raises(error, match=f"{wrapper.__name__}: {message}"):
+        tx.update(grads, state, params)
+
+
+@pytest.mark.parametrize(
+    "wrapper, state_type",
+    [(loss_scaling, "LossScalingState"), (mpjax.master_weights, "MasterWeightsState")],
+)
+def test_update_with_a_state_of_another_transformation_says_how_to_get_the_right_one(
+    wrapper, state_type
+):
+    params = {"w": jnp.ones(2)}
+    tx = wrapper(optax.sgd(1.0))
+    for wrong, kind in ((None, "NoneType"), (optax.adam(1.0).init(params), "tuple")):
+        with pytest.raises(
+            TypeError,
+            match=rf"update got a state of type {kind}, not the {state_type} .*tx\.init\(params\)",
+        ):
+            tx.update(params, wrong, params)
