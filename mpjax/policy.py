@@ -114,6 +114,11 @@ def _to_dtype(value: Any, role: str) -> np.dtype:
                 f"Unknown dtype name {value!r} for {role}. Valid names: {_valid_names()}."
             )
         return _DTYPE_NAMES[name]
+    if value is None:  # np.dtype(None) is float64: never what a caller passing None meant
+        raise TypeError(
+            f"{role} must be a floating dtype (for example jnp.bfloat16) or one of the names "
+            f"{_valid_names()}; got None."
+        )
     try:
         dtype = np.dtype(value)
     except TypeError:
@@ -129,6 +134,11 @@ def _check_floating(dtype: np.dtype, role: str) -> None:
         raise ValueError(
             f"{role} must be a floating-point dtype, got {dtype.name}. "
             f"Valid names: {_valid_names()}."
+        )
+    if dtype.itemsize > 8:  # NumPy's extended precision (np.longdouble): JAX has no such arrays
+        raise ValueError(
+            f"{role} must be a dtype JAX computes in, got {dtype.name} (NumPy's extended "
+            f"precision). Valid names: {_valid_names()}."
         )
 
 
@@ -249,10 +259,11 @@ class Policy:
                 "Policy.to_jmp() needs jmp, which is not installed. Install it with: "
                 'pip install "mpjax[jmp]"'
             )
+        # jmp names dtypes by JAX's scalar types (jnp.float32), which it also prints.
         return jmp.Policy(
-            param_dtype=jnp.dtype(self.param_dtype),
-            compute_dtype=jnp.dtype(self.compute_dtype),
-            output_dtype=jnp.dtype(self.output_dtype),
+            param_dtype=getattr(jnp, self.param_dtype.name),
+            compute_dtype=getattr(jnp, self.compute_dtype.name),
+            output_dtype=getattr(jnp, self.output_dtype.name),
         )
 
 

@@ -81,8 +81,27 @@ class Rule:
             )
         if isinstance(self.key, str) and not self.key.strip():
             raise ValueError("Rule key must not be empty: use '*' to match every module path.")
+        if isinstance(self.key, re.Pattern) and not isinstance(self.key.pattern, str):
+            raise TypeError(
+                f"Rule key {self.key!r} is a bytes regular expression; module paths are str: "
+                f"use re.compile({self.key.pattern.decode(errors='replace')!r})."
+            )
         if isinstance(self.attributes, Mapping):
             object.__setattr__(self, "attributes", tuple(self.attributes.items()))
+        elif not (
+            isinstance(self.attributes, tuple)
+            and all(isinstance(a, tuple) and len(a) == 2 for a in self.attributes)
+        ):
+            raise TypeError(
+                f"Rule attributes for {_key_text(self.key)!r} must be a mapping of module "
+                f"attribute names to values, e.g. {{'attention_fn': fn}}; got "
+                f"{self.attributes!r} of type {type(self.attributes).__name__}."
+            )
+        if not all(isinstance(name, str) for name, _ in self.attributes):
+            raise TypeError(
+                f"Rule attributes for {_key_text(self.key)!r} must be named by str, got "
+                f"{[name for name, _ in self.attributes]!r}."
+            )
         if not callable(self.policy) or isinstance(self.policy, type):
             if self.policy is not None:
                 # Validate eagerly so a typo fails where the rule is written.
@@ -219,6 +238,12 @@ class Rules:
         default: PolicyLike = "float32",
         builtins: bool = True,
     ):
+        if isinstance(rules, (str, bytes)) or not isinstance(rules, (Mapping, Iterable)):
+            raise TypeError(
+                "Rules(rules): rules must be a mapping {key: policy} or a list of Rule or "
+                "(key, policy) / (key, policy, attributes) entries, e.g. "
+                f"Rules({{'head': 'float32'}}); got {rules!r} of type {type(rules).__name__}."
+            )
         entries = rules.items() if isinstance(rules, Mapping) else rules
         user = tuple(_as_rule(e) for e in entries)
         keys = [r.key for r in user]

@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mpjax
 from mpjax import Policy, get_policy
@@ -408,3 +410,69 @@ def test_is_floating_under_jit_sees_tracers():
         jnp.ones(2), jnp.arange(2)
     )
     assert seen == [(True, False)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input, and properties of the grammar
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (
+            lambda: get_policy(np.longdouble),
+            ValueError,
+            r"param_dtype must be a dtype JAX computes in, got float128",
+        ),
+        (
+            lambda: Policy(None, jnp.float32, jnp.float32),
+            TypeError,
+            r"param_dtype must be a floating dtype .*; got None\.",
+        ),
+        (
+            lambda: Policy(jnp.float32, np.longdouble, jnp.float32),
+            ValueError,
+            r"compute_dtype must be a dtype JAX computes in",
+        ),
+    ],
+)
+def test_dtypes_jax_cannot_compute_in_are_rejected_naming_the_field(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+@pytest.mark.parametrize("name", ["mixed_bfloat16", "mixed_float16", "float32", "bfloat16"])
+def test_to_jmp_policy_prints_and_parses_back(name):
+    policy = get_policy(name)
+    jmp_policy = policy.to_jmp()
+    text = str(jmp_policy)
+    assert text.startswith("p=") and get_policy(text) == policy
+    assert get_policy(jmp_policy) == policy
+    assert jmp_policy.cast_to_compute(jnp.ones(2)).dtype == policy.compute_dtype
+
+
+FLOATS = ["float16", "bfloat16", "float32", "float64"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    param=st.sampled_from(FLOATS), compute=st.sampled_from(FLOATS), output=st.sampled_from(FLOATS)
+)
+def test_every_policy_round_trips_through_its_string_and_jmps(param, compute, output):
+    policy = Policy(param, compute, output)
+    assert get_policy(str(policy)) == policy
+    short = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
+    assert get_policy(f"p={short[param]},c={short[compute]},o={short[output]}") == policy
+    assert get_policy(f"c={short[compute]},p={short[param]},o={short[output]}") == policy
+    assert get_policy(policy.to_jmp()) == policy
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(max_size=30))
+def test_any_string_parses_or_raises_value_error(text):
+    try:
+        policy = get_policy(text)
+    except ValueError:
+        return
+    assert isinstance(policy, Policy)
+    assert get_policy(str(policy)) == policy

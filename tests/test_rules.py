@@ -291,3 +291,34 @@ def test_describe_says_which_import_describes_flax_modules(monkeypatch):
             r"once mpjax\.linen \(linen\) or mpjax\.nnx \(NNX\)",
         ):
             mpjax.describe(model)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda: Rules(None),
+            r"Rules\(rules\): rules must be a mapping .*got None of type NoneType",
+        ),
+        (lambda: Rules(5), r"Rules\(rules\): rules must be a mapping .*got 5 of type int"),
+        (
+            lambda: Rules("head"),
+            r"Rules\(rules\): rules must be a mapping .*got 'head' of type str",
+        ),
+        (
+            lambda: Rules([("head", "float32", 5)]),
+            r"Rule attributes for 'head' must be a mapping .*got 5 of type int",
+        ),
+        (
+            lambda: Rules([("head", "float32", {1: 2})]),
+            r"Rule attributes for 'head' must be named by str, got \[1\]",
+        ),
+        (
+            lambda: Rules({re.compile(b"head"): "float32"}),
+            r"bytes regular expression; module paths are str: use re.compile\('head'\)",
+        ),
+    ],
+)
+def test_malformed_rules_fail_where_they_are_written(make, message):
+    with pytest.raises(TypeError, match=message):
+        make()
