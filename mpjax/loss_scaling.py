@@ -59,6 +59,7 @@ __all__ = [
     "NoOpLossScale",
     "PersistentOverflowError",
     "StaticLossScale",
+    "check_loss_scaling",
     "check_overflow",
     "loss_scaling",
     "loss_scaling_info",
@@ -934,6 +935,53 @@ def check_overflow(opt_state: Any, max_consecutive: int) -> None:
             "  2. keep overflow-prone ops (softmax, norms, losses) in float32 via the policy;\n"
             "  3. lower the learning rate if the params themselves diverged;\n"
             "  4. use bfloat16 instead of float16 where the hardware has it."
+        )
+
+
+def check_loss_scaling(opt_state: Any) -> None:
+    """Checks that the loss-scaling state in ``opt_state`` is one :func:`loss_scaling` could
+    have produced; call it, outside ``jax.jit``, on a state restored from a checkpoint.
+
+    A checkpoint holds the scale and the counters; the bounds (``min_scale``, ``max_scale``)
+    come from the optimizer the code builds. A scale outside them (a checkpoint of a run with
+    other bounds, or from before the default floor), a scale that is not positive and finite,
+    or negative counters would otherwise be used as they are. Without loss scaling in
+    ``opt_state`` there is nothing to check.
+
+    Raises:
+      ValueError: naming what is wrong and the values.
+      TypeError: when called inside ``jax.jit``.
+
+    >>> state = loss_scaling(optax.sgd(1.0)).init(jnp.ones(1))
+    >>> check_loss_scaling(state)  # a fresh state is fine
+    """
+    state = _find_state(opt_state)
+    if state is None:
+        return
+    if jax_compat.is_tracer(state.scale):
+        raise TypeError("check_loss_scaling reads values from the device: call it outside jit.")
+    scale = np.asarray(state.scale, np.float64).reshape(-1)
+    problems = []
+    if not (np.isfinite(scale).all() and (scale > 0).all()):
+        problems.append(f"the scale {scale.tolist()} is not positive and finite")
+    ls = state.loss_scale
+    if isinstance(ls, DynamicLossScale):
+        low = -np.inf if ls.min_scale is None else np.float32(ls.min_scale)
+        high = np.inf if ls.max_scale is None else np.float32(ls.max_scale)
+        if ((scale < low) | (scale > high)).any():
+            problems.append(
+                f"the scale {scale.tolist()} is outside [min_scale, max_scale] = "
+                f"[{ls.min_scale}, {ls.max_scale}] of this optimizer"
+            )
+    for name in ("counter", "skipped_steps", "consecutive_skipped"):
+        value = np.asarray(getattr(state, name)).reshape(-1)
+        if (value < 0).any():
+            problems.append(f"{name} {value.tolist()} is negative")
+    if problems:
+        raise ValueError(
+            "check_loss_scaling: the loss-scaling state is not one this optimizer can continue "
+            f"from: {'; '.join(problems)}. Restore a checkpoint of this same setup, or start "
+            "the loss scale afresh (replace the state's loss_scale with the optimizer's own)."
         )
 
 

@@ -1451,3 +1451,43 @@ def test_update_with_a_state_of_another_transformation_says_how_to_get_the_right
             match=rf"update got a state of type {kind}, not the {state_type} .*tx\.init\(params\)",
         ):
             tx.update(params, wrong, params)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking a restored state
+
+
+def _restored(scale, counter=0, skipped=0):
+    """A state built by the code (default floor 1), its leaves replaced as a checkpoint would."""
+    state = loss_scaling(optax.sgd(1.0)).init({"w": jnp.ones(1)})
+    ls = state.loss_scale._from_fields(
+        **{
+            **vars(state.loss_scale),
+            "loss_scale": jnp.float32(scale),
+            "counter": jnp.int32(counter),
+        }
+    )
+    return state._replace(loss_scale=ls, skipped_steps=jnp.int32(skipped))
+
+
+def test_check_loss_scaling_accepts_what_the_transform_can_continue_from():
+    mpjax.check_loss_scaling(_restored(2.0**15, counter=7, skipped=3))
+    mpjax.check_loss_scaling(optax.sgd(1.0).init({"w": jnp.ones(1)}))  # no loss scaling
+
+
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        (
+            _restored(2.0**-20),
+            r"outside \[min_scale, max_scale\] = \[1.0, None\] of this optimizer",
+        ),
+        (_restored(float("nan")), r"the scale \[nan\] is not positive and finite"),
+        (_restored(0.0), "is not positive and finite"),
+        (_restored(4.0, counter=-1), r"counter \[-1\] is negative"),
+        (_restored(4.0, skipped=-5), r"skipped_steps \[-5\] is negative"),
+    ],
+)
+def test_check_loss_scaling_rejects_a_state_this_optimizer_cannot_continue(state, message):
+    with pytest.raises(ValueError, match=f"check_loss_scaling: .*{message}"):
+        mpjax.check_loss_scaling(state)
