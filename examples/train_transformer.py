@@ -61,7 +61,7 @@ GRAD_ACCUM = 1  # micro-batches per optimizer step, accumulated inside the jitte
 SEQ_LEN = None  # tokens (bytes) per sequence; None means the preset's block_size
 LR = 3e-3  # peak learning rate, reached after the warmup
 MIN_LR_RATIO = 0.1  # cosine decay ends at LR * MIN_LR_RATIO at the last step
-WARMUP_STEPS = 50  # linear warmup from 0
+WARMUP_STEPS = None  # linear warmup from 0; None means min(50, steps // 10)
 WEIGHT_DECAY = 0.1  # AdamW decoupled weight decay, on matrices only (not norms or biases)
 BETA1, BETA2 = 0.9, 0.95  # Adam moments (GPT-3 / nanoGPT values)
 GRAD_CLIP = 1.0  # clip the global gradient norm; 0 disables clipping
@@ -106,7 +106,8 @@ class TrainConfig:
     seq_len: int | None = SEQ_LEN
     lr: float = LR
     min_lr_ratio: float = MIN_LR_RATIO
-    warmup_steps: int = WARMUP_STEPS
+    warmup_steps: int | None = WARMUP_STEPS
+    schedule_steps: int | None = None
     weight_decay: float = WEIGHT_DECAY
     beta1: float = BETA1
     beta2: float = BETA2
@@ -131,6 +132,9 @@ class TrainConfig:
     sample_prompt: str = SAMPLE_PROMPT
     temperature: float = TEMPERATURE
     progress: bool = True
+    # The fields the user set (their command-line flags), which a resumed run checks against
+    # its checkpoint; None (a config built in code) means every field not at its default.
+    explicit: tuple[str, ...] | None = None
 
     def model_config(self) -> GPTConfig:
         base = PRESETS[self.preset]
@@ -146,6 +150,18 @@ class TrainConfig:
             remat=self.remat,
         )
 
+    def warmup(self) -> int:
+        """Warmup steps: ``warmup_steps``, or by default min(50, a tenth of the run)."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return min(50, self.schedule_length() // 10)
+
+    def schedule_length(self) -> int:
+        """Steps the learning-rate schedule spans: the run's, unless a resumed run was
+        extended past it (then the schedule keeps its length and the extra steps run at its
+        final rate)."""
+        return self.schedule_steps or self.steps
+
     def run_name(self) -> str:
         return f"{self.preset}_{self.policy}".replace("=", "").replace(",", "_").replace(" ", "")
 
@@ -153,10 +169,13 @@ class TrainConfig:
         return pathlib.Path(self.out or os.path.join("runs", self.run_name()))
 
 
-# Fields that decide the trajectory: a resumed run must match the checkpoint on all of them.
-# The device count is not one: it changes the reduction order, not the run.
+# Fields that decide the trajectory: a resumed run takes them from its checkpoint, and a flag
+# given with another value is refused. The others (devices, logging, checkpoint and evaluation
+# intervals, remat) may change on resume: they change the reduction order or the output, not
+# the run. --steps may grow: the run continues past its end (see TrainConfig.schedule_length).
 _TRAJECTORY_FIELDS = (
     "preset",
+    "mode",
     "n_layer",
     "n_head",
     "d_model",
@@ -166,7 +185,7 @@ _TRAJECTORY_FIELDS = (
     "policy",
     "loss_scale",
     "master_weights",
-    "steps",
+    "schedule_steps",
     "batch_size",
     "grad_accum",
     "seq_len",
@@ -371,7 +390,7 @@ def uses_loss_scaling(cfg: TrainConfig, policy: mpjax.Policy) -> bool:
 def make_schedule(cfg: TrainConfig) -> optax.Schedule:
     """Linear warmup from 0 to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at the end."""
     return optax.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, cfg.warmup_steps, cfg.steps, cfg.lr * cfg.min_lr_ratio
+        0.0, cfg.lr, cfg.warmup(), cfg.schedule_length(), cfg.lr * cfg.min_lr_ratio
     )
 
 
@@ -566,7 +585,11 @@ def save_checkpoint(manager, state: TrainState, rng: np.random.Generator, cfg: T
         "step": step,
         # PCG64's 128-bit state as strings: JSON readers differ on integers above 2**53.
         "rng_state": json.dumps(rng.bit_generator.state),
-        "config": {k: getattr(cfg, k) for k in _TRAJECTORY_FIELDS},
+        "config": {
+            **{k: v for k, v in dataclasses.asdict(cfg).items() if k != "explicit"},
+            "warmup_steps": cfg.warmup(),
+            "schedule_steps": cfg.schedule_length(),
+        },
     }
     manager.save(
         step,
@@ -574,42 +597,112 @@ def save_checkpoint(manager, state: TrainState, rng: np.random.Generator, cfg: T
     )
 
 
-def read_checkpoint_meta(manager, cfg: TrainConfig) -> dict | None:
-    """Reads the latest checkpoint's metadata (step, sampler state, settings), or None.
+# Fields that belong to one invocation, never taken from a checkpoint.
+_INVOCATION_FIELDS = (
+    "out",
+    "resume",
+    "progress",
+    "coordinator",
+    "num_processes",
+    "process_id",
+    "explicit",
+)
 
-    Raises:
-      ValueError: if the checkpoint was made with settings that change the trajectory.
-    """
+
+def read_checkpoint_meta(manager) -> dict | None:
+    """Reads the latest checkpoint's metadata (step, sampler state, settings), or None."""
     import orbax.checkpoint as ocp
 
     step = manager.latest_step()
     if step is None:
         return None
-    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    saved = meta["config"]
-    differ = [k for k in _TRAJECTORY_FIELDS if saved.get(k) != getattr(cfg, k)]
-    if differ:
-        details = ", ".join(
-            f"{k}: checkpoint {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in differ
+    return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
+def _explicit(cfg: TrainConfig) -> set[str]:
+    if cfg.explicit is not None:
+        return set(cfg.explicit)
+    defaults = TrainConfig()
+    return {
+        f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(defaults, f.name)
+    }
+
+
+def resumed_config(cfg: TrainConfig, meta: dict, where: pathlib.Path) -> TrainConfig:
+    """The settings a resumed run continues with: its checkpoint's, plus what may change.
+
+    Every setting comes from the checkpoint unless its flag is given; a flag given with
+    another value than the checkpoint's is taken where it does not change the run (logging,
+    intervals, devices, remat) and refused where it does. ``--steps`` may grow past the checkpoint's (the run is extended), never
+    below the step the checkpoint is at. Checkpoints that saved only the trajectory's fields
+    resume too.
+
+    Raises:
+      ValueError: naming each conflicting flag with its checkpoint value and the value given.
+    """
+    saved, explicit = meta["config"], _explicit(cfg)
+    # Older checkpoints saved "steps" among the trajectory and no schedule length.
+    saved.setdefault("schedule_steps", saved.get("steps"))
+    fields = {f.name for f in dataclasses.fields(TrainConfig)} - set(_INVOCATION_FIELDS)
+    changes, conflicts = {}, []
+    for name, value in saved.items():
+        if name not in fields or name == "steps":
+            continue
+        if name not in explicit:
+            changes[name] = value
+        elif name in _TRAJECTORY_FIELDS and getattr(cfg, name) != value:
+            flag = f"--{name.replace('_', '-')}"
+            conflicts.append(f"{flag}: checkpoint {value!r}, given {getattr(cfg, name)!r}")
+    if "warmup_steps" not in saved and "warmup_steps" not in explicit:
+        changes["warmup_steps"] = 50  # older checkpoints: the default of their time
+    steps = cfg.steps if "steps" in explicit else saved.get("steps", cfg.steps)
+    if steps < meta["step"]:
+        conflicts.append(
+            f"--steps: the checkpoint is at step {meta['step']}, given --steps {steps}"
         )
+    if conflicts:
         raise ValueError(
-            f"--resume: the checkpoint in {manager.directory} was made with different settings "
-            f"({details}). Resume with the same flags, or use another --out."
+            f"--resume: the checkpoint in {where} was made with other settings "
+            f"({'; '.join(conflicts)}). Leave those flags out to continue the run as it was "
+            "(--resume --out is enough), or train into another --out."
         )
-    return meta
+    return dataclasses.replace(cfg, **changes, steps=steps)
 
 
 def restore_state(manager, step: int, like: TrainState) -> TrainState:
-    """Restores the train state saved at ``step`` with ``like``'s structure, dtypes, shardings."""
+    """Restores the train state saved at ``step`` with ``like``'s structure, dtypes, shardings,
+    and checks what it restored: the same shapes and dtypes, a loss-scaling state within the
+    bounds of the optimizer built now.
+
+    Raises:
+      ValueError: for a checkpoint that does not fit the state these settings build.
+    """
     import orbax.checkpoint as ocp
 
     target = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), like
     )
-    restored = manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
-    )
-    return TrainState(*restored["state"])
+    try:
+        restored = manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+        )
+        state = TrainState(*restored["state"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"--resume: the checkpoint of step {step} in {manager.directory} does not fit the "
+            f"model and optimizer these settings build ({type(e).__name__}: {e})."
+        ) from e
+    for (path, got), want in zip(
+        jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(like), strict=True
+    ):
+        if got.shape != want.shape or got.dtype != want.dtype:
+            raise ValueError(
+                f"--resume: the checkpoint holds {got.dtype}{list(got.shape)} at "
+                f"{jax.tree_util.keystr(path)}, where these settings build "
+                f"{want.dtype}{list(want.shape)}."
+            )
+    mpjax.check_loss_scaling(state.opt_state)
+    return state
 
 
 # ----------------------------------------------------------------------------- training
@@ -653,9 +746,10 @@ def validate(cfg: TrainConfig) -> None:
             raise ValueError(
                 f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}."
             )
-    if not 0 <= cfg.warmup_steps < cfg.steps:
+    if not 0 <= cfg.warmup() < cfg.schedule_length():
         raise ValueError(
-            f"--warmup-steps must be in [0, --steps), got {cfg.warmup_steps} with --steps {cfg.steps}."
+            f"--warmup-steps must be in [0, --steps), got {cfg.warmup()} with --steps "
+            f"{cfg.schedule_length()}."
         )
     if cfg.lr <= 0:
         raise ValueError(f"--lr must be positive, got {cfg.lr}.")
@@ -696,12 +790,36 @@ def train(cfg: TrainConfig) -> dict:
       ValueError: for bad settings.
     """
     validate(cfg)
+    out_dir = cfg.out_dir()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} is a file; give a folder for the run.")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / "log.jsonl"
+
+    # Checkpoints first: a resumed run takes its settings from its checkpoint, and a fresh run
+    # must not mix with an old one.
+    manager = None
+    if cfg.ckpt_interval > 0 or cfg.resume:
+        manager = _checkpoint_manager(out_dir / "checkpoints")
+    resume_meta = None
+    if cfg.resume:
+        resume_meta = read_checkpoint_meta(manager)
+        if resume_meta is None:
+            print(f"--resume: no checkpoint in {out_dir / 'checkpoints'}, starting from step 0")
+        else:
+            cfg = resumed_config(cfg, resume_meta, out_dir)
+            validate(cfg)
+            if resume_meta["step"] >= cfg.steps:
+                return _finished_run(out_dir, resume_meta["step"])
+    elif manager is not None and manager.latest_step() is not None:
+        raise ValueError(
+            f"{out_dir} already has checkpoints: pass --resume to continue that run, or "
+            "choose another --out."
+        )
+
     policy = mpjax.get_policy(cfg.policy)
     mcfg = cfg.model_config()
     seq_len = mcfg.block_size
-    out_dir = cfg.out_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log_path = out_dir / "log.jsonl"
 
     devices = _devices(cfg.num_devices)
     if cfg.batch_size % len(devices):
@@ -725,21 +843,6 @@ def train(cfg: TrainConfig) -> dict:
         sample_batch(val_data, val_rng, (cfg.batch_size,), seq_len) for _ in range(cfg.eval_batches)
     ]
     rng = np.random.default_rng(cfg.seed)
-
-    # Checkpoints: refuse to mix runs before spending time on the model.
-    manager = None
-    if cfg.ckpt_interval > 0 or cfg.resume:
-        manager = _checkpoint_manager(out_dir / "checkpoints")
-    resume_meta = None
-    if cfg.resume:
-        resume_meta = read_checkpoint_meta(manager, cfg)
-        if resume_meta is None:
-            print(f"--resume: no checkpoint in {out_dir / 'checkpoints'}, starting from step 0")
-    elif manager is not None and manager.latest_step() is not None:
-        raise ValueError(
-            f"{out_dir} already has checkpoints: pass --resume to continue that run, or "
-            "choose another --out."
-        )
 
     # Model, optimizer, state.
     model = build_model(mcfg, policy, cfg.mode)
@@ -896,6 +999,17 @@ def train(cfg: TrainConfig) -> dict:
     return summary
 
 
+def _finished_run(out_dir: pathlib.Path, step: int) -> dict:
+    """What resuming a finished run returns: its summary as written, untouched."""
+    print(
+        f"--resume: the run in {out_dir} is finished (step {step}); nothing to train. Pass a "
+        f"larger --steps to extend it."
+    )
+    path = out_dir / "summary.json"
+    summary = json.loads(path.read_text()) if path.exists() else {"steps": step}
+    return {**summary, "already_finished": True}
+
+
 def sample_text(model: GPT, params: Any, cfg: TrainConfig, key: jax.Array) -> str:
     """Samples ``cfg.sample_bytes`` bytes after ``cfg.sample_prompt``; decodes as UTF-8."""
     prompt = np.frombuffer(cfg.sample_prompt.encode(), dtype=np.uint8).astype(np.int32)
@@ -957,17 +1071,29 @@ def _positive_int(text: str) -> int:
     return value
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default once: not for on/off flags (their help says what they do)
+    nor for flags without a default (their help says what happens then)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Train a GPT-style byte-level language model under an mpjax policy.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("model")
     g.add_argument("--preset", choices=list(PRESETS), default=PRESET, help="model size")
     g.add_argument("--n-layer", type=_positive_int, help="override the preset's layers")
     g.add_argument("--n-head", type=_positive_int, help="override the preset's heads")
     g.add_argument("--d-model", type=_positive_int, help="override the preset's width")
-    g.add_argument("--untied", action="store_true", help="separate output head (default: tied)")
+    g.add_argument(
+        "--untied", action="store_true", help="a separate output head (default: tied to wte)"
+    )
     g.add_argument(
         "--attention",
         choices=ATTENTION,
@@ -978,7 +1104,8 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--scan-layers",
         action="store_true",
-        help="run the blocks under nn.scan (compiles one block; params get a layer axis)",
+        help="run the blocks under nn.scan (compiles one block; params get a layer axis); "
+        "default: a Python loop",
     )
     g.add_argument(
         "--remat",
@@ -1010,7 +1137,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--no-master-weights",
         dest="master_weights",
         action="store_false",
-        help="update bf16/f16-stored params directly, without an f32 master copy",
+        help="update bf16/f16-stored params directly, without an f32 master copy "
+        "(default: keep one)",
     )
     g.add_argument(
         "--max-consecutive-skips",
@@ -1019,7 +1147,13 @@ def make_parser() -> argparse.ArgumentParser:
         help="stop after this many overflowed steps in a row",
     )
     g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=_positive_int, default=STEPS)
+    g.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=STEPS,
+        help="optimizer steps; with --resume, a larger value extends a run (its LR schedule "
+        "keeps its length, the extra steps run at the final LR)",
+    )
     g.add_argument(
         "--batch-size", type=_positive_int, default=BATCH_SIZE, help="sequences per micro-batch"
     )
@@ -1036,25 +1170,66 @@ def make_parser() -> argparse.ArgumentParser:
         help="bytes per sequence (default: the preset's block size)",
     )
     g.add_argument("--lr", type=float, default=LR, help="peak learning rate")
-    g.add_argument("--min-lr-ratio", type=float, default=MIN_LR_RATIO)
-    g.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS)
-    g.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY)
-    g.add_argument("--beta1", type=float, default=BETA1)
-    g.add_argument("--beta2", type=float, default=BETA2)
-    g.add_argument("--grad-clip", type=float, default=GRAD_CLIP, help="0 disables clipping")
-    g.add_argument("--seed", type=int, default=SEED)
+    g.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        default=MIN_LR_RATIO,
+        help="the cosine decay ends at lr x this ratio",
+    )
+    g.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=WARMUP_STEPS,
+        help="linear warmup from 0 (default: min(50, steps / 10))",
+    )
+    g.add_argument(
+        "--weight-decay",
+        type=float,
+        default=WEIGHT_DECAY,
+        help="AdamW decoupled weight decay, on kernels and embeddings",
+    )
+    g.add_argument("--beta1", type=float, default=BETA1, help="Adam's first-moment decay")
+    g.add_argument("--beta2", type=float, default=BETA2, help="Adam's second-moment decay")
+    g.add_argument(
+        "--grad-clip", type=float, default=GRAD_CLIP, help="global-norm clip; 0 disables it"
+    )
+    g.add_argument("--seed", type=int, default=SEED, help="model init and batch sampling")
     g = p.add_argument_group("data")
     g.add_argument("--data", default=DATA, help="text file or folder (default: stdlib .py files)")
-    g.add_argument("--max-bytes", type=_positive_int, default=MAX_BYTES)
-    g.add_argument("--val-fraction", type=float, default=VAL_FRACTION)
+    g.add_argument(
+        "--max-bytes", type=_positive_int, default=MAX_BYTES, help="cap on the corpus size"
+    )
+    g.add_argument(
+        "--val-fraction",
+        type=float,
+        default=VAL_FRACTION,
+        help="the corpus's last part held out for validation",
+    )
     g = p.add_argument_group("logging, checkpoints, devices")
     g.add_argument("--out", help="output folder (default: runs/<preset>_<policy>)")
     g.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in --out"
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its latest checkpoint, with its own settings",
     )
-    g.add_argument("--eval-interval", type=_positive_int, default=EVAL_INTERVAL)
-    g.add_argument("--eval-batches", type=_positive_int, default=EVAL_BATCHES)
-    g.add_argument("--log-interval", type=_positive_int, default=LOG_INTERVAL)
+    g.add_argument(
+        "--eval-interval",
+        type=_positive_int,
+        default=EVAL_INTERVAL,
+        help="steps between validation losses",
+    )
+    g.add_argument(
+        "--eval-batches",
+        type=_positive_int,
+        default=EVAL_BATCHES,
+        help="validation batches per evaluation",
+    )
+    g.add_argument(
+        "--log-interval",
+        type=_positive_int,
+        default=LOG_INTERVAL,
+        help="steps between logged lines (metrics leave the device only then)",
+    )
     g.add_argument(
         "--ckpt-interval", type=int, default=CKPT_INTERVAL, help="0 disables checkpoints"
     )
@@ -1074,11 +1249,13 @@ def make_parser() -> argparse.ArgumentParser:
         "--num-processes", type=_positive_int, default=1, help="processes running this script"
     )
     g.add_argument("--process-id", type=int, default=0, help="this process's index, from 0")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="hide the progress bar"
+    )
     g = p.add_argument_group("sampling")
     g.add_argument("--sample-bytes", type=int, default=SAMPLE_BYTES, help="0 disables sampling")
-    g.add_argument("--sample-prompt", default=SAMPLE_PROMPT)
-    g.add_argument("--temperature", type=float, default=TEMPERATURE)
+    g.add_argument("--sample-prompt", default=SAMPLE_PROMPT, help="text the sample starts from")
+    g.add_argument("--temperature", type=float, default=TEMPERATURE, help="sampling temperature")
     return p
 
 
@@ -1086,7 +1263,13 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Parses the command line into a :class:`TrainConfig` and validates it."""
     parser = make_parser()
     args = parser.parse_args(argv)
-    cfg = TrainConfig(**vars(args))
+    # The flags given on the command line: parsed again with a marker for every default.
+    not_given = object()  # not a string, so argparse never converts it
+    quiet = make_parser()
+    quiet.set_defaults(**dict.fromkeys(vars(args), not_given))
+    given = vars(quiet.parse_args(argv))
+    explicit = tuple(sorted(k for k, v in given.items() if v is not not_given))
+    cfg = TrainConfig(**vars(args), explicit=explicit)
     try:
         validate(cfg)
     except ValueError as e:
@@ -1113,8 +1296,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         sys.exit(
-            f"\ninterrupted: continue from the last checkpoint with --resume --out {cfg.out_dir()}"
+            f"\ninterrupted: continue from the last checkpoint with: python "
+            f"{sys.argv[0]} --resume --out {cfg.out_dir()}"
         )
+    except (ValueError, OSError) as e:  # a user error: the message, not a traceback
+        sys.exit(f"error: {e}")
+    if summary.get("already_finished"):
+        return
     val, base = summary["final_val_loss"], summary["unigram_baseline"]
     ln2 = math.log(2)
     print(

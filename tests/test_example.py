@@ -595,3 +595,103 @@ def test_hand_written_bf16_model_with_fused_attention_trains_under_standard_prom
             state, metrics = step(state, x, y)
             losses.append(float(metrics["loss"]))
     assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
+
+
+# ----------------------------------------------------------------------------- resume and the command line
+
+
+def _argv(text_file, out, *extra):
+    return [
+        *("--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "16"),
+        *("--batch-size", "8", "--lr", "0.01", "--eval-interval", "2", "--eval-batches", "1"),
+        *("--log-interval", "1", "--ckpt-interval", "2", "--num-devices", "1"),
+        *("--sample-bytes", "0", "--no-progress", "--data", str(text_file), "--out", str(out)),
+        *extra,
+    ]
+
+
+def _log(out):
+    return [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
+
+
+def test_resume_needs_only_out_and_extends_a_finished_run(text_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    tt.main(_argv(text_file, out, "--steps", "4", "--policy", "mixed_float16"))
+    summary = (out / "summary.json").read_text()
+    first = _log(out)
+    assert [r["step"] for r in first] == [1, 2, 3, 4]
+    capsys.readouterr()
+
+    # Finished: resuming without a larger --steps trains nothing and keeps the summary.
+    tt.main(["--resume", "--out", str(out)])
+    assert "is finished (step 4); nothing to train" in capsys.readouterr().out
+    assert (out / "summary.json").read_text() == summary
+
+    # A larger --steps extends the run with the checkpoint's own settings (mixed_float16, the
+    # tiny widths, the data): the schedule keeps its 4 steps and the extra ones run at its
+    # final learning rate.
+    tt.main(["--resume", "--out", str(out), "--steps", "6"])
+    printed = capsys.readouterr().out
+    assert "resuming at step 4" in printed and "policy: mixed_float16" in printed
+    log = _log(out)
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
+    assert log[:4] == first
+    final_lr = 0.01 * tt.MIN_LR_RATIO
+    assert [r["lr"] for r in log[4:]] == pytest.approx([final_lr, final_lr])
+    assert json.loads((out / "summary.json").read_text())["steps"] == 6
+
+
+def test_resume_refuses_flags_that_change_the_run_naming_each(text_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    tt.main(_argv(text_file, out, "--steps", "2"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        tt.main(["--resume", "--out", str(out), "--d-model", "64", "--lr", "0.5"])
+    assert exit_info.value.code != 0
+    err = str(exit_info.value.code)
+    assert "--d-model: checkpoint None, given 64" not in err
+    assert "--d-model: checkpoint 32, given 64" in err and "--lr: checkpoint 0.01, given 0.5" in err
+    assert "--resume --out is enough" in err
+    with pytest.raises(SystemExit, match=r"--steps: the checkpoint is at step 2, given --steps 1"):
+        tt.main(["--resume", "--out", str(out), "--steps", "1"])
+    # Flags that do not change the run may change.
+    tt.main(["--resume", "--out", str(out), "--steps", "3", "--log-interval", "3"])
+    assert [r["step"] for r in _log(out)] == [1, 2, 3]
+
+
+def test_warmup_default_scales_to_short_runs(capsys):
+    assert tt.parse_args([]).warmup() == 50
+    assert tt.parse_args(["--steps", "20"]).warmup() == 2
+    assert tt.parse_args(["--steps", "5"]).warmup() == 0
+    with pytest.raises(SystemExit):
+        tt.parse_args(["--steps", "20", "--warmup-steps", "30"])
+    assert (
+        "--warmup-steps must be in [0, --steps), got 30 with --steps 20" in capsys.readouterr().err
+    )
+
+
+def test_help_gives_every_flag_a_line_and_its_default_once(capsys):
+    with pytest.raises(SystemExit):
+        tt.parse_args(["--help"])
+    text = capsys.readouterr().out
+    for bad in ("(default: False)", "(default: True)", "(default: None)"):
+        assert bad not in text
+    assert text.count("(default: tied to wte) (default") == 0
+    for action in tt.make_parser()._actions:
+        assert action.help, action.option_strings
+    assert "(default: 800)" in text and "(default: min(50, steps / 10))" in text
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--data", "/no/such/corpus"], "error: --data '/no/such/corpus': no such file or folder"),
+        (["--out", "FILE"], "is a file; give a folder for the run"),
+    ],
+)
+def test_user_errors_are_a_message_not_a_traceback(text_file, tmp_path, extra, message):
+    (tmp_path / "FILE").write_text("not a folder")
+    extra = [str(tmp_path / "FILE") if a == "FILE" else a for a in extra]
+    argv = _argv(text_file, tmp_path / "run", "--steps", "2") + extra
+    with pytest.raises(SystemExit, match=message):
+        tt.main(argv)
