@@ -2,6 +2,7 @@
 state: trajectories, skips, pytree behaviour, jit, sharding, checkpoints, MultiSteps, bad input
 and the deprecated aliases."""
 
+import functools
 import warnings
 
 import flax.serialization
@@ -934,23 +935,27 @@ def test_multisteps_scale_changes_once_per_optimizer_step():
     np.testing.assert_array_equal(updates["w"], -np.full(2, 7.0, np.float32))
 
 
+def _run_micro_batches(tx, params, batches):
+    """Feeds ``(gradient, poison)`` micro-batches, scaled as the loss would be, through ``tx``;
+    returns the params, the state and whether each step was applied."""
+    step = jax.jit(tx.update)
+    p, s = params, tx.init(params)
+    applied = []
+    for g, poison in batches:
+        updates, s = step({"w": (g + poison) * s.scale}, s, p)
+        p = optax.apply_updates(p, updates)
+        applied.append(bool(s.applied))
+    return p, s, applied
+
+
 def test_multisteps_non_finite_micro_batch_skips_its_window_without_corrupting():
     k = 3
     inner = optax.chain(optax.clip_by_global_norm(10.0), optax.adam(1e-2))
     tx = loss_scaling(optax.MultiSteps(inner, k), DynamicLossScale(2.0**10, growth_interval=1))
     params = {"w": jnp.linspace(-1.0, 1.0, 4)}
-    step = jax.jit(tx.update)
     micro = [jnp.linspace(0.1, 0.4, 4) * (i + 1) for i in range(4 * k)]
     poisoned_window = {3, 4, 5}
-
-    def run(batches):
-        p, s = params, tx.init(params)
-        applied = []
-        for g, poison in batches:
-            updates, s = step({"w": (g + poison) * s.scale}, s, p)
-            p = optax.apply_updates(p, updates)
-            applied.append(bool(s.applied))
-        return p, s, applied
+    run = functools.partial(_run_micro_batches, tx, params)
 
     with standard_promotion():
         p_a, s_a, applied_a = run([(g, jnp.nan if i == 4 else 0.0) for i, g in enumerate(micro)])
@@ -1187,17 +1192,8 @@ def test_multisteps_in_a_chain_skips_a_poisoned_window_bit_exactly(where):
         _nested_multisteps(inner, k)[where], DynamicLossScale(2.0**10, growth_interval=1)
     )
     params = {"w": jnp.linspace(-1.0, 1.0, 4)}
-    step = jax.jit(tx.update)
     micro = [jnp.linspace(0.1, 0.4, 4) * (i + 1) for i in range(3 * k)]
-
-    def run(batches):
-        p, s = params, tx.init(params)
-        applied = []
-        for g, poison in batches:
-            updates, s = step({"w": (g + poison) * s.scale}, s, p)
-            p = optax.apply_updates(p, updates)
-            applied.append(bool(s.applied))
-        return p, s, applied
+    run = functools.partial(_run_micro_batches, tx, params)
 
     with standard_promotion():
         p_a, s_a, applied_a = run([(g, jnp.nan if i == 4 else 0.0) for i, g in enumerate(micro)])
