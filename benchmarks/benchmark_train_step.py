@@ -1,16 +1,20 @@
 """Benchmark the example GPT's train step under several precision setups, side by side.
 
-Each variant is the full jitted train step of examples/train_transformer.py (forward, backward,
-clipping, AdamW and, where it applies, loss scaling) on the same model shape and batch:
+Each JAX variant is the full jitted train step of examples/train_transformer.py (forward,
+backward, clipping, AdamW and, where it applies, loss scaling) on the same model shape and
+batch; each PyTorch variant is the same model and recipe in PyTorch (benchmarks/torch_gpt.py),
+run when torch is installed and reported as skipped otherwise:
 
-    python benchmarks/benchmark_train_step.py                        # tiny preset, CPU: ~1-2 min
+    python benchmarks/benchmark_train_step.py                        # tiny preset, CPU: minutes
     python benchmarks/benchmark_train_step.py --preset small         # GPU
-    python benchmarks/benchmark_train_step.py --preset medium --batch-size 8
+    python benchmarks/benchmark_train_step.py --preset medium        # GPU; layers scanned
 
-Per variant it reports compile time, the median step time over --steps timed steps after
+Per variant it reports compile time (PyTorch: the first step, which compiles), the median
+and minimum step time over --steps timed steps after
 --warmup steps (each step waits for its result), tokens/s, model FLOPs per step, achieved
 FLOP/s and MFU against the device's dense peak where the table below knows it, XLA's memory
-estimate for the compiled step and, where the device reports it, peak device memory.
+estimate for the compiled step and, where the device reports it, peak device memory (PyTorch:
+``torch.cuda.max_memory_allocated``).
 
 Each variant runs in a fresh subprocess, so peak memory is its own and no variant warms a cache
 for the next. Results go to benchmarks/results/<platform>_<preset>.json and .md.
@@ -39,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
+from importlib.util import find_spec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -51,11 +56,14 @@ class Variant:
     Attributes:
       key: short name for --variants and file contents.
       name: what the table shows.
-      policy: the mpjax policy string.
+      policy: the mpjax policy string (for PyTorch: float32, mixed_bfloat16 or mixed_float16,
+        the last with ``GradScaler``).
       mode: how the policy reaches the model (``train_transformer.build_model``'s ``mode``).
       loss_scale: ``--loss-scale`` of the training script.
       matmul_precision: ``jax.default_matmul_precision`` for the whole step, or None for JAX's
         default (TF32 for f32 matmuls on Ampere and Hopper GPUs, full f32 on CPU).
+      attention: ``fused`` or ``naive`` (JAX); ``sdpa`` or ``naive`` (PyTorch).
+      framework: ``jax`` or ``torch``.
     """
 
     key: str
@@ -64,18 +72,34 @@ class Variant:
     mode: str = "hand"
     loss_scale: str = "none"
     matmul_precision: str | None = None
+    attention: str = "fused"
+    framework: str = "jax"
 
 
 # The f32 "default" row is the baseline for the speedup column; "bf16_hand" is the honest
-# baseline for mpjax's rows (an undtyped Flax model would run f32 GEMMs and flatter them).
+# baseline for mpjax's rows (an undtyped Flax model would run f32 GEMMs and flatter them), and
+# "torch_bf16_sdpa" (torch.compile + autocast + flash attention) the peer they race.
 VARIANTS = [
     Variant("f32", "float32, default matmul precision", "float32"),
     Variant("f32_highest", "float32, precision=highest", "float32", matmul_precision="highest"),
     Variant(
         "bf16_mpjax", "mixed_bfloat16, mpjax.linen.apply_policy", "mixed_bfloat16", mode="mpjax"
     ),
+    Variant(
+        "bf16_mpjax_naive",
+        "mixed_bfloat16, mpjax.linen.apply_policy, naive attention",
+        "mixed_bfloat16",
+        mode="mpjax",
+        attention="naive",
+    ),
     Variant("bf16_autocast", "mixed_bfloat16, mpjax.autocast", "mixed_bfloat16", mode="autocast"),
     Variant("bf16_hand", "mixed_bfloat16, dtype=bf16 by hand", "mixed_bfloat16"),
+    Variant(
+        "bf16_hand_naive",
+        "mixed_bfloat16, dtype=bf16 by hand, naive attention",
+        "mixed_bfloat16",
+        attention="naive",
+    ),
     Variant(
         "f16_dynamic",
         "mixed_float16 + dynamic loss scaling, mpjax",
@@ -83,7 +107,36 @@ VARIANTS = [
         mode="mpjax",
         loss_scale="dynamic",
     ),
+    Variant(
+        "torch_f32",
+        "PyTorch float32 (TF32 on GPU), SDPA",
+        "float32",
+        attention="sdpa",
+        framework="torch",
+    ),
+    Variant(
+        "torch_bf16_sdpa",
+        "PyTorch torch.compile + autocast bf16, SDPA",
+        "mixed_bfloat16",
+        attention="sdpa",
+        framework="torch",
+    ),
+    Variant(
+        "torch_bf16_naive",
+        "PyTorch torch.compile + autocast bf16, naive attention",
+        "mixed_bfloat16",
+        attention="naive",
+        framework="torch",
+    ),
+    Variant(
+        "torch_f16_sdpa",
+        "PyTorch autocast f16 + GradScaler, SDPA",
+        "mixed_float16",
+        attention="sdpa",
+        framework="torch",
+    ),
 ]
+TORCH_MISSING = 'torch is not installed (pip install -e ".[bench]")'
 
 # Dense peak FLOP/s per device by matmul kind. Matched against jax's device_kind, first match
 # wins (so the PCIe H100 comes before the SXM one). H200 has H100's compute.
@@ -121,70 +174,72 @@ def peak_flops(device_kind: str, kind: str) -> float | None:
     return None
 
 
-def run_variant(
-    variant: Variant, preset: str, batch_size: int, seq_len: int | None, steps: int, warmup: int
-) -> dict:
-    """Compiles and times one variant in this process; returns its result row."""
-    import jax
-    import numpy as np
-    import train_transformer as tt
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What every variant of one run shares: the model, the batch, how long to time."""
 
+    preset: str
+    batch_size: int
+    seq_len: int | None
+    steps: int
+    warmup: int
+    scan_layers: bool
+    remat: str
+
+    def train_config(self, variant: Variant):
+        import train_transformer as tt
+
+        return tt.TrainConfig(
+            preset=self.preset,
+            policy=variant.policy,
+            loss_scale=variant.loss_scale,
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            steps=1000,
+            warmup_steps=10,
+            attention=variant.attention if variant.framework == "jax" else "fused",
+            scan_layers=self.scan_layers,
+            remat=self.remat,
+        )
+
+
+def _time_steps(step, setup: Setup) -> tuple[list[float], float]:
+    """Runs ``step()`` (which waits for its result) ``warmup + steps`` times; returns the timed
+    steps' seconds and the last loss."""
+    times, loss = [], float("nan")
+    for i in range(setup.warmup + setup.steps):
+        t0 = time.perf_counter()
+        loss = step()
+        if i >= setup.warmup:
+            times.append(time.perf_counter() - t0)
+    return times, loss
+
+
+def _row(
+    variant: Variant,
+    setup: Setup,
+    times: list[float],
+    loss: float,
+    compile_s: float,
+    device_kind: str,
+    platform_name: str,
+    compiled_bytes: int | None,
+    peak_bytes: int | None,
+) -> dict:
+    """One result row, the same keys for every framework."""
     import mpjax
 
-    cfg = tt.TrainConfig(
-        preset=preset,
-        policy=variant.policy,
-        loss_scale=variant.loss_scale,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        steps=1000,
-        warmup_steps=10,
-    )
-    policy = mpjax.get_policy(cfg.policy)
-    mcfg = cfg.model_config()
-    device = jax.devices()[0]
-    model = tt.build_model(mcfg, policy, variant.mode)
-    tx = tt.make_optimizer(cfg, policy)
-    state = jax.device_put(tt.init_state(model, tx, 0, mcfg.block_size), device)
-    data = tt.load_corpus(None, max_bytes=2_000_000)
-    x, y = (
-        jax.device_put(a, device)
-        for a in tt.sample_batch(data, np.random.default_rng(0), (1, batch_size), mcfg.block_size)
-    )
-
-    with jax.default_matmul_precision(variant.matmul_precision):
-        t0 = time.perf_counter()
-        compiled = (
-            jax.jit(tt.make_train_step(model, tx), donate_argnums=0).lower(state, x, y).compile()
-        )
-        compile_s = time.perf_counter() - t0
-
-    times = []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        state, metrics = compiled(state, x, y)
-        metrics["loss"].block_until_ready()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    loss = float(metrics["loss"])
-
+    mcfg = setup.train_config(variant).model_config()
+    policy = mpjax.get_policy(variant.policy)
     step_s = statistics.median(times)
-    tokens = batch_size * mcfg.block_size
+    tokens = setup.batch_size * mcfg.block_size
     flops = tokens * mcfg.flops_per_token()
-    kind = matmul_kind(policy.compute_dtype.name, variant.matmul_precision, device.platform)
-    peak = peak_flops(device.device_kind, kind)
-    mem = compiled.memory_analysis()
-    compiled_bytes = None
-    if mem is not None:
-        compiled_bytes = (
-            mem.argument_size_in_bytes
-            + mem.output_size_in_bytes
-            + mem.temp_size_in_bytes
-            - mem.alias_size_in_bytes
-        )
-    stats = device.memory_stats() or {}
+    kind = matmul_kind(policy.compute_dtype.name, variant.matmul_precision, platform_name)
+    peak = peak_flops(device_kind, kind)
     return {
+        "framework": variant.framework,
         "policy": str(policy),
+        "attention": variant.attention,
         "matmul_kind": kind,
         "compile_s": compile_s,
         "step_s_median": step_s,
@@ -196,13 +251,121 @@ def run_variant(
         "peak_flops_per_s": peak,
         "mfu": flops / step_s / peak if peak else None,
         "compiled_memory_bytes": compiled_bytes,
-        "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+        "peak_bytes_in_use": peak_bytes,
         "final_loss": loss,
     }
 
 
+def run_jax_variant(variant: Variant, setup: Setup) -> dict:
+    """Compiles and times one JAX variant in this process; returns its result row."""
+    import jax
+    import numpy as np
+    import train_transformer as tt
+
+    import mpjax
+
+    cfg = setup.train_config(variant)
+    policy = mpjax.get_policy(cfg.policy)
+    mcfg = cfg.model_config()
+    device = jax.devices()[0]
+    model = tt.build_model(mcfg, policy, variant.mode)
+    tx = tt.make_optimizer(cfg, policy)
+    state = jax.device_put(tt.init_state(model, tx, 0, mcfg.block_size), device)
+    data = tt.load_corpus(None, max_bytes=2_000_000)
+    x, y = (
+        jax.device_put(a, device)
+        for a in tt.sample_batch(
+            data, np.random.default_rng(0), (1, setup.batch_size), mcfg.block_size
+        )
+    )
+
+    with jax.default_matmul_precision(variant.matmul_precision):
+        t0 = time.perf_counter()
+        compiled = (
+            jax.jit(tt.make_train_step(model, tx), donate_argnums=0).lower(state, x, y).compile()
+        )
+        compile_s = time.perf_counter() - t0
+
+    def step() -> float:
+        nonlocal state
+        state, metrics = compiled(state, x, y)
+        return float(metrics["loss"])  # waits for the step
+
+    times, loss = _time_steps(step, setup)
+    mem = compiled.memory_analysis()
+    compiled_bytes = None
+    if mem is not None:
+        compiled_bytes = (
+            mem.argument_size_in_bytes
+            + mem.output_size_in_bytes
+            + mem.temp_size_in_bytes
+            - mem.alias_size_in_bytes
+        )
+    stats = device.memory_stats() or {}
+    return _row(
+        variant,
+        setup,
+        times,
+        loss,
+        compile_s,
+        device.device_kind,
+        device.platform,
+        compiled_bytes,
+        stats.get("peak_bytes_in_use"),
+    )
+
+
+def run_torch_variant(variant: Variant, setup: Setup) -> dict:
+    """Times one PyTorch variant in this process; returns its result row. The first step
+    compiles (``torch.compile`` is lazy): its time is the compile time."""
+    import numpy as np
+    import torch
+    import torch_gpt
+    import train_transformer as tt
+
+    cfg = setup.train_config(variant)
+    mcfg = cfg.model_config()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # JAX's default precision runs f32 matmuls on TF32 Tensor Cores; so does this row.
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    step_fn = torch_gpt.TrainStep(mcfg, variant.policy, variant.attention, device, cfg)
+    data = tt.load_corpus(None, max_bytes=2_000_000)
+    x, y = (
+        torch.from_numpy(a[0].astype(np.int64)).to(device)
+        for a in tt.sample_batch(
+            data, np.random.default_rng(0), (1, setup.batch_size), mcfg.block_size
+        )
+    )
+
+    def step() -> float:
+        loss = step_fn(x, y)
+        step_fn.synchronize()
+        return float(loss)
+
+    t0 = time.perf_counter()
+    step()
+    compile_s = time.perf_counter() - t0
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, loss = _time_steps(step, setup)
+    if device == "cuda":
+        kind = torch.cuda.get_device_name()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        kind, peak = platform.processor() or platform.machine(), None
+    return _row(
+        variant, setup, times, loss, compile_s, kind, device.replace("cuda", "gpu"), None, peak
+    )
+
+
+def torch_available() -> bool:
+    """Whether the PyTorch rows can run (torch importable here)."""
+    return find_spec("torch") is not None
+
+
 def _versions() -> dict:
-    names = ("jax", "jaxlib", "flax", "optax", "numpy", "mpjax")
+    names = ("jax", "jaxlib", "flax", "optax", "numpy", "mpjax", "torch")
     out = {}
     for name in names:
         try:
@@ -225,29 +388,35 @@ def markdown_table(report: dict) -> str:
     # The ratio uses the fastest step: on a shared host, background load inflates medians
     # unevenly between variants, while the minimum is what the step costs uncontended.
     base = results.get("f32", {}).get("step_s_min")
+    peer = results.get("torch_bf16_sdpa", {}).get("step_s_min")
+    cfg = report["config"]
     lines = [
         f"Train step of the `{report['config']['preset']}` GPT "
         f"({report['config']['n_params'] / 1e6:.2f}M params, batch "
         f"{report['config']['batch_size']} x {report['config']['seq_len']} tokens) on "
         f"{report['device']['count']} x {report['device']['kind']} ({report['device']['platform']}); "
-        f"median of {report['config']['steps']} steps after {report['config']['warmup']} warmup.",
+        f"median of {report['config']['steps']} steps after {report['config']['warmup']} warmup; "
+        f"JAX layers {'scanned' if cfg.get('scan_layers') else 'in a loop'}, remat "
+        f"{cfg.get('remat', 'none')}. Every row comes from this one side-by-side run.",
         "",
-        "| variant | compile s | step ms (median) | step ms (min) | tokens/s | TFLOP/s | MFU | vs f32 (min) | XLA memory | peak memory |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| variant | compile s | step ms (median) | step ms (min) | tokens/s | TFLOP/s | MFU | vs f32 (min) | vs PyTorch bf16 SDPA (min) | XLA memory | peak memory |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for v in VARIANTS:
         r = results.get(v.key)
         if r is None:
             continue
         if "skipped" in r:
-            lines.append(f"| {v.name} | skipped: {r['skipped']} | | | | | | | | |")
+            lines.append(f"| {v.name} | skipped: {r['skipped']} | | | | | | | | | |")
             continue
         speedup = f"{base / r['step_s_min']:.2f}x" if base else "-"
+        vs_peer = f"{peer / r['step_s_min']:.2f}x" if peer else "-"
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}% ({r['matmul_kind']})"
         lines.append(
             f"| {v.name} | {r['compile_s']:.1f} | {1e3 * r['step_s_median']:.1f} | "
             f"{1e3 * r['step_s_min']:.1f} | "
             f"{r['tokens_per_s']:,.0f} | {r['achieved_flops_per_s'] / 1e12:.3f} | {mfu} | {speedup} | "
+            f"{vs_peer} | "
             f"{_fmt_bytes(r['compiled_memory_bytes'])} | {_fmt_bytes(r['peak_bytes_in_use'])} |"
         )
     load = report["device"].get("load_average_1min")
@@ -277,17 +446,31 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
     p.add_argument("--variants", nargs="+", choices=keys, default=keys)
+    p.add_argument(
+        "--scan-layers",
+        action=argparse.BooleanOptionalAction,
+        help="JAX rows: blocks under nn.scan (default: on for medium, which compiles in "
+        "seconds scanned and minutes in a loop)",
+    )
+    p.add_argument(
+        "--remat",
+        choices=["none", "full", "dots"],
+        default="none",
+        help="JAX rows: rematerialize each block in the backward pass",
+    )
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--worker", choices=keys, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     batch_size = args.batch_size or BATCH_SIZES[args.preset]
     if batch_size <= 0 or args.steps <= 0 or args.warmup < 0:
         p.error("--batch-size and --steps must be positive and --warmup non-negative")
+    scan = args.preset == "medium" if args.scan_layers is None else args.scan_layers
+    setup = Setup(args.preset, batch_size, args.seq_len, args.steps, args.warmup, scan, args.remat)
 
     if args.worker:
         variant = next(v for v in VARIANTS if v.key == args.worker)
-        row = run_variant(variant, args.preset, batch_size, args.seq_len, args.steps, args.warmup)
-        print("RESULT " + json.dumps(row))
+        run = run_torch_variant if variant.framework == "torch" else run_jax_variant
+        print("RESULT " + json.dumps(run(variant, setup)))
         return
 
     import jax
@@ -313,6 +496,8 @@ def main(argv: list[str] | None = None) -> None:
             "seq_len": cfg.block_size,
             "steps": args.steps,
             "warmup": args.warmup,
+            "scan_layers": scan,
+            "remat": args.remat,
             "flops_formula": "tokens * (6 * N + 12 * n_layer * d_model * seq_len)",
         },
         "variants": {v.key: dataclasses.asdict(v) for v in VARIANTS if v.key in args.variants},
@@ -322,19 +507,16 @@ def main(argv: list[str] | None = None) -> None:
         if v.key not in args.variants:
             continue
         print(f"[{v.key}] {v.name} ...", flush=True)
+        if v.framework == "torch" and not torch_available():
+            report["results"][v.key] = {"skipped": TORCH_MISSING}
+            print(f"  skipped: {TORCH_MISSING}")
+            continue
         cmd = [
             sys.executable,
             __file__,
-            "--worker",
-            v.key,
-            "--preset",
-            args.preset,
-            "--batch-size",
-            str(batch_size),
-            "--steps",
-            str(args.steps),
-            "--warmup",
-            str(args.warmup),
+            *("--worker", v.key, "--preset", args.preset, "--batch-size", str(batch_size)),
+            *("--steps", str(args.steps), "--warmup", str(args.warmup), "--remat", args.remat),
+            "--scan-layers" if scan else "--no-scan-layers",
         ]
         if args.seq_len:
             cmd += ["--seq-len", str(args.seq_len)]

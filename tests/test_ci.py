@@ -10,11 +10,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _floors() -> dict[str, str]:
-    """``{package: oldest version}`` from the dependencies and the test extra."""
+    """``{package: oldest version}`` from the dependencies and the extras CI installs."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     floors = {}
     extras = project["optional-dependencies"]
-    for spec in project["dependencies"] + extras["test"] + extras["flax"] + extras["jmp"]:
+    installed = extras["test"] + extras["flax"] + extras["jmp"] + extras["bench"]
+    for spec in project["dependencies"] + installed:
         match = re.fullmatch(r"([A-Za-z0-9_.\-]+)>=([0-9.]+)", spec)
         assert match, f"{spec!r}: every dependency needs a floor, written name>=version"
         floors[match.group(1)] = match.group(2)

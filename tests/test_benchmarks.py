@@ -1,0 +1,188 @@
+"""The benchmark runs end to end on CPU and writes its rows; the PyTorch peer is the same model
+as the example GPT (same parameter count, same logits from the same params) and its rows are
+skipped cleanly where torch is not installed."""
+
+import importlib.metadata
+import json
+import math
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import benchmark_train_step as bench  # noqa: E402
+import gpt  # noqa: E402
+import train_transformer as tt  # noqa: E402
+
+try:
+    import torch
+    import torch_gpt
+except ImportError:  # the PyTorch peer's tests skip; the skip path is tested
+    torch = torch_gpt = None
+
+ROW_KEYS = {
+    "framework",
+    "policy",
+    "attention",
+    "matmul_kind",
+    "compile_s",
+    "step_s_median",
+    "step_s_min",
+    "step_s_max",
+    "tokens_per_s",
+    "model_flops_per_step",
+    "achieved_flops_per_s",
+    "peak_flops_per_s",
+    "mfu",
+    "compiled_memory_bytes",
+    "peak_bytes_in_use",
+    "final_loss",
+}
+# An untrained model guesses bytes about uniformly: ln(256) nats, give or take its init.
+FIRST_LOSS = math.log(256)
+
+
+def _run(tmp_path, variants):
+    argv = ["--steps", "1", "--warmup", "0", "--out-dir", str(tmp_path), "--variants", *variants]
+    bench.main(argv)
+    return json.loads((tmp_path / "cpu_tiny.json").read_text())
+
+
+def test_jax_rows_have_every_column_and_the_run_records_its_setup(tmp_path):
+    report = _run(tmp_path, ["bf16_mpjax", "bf16_hand_naive"])
+    assert report["config"]["scan_layers"] is False and report["config"]["remat"] == "none"
+    for key in ("bf16_mpjax", "bf16_hand_naive"):
+        row = report["results"][key]
+        assert set(row) == ROW_KEYS, key
+        assert row["framework"] == "jax" and row["matmul_kind"] == "bf16"
+        assert row["final_loss"] == pytest.approx(FIRST_LOSS, abs=0.3)
+    assert report["results"]["bf16_hand_naive"]["attention"] == "naive"
+    assert report["results"]["bf16_mpjax"]["attention"] == "fused"
+    assert "vs PyTorch bf16 SDPA (min)" in (tmp_path / "cpu_tiny.md").read_text()
+
+
+def test_torch_rows_are_skipped_with_the_install_command_when_torch_is_absent(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(bench, "torch_available", lambda: False)
+    report = _run(tmp_path, ["torch_bf16_sdpa", "torch_f16_sdpa"])
+    for key in ("torch_bf16_sdpa", "torch_f16_sdpa"):
+        assert report["results"][key] == {"skipped": bench.TORCH_MISSING}
+    assert 'pip install -e ".[bench]"' in bench.TORCH_MISSING
+    table = (tmp_path / "cpu_tiny.md").read_text()
+    assert "| PyTorch autocast f16 + GradScaler, SDPA | skipped: torch is not installed" in table
+
+
+def test_torch_available_says_whether_torch_imports():
+    assert bench.torch_available() is (torch is not None)
+
+
+# ----------------------------------------------------------------------------- with torch
+
+needs_torch = pytest.mark.skipif(torch is None, reason="the PyTorch peer needs torch (bench extra)")
+
+CONFIG = gpt.GPTConfig(block_size=16, n_layer=2, n_head=2, d_model=32)
+
+
+@needs_torch
+@pytest.mark.parametrize("tied", [True, False])
+def test_torch_model_has_the_flax_models_parameter_count(tied):
+    cfg = gpt.GPTConfig(tie_embeddings=tied)
+    model = torch_gpt.GPT(cfg)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+
+
+def _flax_to_torch(params, model):
+    """Copies the Flax GPT's params into the PyTorch GPT (kernels transposed)."""
+
+    def t(x):
+        return torch.from_numpy(np.asarray(x, np.float32).copy())
+
+    state = {"wte.weight": t(params["wte"]["embedding"]), "wpe": t(params["wpe"]["embedding"])}
+    for i in range(model.cfg.n_layer):
+        h = params[f"h{i}"]
+        for ln in ("ln1", "ln2"):
+            state[f"blocks.{i}.{ln}.weight"] = t(h[ln]["scale"])
+            state[f"blocks.{i}.{ln}.bias"] = t(h[ln]["bias"])
+        for name, (group, layer) in {
+            "qkv": ("attn", "qkv"),
+            "attn_proj": ("attn", "proj"),
+            "fc": ("mlp", "fc"),
+            "mlp_proj": ("mlp", "proj"),
+        }.items():
+            state[f"blocks.{i}.{name}.weight"] = t(h[group][layer]["kernel"]).T.contiguous()
+            state[f"blocks.{i}.{name}.bias"] = t(h[group][layer]["bias"])
+    state["ln_f.weight"] = t(params["ln_f"]["scale"])
+    state["ln_f.bias"] = t(params["ln_f"]["bias"])
+    if "head" in params:
+        state["head.weight"] = t(params["head"]["kernel"]).T.contiguous()
+    model.load_state_dict(state, strict=True)
+
+
+@needs_torch
+@pytest.mark.parametrize("attention", ["naive", "sdpa"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_torch_model_computes_the_flax_models_logits(attention, tied):
+    cfg = gpt.GPTConfig(block_size=16, n_layer=2, n_head=2, d_model=32, tie_embeddings=tied)
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 16))
+    params = gpt.GPT(cfg).init(jax.random.key(0), tokens)["params"]
+    want = gpt.GPT(cfg).apply({"params": params}, tokens)
+    model = torch_gpt.GPT(cfg, attention)
+    _flax_to_torch(params, model)
+    with torch.no_grad():
+        got = model(torch.from_numpy(tokens))
+    np.testing.assert_allclose(got.numpy(), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+@needs_torch
+def test_torch_init_has_the_flax_models_scales():
+    model = torch_gpt.GPT(gpt.GPTConfig(n_layer=4, d_model=128))
+    stds = {name: float(p.detach().std()) for name, p in model.named_parameters()}
+    assert stds["wte.weight"] == pytest.approx(0.02, rel=0.05)
+    assert stds["wpe"] == pytest.approx(0.01, rel=0.05)
+    assert stds["blocks.0.attn_proj.weight"] == pytest.approx(0.02 / math.sqrt(8), rel=0.05)
+    assert stds["blocks.0.qkv.weight"] == pytest.approx(0.02, rel=0.05)
+    assert float(model.blocks[0].qkv.bias.detach().abs().max()) == 0.0
+    assert float(model.ln_f.weight.detach().min()) == 1.0
+
+
+@needs_torch
+def test_lr_schedule_is_the_examples():
+    cfg = tt.TrainConfig(steps=100, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
+    factor = torch_gpt.lr_lambda(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+    schedule = tt.make_schedule(cfg)
+    for step in (0, 5, 10, 37, 99, 100):
+        assert cfg.lr * factor(step) == pytest.approx(float(schedule(step)), rel=1e-5, abs=1e-12)
+
+
+@needs_torch
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_torch_train_step_lowers_the_loss_without_compiling(policy):
+    cfg = tt.TrainConfig(steps=10, warmup_steps=2, lr=1e-2)
+    step = torch_gpt.TrainStep(CONFIG, policy, "naive", "cpu", cfg, compile=False)
+    x, y = (
+        torch.from_numpy(a[0].astype(np.int64))
+        for a in tt.sample_batch(
+            tt.load_corpus(None, max_bytes=20_000), np.random.default_rng(0), (1, 8), 16
+        )
+    )
+    losses = [float(step(x, y)) for _ in range(3)]
+    assert losses[0] == pytest.approx(FIRST_LOSS, abs=0.3)
+    assert losses[-1] < losses[0], losses
+    assert step.scaler.is_enabled() == (policy == "mixed_float16")
+
+
+@needs_torch
+def test_torch_rows_of_the_runner(tmp_path):
+    report = _run(tmp_path, ["torch_bf16_sdpa"])
+    row = report["results"]["torch_bf16_sdpa"]
+    assert set(row) == ROW_KEYS
+    assert row["framework"] == "torch" and row["attention"] == "sdpa"
+    assert row["final_loss"] == pytest.approx(FIRST_LOSS, abs=0.3)
+    assert report["versions"]["torch"] == importlib.metadata.version("torch")
