@@ -1487,3 +1487,52 @@ def test_check_loss_scaling_accepts_what_the_transform_can_continue_from():
 def test_check_loss_scaling_rejects_a_state_this_optimizer_cannot_continue(state, message):
     with pytest.raises(ValueError, match=f"check_loss_scaling: .*{message}"):
         mpjax.check_loss_scaling(state)
+
+
+ODD_LEAVES = st.one_of(
+    st.floats(allow_nan=True),
+    st.integers(-5, 5),
+    st.text(max_size=3),
+    st.none(),
+    st.sampled_from(
+        [
+            jnp.ones(2),
+            jnp.ones(3),
+            jnp.ones(2, jnp.int32),
+            jnp.ones(2, jnp.bfloat16),
+            jnp.array([jnp.inf, 1.0]),
+            np.ones(2, np.float32),
+            jnp.ones((2, 1)),
+        ]
+    ),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    wrapper=st.sampled_from([loss_scaling, mpjax.master_weights]),
+    grads=st.one_of(ODD_LEAVES, st.dictionaries(st.sampled_from(["w", "v"]), ODD_LEAVES)),
+)
+def test_update_with_any_gradients_works_or_raises_a_clear_error(wrapper, grads):
+    """Whatever ``update`` is handed as gradients, it either runs, returning floating updates
+    shaped like the params, or raises TypeError/ValueError naming the transformation;
+    never an AttributeError from deep inside."""
+    params = {"w": jnp.ones(2)}
+    tx = wrapper(optax.sgd(1.0))
+    state = tx.init(params)
+    try:
+        updates, _ = tx.update(grads, state, params)
+    except (TypeError, ValueError) as e:
+        assert str(e).startswith(f"{wrapper.__name__}: "), str(e)
+        return
+    assert jax.tree.structure(updates) == jax.tree.structure(params)
+    # Shaped like the param; in the gradient's dtype (loss scaling) or the param's (master).
+    assert updates["w"].shape == (2,) and updates["w"].dtype in (F32, BF16)
+
+
+@settings(max_examples=40, deadline=None)
+@given(inner=st.one_of(ODD_LEAVES, st.sampled_from([optax.adam, optax.chain, len, object()])))
+def test_wrapping_anything_but_a_transformation_raises_type_error(inner):
+    for wrapper in (loss_scaling, mpjax.master_weights):
+        with pytest.raises(TypeError, match=f"{wrapper.__name__}: inner must be an optax"):
+            wrapper(inner)
