@@ -1,7 +1,7 @@
 """mpjax: mixed-precision training for JAX, Flax and optax.
 
-The core (policies, rules, autocast, reports, loss scaling, master weights) needs only JAX and
-optax. The Flax integrations, :mod:`mpjax.linen` and :mod:`mpjax.nnx`, are imported here when
+The core (policies, rules, autocast, reports, loss scaling, master weights, optimizer-state
+precision, low-precision params and the memory report) needs only JAX and optax. The Flax integrations, :mod:`mpjax.linen` and :mod:`mpjax.nnx`, are imported here when
 Flax is installed (``pip install "mpjax[flax]"``); importing them registers their built-in
 rules, their :func:`describe` support and the loss scales' ``flax.serialization`` support.
 """
@@ -29,7 +29,13 @@ from mpjax.loss_scaling import (
     loss_scaling_info,
     scale_loss,
 )
+from mpjax.low_precision_params import (
+    PARAM_ROUNDINGS,
+    LowPrecisionParamsState,
+    low_precision_params,
+)
 from mpjax.master_weights import MasterWeightsState, master_weights
+from mpjax.memory import MemoryReport, MemoryRow, memory_report
 from mpjax.op_categories import DEFAULT_OP_CATEGORIES
 from mpjax.policy import (
     MIXED_BFLOAT16,
@@ -41,7 +47,9 @@ from mpjax.policy import (
 )
 from mpjax.regions import FULL_PRECISION_SCOPE, full_precision
 from mpjax.report import ModuleRow, PrecisionReport
+from mpjax.rounding import stochastic_round
 from mpjax.rules import Resolution, Rule, Rules, RuleWarning, as_rules, norm_policy
+from mpjax.state_precision import StatePrecisionState, state_precision
 
 _flax: Any
 try:
@@ -85,14 +93,18 @@ __all__ = [
     "LossScale",
     "LossScalingInfo",
     "LossScalingState",
+    "LowPrecisionParamsState",
     "MIXED_BFLOAT16",
     "MIXED_FLOAT16",
     "MasterWeightsState",
     "MatmulInfo",
     "MatmulReport",
+    "MemoryReport",
+    "MemoryRow",
     "ModuleRow",
     "MpjaxDeprecationWarning",
     "NoOpLossScale",
+    "PARAM_ROUNDINGS",
     "PersistentOverflowError",
     "Policy",
     "PolicyLike",
@@ -101,6 +113,7 @@ __all__ = [
     "Rule",
     "RuleWarning",
     "Rules",
+    "StatePrecisionState",
     "StaticLossScale",
     "as_rules",
     "autocast",
@@ -115,9 +128,13 @@ __all__ = [
     "inspect_matmuls",
     "loss_scaling",
     "loss_scaling_info",
+    "low_precision_params",
     "master_weights",
+    "memory_report",
     "norm_policy",
     "scale_loss",
+    "state_precision",
+    "stochastic_round",
 ]
 if _flax is None:  # `from mpjax import *` without Flax
     __all__ = [name for name in __all__ if name not in _NEED_FLAX]

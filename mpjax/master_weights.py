@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from mpjax.gradient_checks import check_gradients, check_state, check_transformation
-from mpjax.policy import is_floating
+from mpjax.policy import is_low_precision
 
 
 class MasterWeightsState(NamedTuple):
@@ -30,11 +30,6 @@ class MasterWeightsState(NamedTuple):
 
     master: Any
     inner_state: optax.OptState
-
-
-def _needs_master(param: Any) -> bool:
-    dtype = jnp.result_type(param)
-    return is_floating(dtype) and jnp.finfo(dtype).bits < 32
 
 
 def _master_params(master: Any, params: Any) -> Any:
@@ -96,7 +91,7 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
 
     def init(params):
         master = jax.tree.map(
-            lambda p: jnp.asarray(p, jnp.float32) if _needs_master(p) else optax.MaskedNode(),
+            lambda p: jnp.asarray(p, jnp.float32) if is_low_precision(p) else optax.MaskedNode(),
             params,
         )
         return MasterWeightsState(master, inner.init(_master_params(master, params)))
@@ -109,7 +104,7 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
         check_state(state, MasterWeightsState, "master_weights")
         check_gradients(updates, params, "master_weights")
         grads = jax.tree.map(
-            lambda g, p: g.astype(jnp.float32) if _needs_master(p) else g, updates, params
+            lambda g, p: g.astype(jnp.float32) if is_low_precision(p) else g, updates, params
         )
         inner_updates, inner_state = inner.update(
             grads, state.inner_state, _master_params(state.master, params), **extra_args

@@ -101,6 +101,20 @@ def is_floating(x: Any) -> bool:
         return False
 
 
+def is_low_precision(x: Any) -> bool:
+    """Whether ``x`` (a dtype, or a value with one) is floating and narrower than float32:
+    what bfloat16 and float16 params and states are, and what mpjax's optimizer wrappers
+    widen to float32 to compute with.
+
+    >>> is_low_precision(jnp.bfloat16), is_low_precision(jnp.ones(2)), is_low_precision(1.0)
+    (True, False, False)
+    """
+    if not is_floating(x):
+        return False
+    dtype = x if isinstance(x, (np.dtype, type)) else x.dtype
+    return jnp.finfo(dtype).bits < 32
+
+
 def _valid_names() -> str:
     return ", ".join(_DTYPE_NAMES)
 
@@ -142,6 +156,32 @@ def _check_floating(dtype: np.dtype, role: str) -> None:
         )
 
 
+def storage_dtype(value: Any, role: str) -> np.dtype:
+    """Parses a dtype to store training values in (params, optimizer state): a name (``"bf16"``)
+    or a numpy/jax dtype, floating and at least 16 bits wide.
+
+    Args:
+      value: the dtype-like to parse.
+      role: what the dtype is for, named in error messages (``"param_dtype"``, ``"dtype"``).
+
+    Raises:
+      ValueError: for an unknown name, a non-floating dtype or one narrower than 16 bits.
+      TypeError: for a value that is not a dtype at all (``None`` included).
+
+    >>> storage_dtype("bf16", "dtype")
+    dtype(bfloat16)
+    """
+    dtype = _to_dtype(value, role)
+    _check_floating(dtype, role)
+    if jnp.finfo(dtype).bits < _MIN_PARAM_BITS:
+        raise ValueError(
+            f"{role} {dtype.name} is too narrow to store training values in: use float32, "
+            "bfloat16 or float16 (8-bit floats need per-tensor scaling, which a storage cast "
+            "cannot provide)."
+        )
+    return dtype
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """A mixed-precision policy: storage, compute and output dtypes.
@@ -181,16 +221,11 @@ class Policy:
         ) -> None: ...
 
     def __post_init__(self):
-        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+        for field in ("compute_dtype", "output_dtype"):
             dtype = _to_dtype(getattr(self, field), field)
             _check_floating(dtype, field)
             object.__setattr__(self, field, dtype)
-        if jnp.finfo(self.param_dtype).bits < _MIN_PARAM_BITS:
-            raise ValueError(
-                f"param_dtype {self.param_dtype.name} is too narrow to store parameters: use "
-                "float32, bfloat16 or float16 (8-bit floats need per-tensor scaling, "
-                "which a storage cast cannot provide)."
-            )
+        object.__setattr__(self, "param_dtype", storage_dtype(self.param_dtype, "param_dtype"))
 
     @property
     def needs_loss_scaling(self) -> bool:

@@ -17,7 +17,7 @@ import numpy as np
 
 from mpjax.inspection import inspect_matmuls
 from mpjax.policy import Policy, is_floating, short_dtype_name
-from mpjax.table import format_table
+from mpjax.table import format_table, human_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,17 +76,6 @@ class Report(Protocol):
         ...
 
 
-def _human_bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    size = n / 1024
-    for unit in ("KiB", "MiB"):
-        if size < 1024:
-            return f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"
-
-
 @dataclasses.dataclass(frozen=True)
 class PrecisionReport:
     """The modules of a model with their resolved dtypes, parameter sizes and the dtypes their
@@ -143,7 +132,7 @@ class PrecisionReport:
                 r.policy.output_dtype.name,
                 r.rule,
                 f"{r.param_count:,}",
-                _human_bytes(r.param_bytes),
+                human_bytes(r.param_bytes),
                 " ".join(f"{n}x {dtypes}" for dtypes, n in r.matmuls) or "-",
             )
             for r in self.rows
@@ -156,7 +145,7 @@ class PrecisionReport:
             "",
             "",
             f"{self.total_params:,}",
-            _human_bytes(self.total_bytes),
+            human_bytes(self.total_bytes),
             "",
         )
         columns = len(header) if self.matmuls_traced else len(header) - 1

@@ -1,4 +1,5 @@
-"""Plain-text tables, the format of every mpjax report (matmuls, precision, autocast)."""
+"""Plain-text tables, the format of every mpjax report (matmuls, precision, autocast, memory),
+and the byte counts they show."""
 
 from __future__ import annotations
 
@@ -34,3 +35,19 @@ def format_table(
     if footer:
         lines += [rule, line(footer)]
     return "\n".join(lines)
+
+
+def human_bytes(n: int) -> str:
+    """A byte count as people read it: ``B`` below a KiB, then KiB, MiB or GiB to one decimal.
+
+    >>> human_bytes(512), human_bytes(3 * 1024**2)
+    ('512 B', '3.0 MiB')
+    """
+    if n < 1024:
+        return f"{n} B"
+    size = n / 1024
+    for unit in ("KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"

@@ -29,7 +29,11 @@ LAYERS = (
         "gradient_checks",
         "loss_scaling",
         "master_weights",
+        "rounding",
     },
+    # Optimizer transformations that read the loss-scaling state, and the memory report
+    # that names their parts.
+    {"state_precision", "low_precision_params", "memory"},
     {"autocast", "report"},
     {"describe"},  # the one report entry point: the integrations register with it
     {"linen", "nnx", "flax_serialization"},  # the Flax integrations
@@ -53,7 +57,15 @@ FLAX_FREE = (
     "describe",
 )
 # The optimizer side, which must not need Flax either.
-OPTIMIZER_SIDE = ("gradient_checks", "loss_scaling", "master_weights")
+OPTIMIZER_SIDE = (
+    "gradient_checks",
+    "loss_scaling",
+    "master_weights",
+    "rounding",
+    "state_precision",
+    "low_precision_params",
+    "memory",
+)
 
 
 def _mpjax_module(name: str) -> str | None:
