@@ -55,6 +55,10 @@ POLICY = (
 )
 LOSS_SCALE = "auto"  # auto (dynamic for float16, none otherwise), dynamic, static:N or none
 MASTER_WEIGHTS = True  # keep an f32 master copy when the policy stores params in bf16/f16
+PARAM_ROUNDING = "nearest"  # without master weights: nearest, stochastic or kahan
+MU_DTYPE = None  # Adam's first moment stored in this dtype (bf16, f32...); None: Adam's own
+NU_DTYPE = None  # Adam's second moment likewise
+STATE_ROUNDING = "nearest"  # how a narrower --mu-dtype/--nu-dtype is rounded: or stochastic
 STEPS = 800  # optimizer steps
 BATCH_SIZE = 16  # sequences per micro-batch (split over the devices)
 GRAD_ACCUM = 1  # micro-batches per optimizer step, accumulated inside the jitted step
@@ -100,6 +104,10 @@ class TrainConfig:
     mode: str = MODE
     loss_scale: str = LOSS_SCALE
     master_weights: bool = MASTER_WEIGHTS
+    param_rounding: str = PARAM_ROUNDING
+    mu_dtype: str | None = MU_DTYPE
+    nu_dtype: str | None = NU_DTYPE
+    state_rounding: str = STATE_ROUNDING
     steps: int = STEPS
     batch_size: int = BATCH_SIZE
     grad_accum: int = GRAD_ACCUM
@@ -185,6 +193,10 @@ _TRAJECTORY_FIELDS = (
     "policy",
     "loss_scale",
     "master_weights",
+    "param_rounding",
+    "mu_dtype",
+    "nu_dtype",
+    "state_rounding",
     "schedule_steps",
     "batch_size",
     "grad_accum",
@@ -403,6 +415,10 @@ def make_optimizer(cfg: TrainConfig, policy: mpjax.Policy) -> optax.GradientTran
     leaves params and optimizer state untouched. Master weights wrap outside it, as
     ``mpjax.master_weights`` recommends, when params are stored narrower than f32 (unless
     --no-master-weights): the optimizer then updates an f32 copy, with f32 Adam moments.
+    Without them, --param-rounding stochastic or kahan lands the f32 updates on the bf16/f16
+    params through ``mpjax.low_precision_params`` (nearest is plain ``optax.apply_updates``).
+    --mu-dtype/--nu-dtype store Adam's moments through ``mpjax.state_precision``, rounded as
+    --state-rounding says. The two rounding keys come from --seed, each its own stream.
     Weight decay applies to matrices (kernels, embeddings) only, as in GPT-2 and nanoGPT:
     chosen by name, since scanned layers stack biases and norm scales into matrices too.
     """
@@ -413,13 +429,34 @@ def make_optimizer(cfg: TrainConfig, policy: mpjax.Policy) -> optax.GradientTran
         weight_decay=cfg.weight_decay,
         mask=decay_mask,
     )
+    moments = state_dtypes(cfg)
+    if moments:
+        adamw = mpjax.state_precision(
+            adamw, moments, rounding=cfg.state_rounding, seed=_rounding_seed(cfg, 1)
+        )
     clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
     tx = optax.chain(clip, adamw)
     if uses_loss_scaling(cfg, policy):
         tx = mpjax.loss_scaling(tx, resolve_loss_scale(cfg.loss_scale, policy))
     if uses_master_weights(cfg, policy):
         tx = mpjax.master_weights(tx)
+    elif uses_low_precision_params(cfg, policy):
+        tx = mpjax.low_precision_params(tx, cfg.param_rounding, seed=_rounding_seed(cfg, 2))
     return tx
+
+
+def _rounding_seed(cfg: TrainConfig, stream: int) -> jax.Array:
+    """A key of its own for each rounding transformation, so their draws are independent."""
+    return jax.random.fold_in(jax.random.key(cfg.seed), stream)
+
+
+def state_dtypes(cfg: TrainConfig) -> dict[str, str]:
+    """The Adam moments stored in a dtype of their own: ``{"mu": "bfloat16"}``, or empty."""
+    return {
+        name: dtype
+        for name, dtype in (("mu", cfg.mu_dtype), ("nu", cfg.nu_dtype))
+        if dtype is not None
+    }
 
 
 def decay_mask(params: Any) -> Any:
@@ -433,6 +470,14 @@ def uses_master_weights(cfg: TrainConfig, policy: mpjax.Policy) -> bool:
     return cfg.master_weights and jnp.finfo(policy.param_dtype).bits < 32
 
 
+def uses_low_precision_params(cfg: TrainConfig, policy: mpjax.Policy) -> bool:
+    return (
+        not uses_master_weights(cfg, policy)
+        and jnp.finfo(policy.param_dtype).bits < 32
+        and cfg.param_rounding != "nearest"
+    )
+
+
 def describe_optimizer(cfg: TrainConfig, policy: mpjax.Policy) -> str:
     scale = resolve_loss_scale(cfg.loss_scale, policy)
     if isinstance(scale, mpjax.NoOpLossScale):
@@ -440,8 +485,18 @@ def describe_optimizer(cfg: TrainConfig, policy: mpjax.Policy) -> str:
     else:
         kind = "dynamic" if isinstance(scale, mpjax.DynamicLossScale) else "static"
         scaling = f"{kind} loss scaling from {float(scale.loss_scale):g}"
-    master = "f32 master weights" if uses_master_weights(cfg, policy) else "no master weights"
-    return f"AdamW, {scaling}, {master}"
+    if uses_master_weights(cfg, policy):
+        params = "f32 master weights"
+    elif uses_low_precision_params(cfg, policy):
+        params = f"no master weights, {cfg.param_rounding} param updates"
+    else:
+        params = "no master weights"
+    moments = "".join(
+        f", {name} {dtype}" for name, dtype in state_dtypes(cfg).items()
+    )
+    if moments and cfg.state_rounding == "stochastic":
+        moments += " (stochastic rounding)"
+    return f"AdamW, {scaling}, {params}{moments}"
 
 
 class TrainState(NamedTuple):
@@ -755,7 +810,31 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"--lr must be positive, got {cfg.lr}.")
     if cfg.temperature <= 0:
         raise ValueError(f"--temperature must be positive, got {cfg.temperature}.")
-    resolve_loss_scale(cfg.loss_scale, mpjax.get_policy(cfg.policy))
+    policy = mpjax.get_policy(cfg.policy)
+    resolve_loss_scale(cfg.loss_scale, policy)
+    if cfg.param_rounding not in mpjax.PARAM_ROUNDINGS:
+        raise ValueError(
+            f"--param-rounding must be one of {', '.join(mpjax.PARAM_ROUNDINGS)}, got "
+            f"{cfg.param_rounding!r}."
+        )
+    if cfg.param_rounding != "nearest" and uses_master_weights(cfg, policy):
+        raise ValueError(
+            f"--param-rounding {cfg.param_rounding} lands updates on the {policy.param_dtype.name} "
+            "params instead of an f32 master copy: add --no-master-weights."
+        )
+    if cfg.param_rounding != "nearest" and jnp.finfo(policy.param_dtype).bits >= 32:
+        raise ValueError(
+            f"--param-rounding {cfg.param_rounding} applies to bf16/f16 params, but --policy "
+            f"{cfg.policy} stores params in {policy.param_dtype.name}."
+        )
+    if cfg.state_rounding not in ("nearest", "stochastic"):
+        raise ValueError(
+            f"--state-rounding must be nearest or stochastic, got {cfg.state_rounding!r}."
+        )
+    for name in ("mu_dtype", "nu_dtype"):
+        value = getattr(cfg, name)
+        if value is not None:
+            mpjax.policy.storage_dtype(value, f"--{name.replace('_', '-')}")
     if cfg.num_processes > 1 and not cfg.coordinator:
         raise ValueError(
             f"--num-processes {cfg.num_processes} needs --coordinator host:port (process 0's)."
@@ -866,7 +945,8 @@ def train(cfg: TrainConfig) -> dict:
         f"{mcfg.d_model}, {mcfg.n_head} heads, seq {seq_len}, "
         f"{'tied' if mcfg.tie_embeddings else 'untied'} head)\n"
         f"policy: {cfg.policy} -> {policy!r} (mode: {cfg.mode})\n"
-        f"optimizer: {describe_optimizer(cfg, policy)}\n"
+        f"optimizer: {describe_optimizer(cfg, policy)}; params + optimizer state "
+        f"{mpjax.memory_report(state.params, state.opt_state).bytes_per_param:.2f} bytes/param\n"
         f"data: {'stdlib .py sources' if cfg.data is None else cfg.data}: {len(train_data):,} train "
         f"/ {len(val_data):,} val bytes; unigram baseline {baseline:.3f} nats/byte\n"
         f"devices: {len(devices)} x {devices[0].device_kind} ({_layout(mesh)}); "
@@ -1139,6 +1219,27 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="update bf16/f16-stored params directly, without an f32 master copy "
         "(default: keep one)",
+    )
+    g.add_argument(
+        "--param-rounding",
+        choices=mpjax.PARAM_ROUNDINGS,
+        default=PARAM_ROUNDING,
+        help="with --no-master-weights, how f32 updates land on bf16/f16 params: nearest "
+        "(optax.apply_updates), stochastic or kahan (mpjax.low_precision_params)",
+    )
+    g.add_argument(
+        "--mu-dtype",
+        default=MU_DTYPE,
+        help="store Adam's first moment in this dtype (bf16, f16, f32; mpjax.state_precision)",
+    )
+    g.add_argument(
+        "--nu-dtype", default=NU_DTYPE, help="store Adam's second moment in this dtype"
+    )
+    g.add_argument(
+        "--state-rounding",
+        choices=("nearest", "stochastic"),
+        default=STATE_ROUNDING,
+        help="how --mu-dtype/--nu-dtype are rounded",
     )
     g.add_argument(
         "--max-consecutive-skips",
