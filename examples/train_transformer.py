@@ -492,7 +492,8 @@ def describe_optimizer(cfg: TrainConfig, policy: mpjax.Policy) -> str:
     else:
         params = "no master weights"
     moments = "".join(
-        f", {name} {dtype}" for name, dtype in state_dtypes(cfg).items()
+        f", {name} {mpjax.policy.short_dtype_name(mpjax.policy.storage_dtype(dtype, name))}"
+        for name, dtype in state_dtypes(cfg).items()
     )
     if moments and cfg.state_rounding == "stochastic":
         moments += " (stochastic rounding)"
@@ -564,6 +565,7 @@ def make_train_step(model: GPT, tx: optax.GradientTransformation):
         info = mpjax.loss_scaling_info(opt_state)
         metrics = {
             "loss": loss,
+            "unmoved": unmoved_fraction(state.params, params),
             "loss_scale": info.loss_scale,
             "skipped_steps": info.skipped_steps,
             "consecutive_skipped": info.consecutive_skipped,
@@ -571,6 +573,19 @@ def make_train_step(model: GPT, tx: optax.GradientTransformation):
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return train_step
+
+
+def unmoved_fraction(old: Any, new: Any) -> jax.Array:
+    """The fraction of param elements a step left exactly as they were (f32 scalar): the
+    updates that rounding to the params' dtype lost, and those of a skipped step."""
+    total = sum(x.size for x in jax.tree.leaves(old))
+    return sum(
+        (
+            jnp.mean((a == b).astype(jnp.float32)) * (a.size / total)
+            for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new))
+        ),
+        jnp.zeros((), jnp.float32),
+    )
 
 
 def init_state(
@@ -1012,6 +1027,8 @@ def train(cfg: TrainConfig) -> dict:
                 "lr": float(schedule(done - 1 - m["skipped_steps"])),
                 "loss_scale": m["loss_scale"],
                 "skipped_steps": m["skipped_steps"],
+                # Of the param elements, the fraction this (logged) step left unchanged.
+                "unmoved": m["unmoved"],
                 "tokens_per_s": (done - last_logged) * tokens_per_step / (now - t_last),
                 "elapsed_s": now - t_start,
             }
@@ -1232,9 +1249,7 @@ def make_parser() -> argparse.ArgumentParser:
         default=MU_DTYPE,
         help="store Adam's first moment in this dtype (bf16, f16, f32; mpjax.state_precision)",
     )
-    g.add_argument(
-        "--nu-dtype", default=NU_DTYPE, help="store Adam's second moment in this dtype"
-    )
+    g.add_argument("--nu-dtype", default=NU_DTYPE, help="store Adam's second moment in this dtype")
     g.add_argument(
         "--state-rounding",
         choices=("nearest", "stochastic"),

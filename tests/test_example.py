@@ -12,6 +12,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -229,6 +230,107 @@ def test_pure_bfloat16_without_master_weights_keeps_bfloat16_adam_moments():
     assert moments == {np.dtype(jnp.bfloat16)}
 
 
+def _hand_params(policy):
+    return jax.eval_shape(  # hand mode: every param in the policy's param dtype
+        lambda: tt.build_model(SMALL, policy, "hand").init(
+            jax.random.key(0), jnp.zeros((1, SMALL.block_size), jnp.int32)
+        )["params"]
+    )
+
+
+def _states(tree, cls):
+    return [
+        x for x in jax.tree.leaves(tree, is_leaf=lambda y: isinstance(y, cls)) if isinstance(x, cls)
+    ]
+
+
+@pytest.mark.parametrize(
+    "flags, want",
+    [
+        # (rounding of the params, compensation dtype, mu/nu dtypes, bytes/param of the state)
+        (dict(param_rounding="stochastic"), ("stochastic", None, ("bfloat16", "float32"), 8.0)),
+        (dict(param_rounding="kahan"), ("kahan", "bfloat16", ("float32", "float32"), 10.0)),
+        (
+            dict(
+                param_rounding="stochastic",
+                mu_dtype="bf16",
+                nu_dtype="bf16",
+                state_rounding="stochastic",
+            ),
+            ("stochastic", None, ("bfloat16", "bfloat16"), 4.0),
+        ),
+    ],
+)
+def test_optimizer_precision_flags_build_the_state_they_name(flags, want):
+    rounding, compensation, (mu_dtype, nu_dtype), state_bytes = want
+    if "mu_dtype" not in flags:  # without --mu-dtype, Adam's own moments: f32 on f32 copies
+        mu_dtype = "float32"
+    cfg = tt.TrainConfig(policy="bfloat16", master_weights=False, **flags)
+    policy = mpjax.get_policy(cfg.policy)
+    params = _hand_params(policy)
+    tx = tt.make_optimizer(cfg, policy)
+    opt_state = jax.eval_shape(tx.init, params)
+    (lpp,) = _states(opt_state, mpjax.LowPrecisionParamsState)
+    assert not _states(opt_state, mpjax.MasterWeightsState)
+    comp = {a.dtype.name for a in jax.tree.leaves(lpp.compensation)}
+    assert comp == ({compensation} if compensation else set())
+    assert isinstance(lpp.key, jax.ShapeDtypeStruct) == (rounding == "stochastic")
+    (adam,) = _states(opt_state, optax.ScaleByAdamState)
+    assert {a.dtype.name for a in jax.tree.leaves(adam.mu)} == {mu_dtype}
+    assert {a.dtype.name for a in jax.tree.leaves(adam.nu)} == {nu_dtype}
+    report = mpjax.memory_report(params, opt_state)
+    assert report.param_bytes / report.param_count == 2.0
+    # Up to the int32 counters and uint32 keys: a few bytes in a model of 10^4 params.
+    assert report.state_bytes / report.param_count == pytest.approx(state_bytes, abs=0.01)
+    assert rounding in tt.describe_optimizer(cfg, policy)
+
+
+def test_optimizer_precision_flags_compose_with_master_weights_and_loss_scaling():
+    cfg = tt.TrainConfig(policy="bfloat16", mu_dtype="bf16", nu_dtype="f32", loss_scale="dynamic")
+    policy = mpjax.get_policy(cfg.policy)
+    opt_state = jax.eval_shape(tt.make_optimizer(cfg, policy).init, _hand_params(policy))
+    assert len(_states(opt_state, mpjax.MasterWeightsState)) == 1
+    assert len(_states(opt_state, mpjax.LossScalingState)) == 1
+    (adam,) = _states(opt_state, optax.ScaleByAdamState)
+    assert {a.dtype.name for a in jax.tree.leaves(adam.mu)} == {"bfloat16"}
+    assert {a.dtype.name for a in jax.tree.leaves(adam.nu)} == {"float32"}
+    assert "mu bf16, nu f32" in tt.describe_optimizer(cfg, policy)
+
+
+def test_stochastic_rounding_run_resumes_bit_identically(text_file, tmp_path):
+    # The rounding keys live in the optimizer state: a resumed run draws what the straight
+    # run drew.
+    cfg = _cfg(
+        text_file,
+        tmp_path,
+        steps=6,
+        ckpt_interval=3,
+        policy="bfloat16",
+        mode="hand",  # every param bf16, norms included
+        attention="naive",  # the hand-written model's fused gradient needs standard promotion
+        master_weights=False,
+        param_rounding="stochastic",
+        mu_dtype="bfloat16",
+        nu_dtype="bfloat16",
+        state_rounding="stochastic",
+    )
+    straight = tt.train(cfg)
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "6")
+    resumed = tt.train(dataclasses.replace(cfg, resume=True))
+    for a, b in zip(jax.tree.leaves(straight["state"]), jax.tree.leaves(resumed["state"])):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert {a.dtype for a in jax.tree.leaves(straight["state"].params)} == {np.dtype(jnp.bfloat16)}
+    assert all(0.0 <= r["unmoved"] <= 1.0 for r in straight["history"])
+
+
+def test_unmoved_fraction_counts_param_elements_a_step_left_unchanged():
+    old = {"a": jnp.zeros(6, jnp.bfloat16), "b": jnp.ones((2, 3))}
+    new = {"a": old["a"].at[:3].set(1.0), "b": old["b"]}
+    assert float(tt.unmoved_fraction(old, new)) == pytest.approx(9 / 12)
+    assert float(tt.unmoved_fraction(old, old)) == 1.0
+
+
 def _is_loss_scaling(x):
     return isinstance(x, mpjax.LossScalingState)
 
@@ -398,6 +500,13 @@ def test_bad_flags_are_rejected_naming_the_flag(capsys):
         (["--preset", "huge"], "--preset"),
         (["--mode", "magic"], "--mode"),
         (["--steps", "0"], "--steps"),
+        # Stochastic or Kahan updates replace the f32 master copy, of bf16/f16 params only.
+        (["--policy", "bfloat16", "--param-rounding", "stochastic"], "--no-master-weights"),
+        (["--no-master-weights", "--param-rounding", "kahan"], "--param-rounding"),
+        (["--param-rounding", "up"], "--param-rounding"),
+        (["--mu-dtype", "float8_e4m3fn"], "--mu-dtype"),
+        (["--nu-dtype", "double-ish"], "--nu-dtype"),
+        (["--state-rounding", "down"], "--state-rounding"),
     ]:
         with pytest.raises(SystemExit):
             tt.parse_args(argv)
