@@ -14,7 +14,13 @@ and minimum step time over --steps timed steps after
 --warmup steps (each step waits for its result), tokens/s, model FLOPs per step, achieved
 FLOP/s and MFU against the device's dense peak where the table below knows it, XLA's memory
 estimate for the compiled step and, where the device reports it, peak device memory (PyTorch:
-``torch.cuda.max_memory_allocated``).
+``torch.cuda.max_memory_allocated``), and the bytes per parameter that the params and the
+optimizer state take (JAX: ``mpjax.memory_report`` of the variant's real train state; PyTorch:
+the model's parameters and ``optimizer.state`` after the timed steps), by part.
+
+Besides the activation-precision rows, the optimizer rows keep bfloat16 params and differ in
+how the optimizer updates them (f32 master weights, rounding to nearest, stochastic rounding,
+Kahan compensation) and in the dtype of Adam's moments: 14 down to 6 bytes per parameter.
 
 Each variant runs in a fresh subprocess, so peak memory is its own and no variant warms a cache
 for the next. Results go to benchmarks/results/<platform>_<preset>.json and .md.
@@ -44,6 +50,10 @@ import subprocess
 import sys
 import time
 from importlib.util import find_spec
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import mpjax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -64,6 +74,9 @@ class Variant:
         default (TF32 for f32 matmuls on Ampere and Hopper GPUs, full f32 on CPU).
       attention: ``fused`` or ``naive`` (JAX); ``sdpa`` or ``naive`` (PyTorch).
       framework: ``jax`` or ``torch``.
+      master_weights, param_rounding, mu_dtype, nu_dtype, state_rounding: the training
+        script's optimizer settings (``--master-weights``, ``--param-rounding``,
+        ``--mu-dtype``, ``--nu-dtype``, ``--state-rounding``), JAX rows only.
     """
 
     key: str
@@ -74,6 +87,11 @@ class Variant:
     matmul_precision: str | None = None
     attention: str = "fused"
     framework: str = "jax"
+    master_weights: bool = True
+    param_rounding: str = "nearest"
+    mu_dtype: str | None = None
+    nu_dtype: str | None = None
+    state_rounding: str = "nearest"
 
 
 # The f32 "default" row is the baseline for the speedup column; "bf16_hand" is the honest
@@ -107,6 +125,58 @@ VARIANTS = [
         mode="mpjax",
         loss_scale="dynamic",
     ),
+    # Optimizer rows: bfloat16 params (the norms' stay f32 under the example's rule), and what
+    # the optimizer keeps for them. Plain optax on bf16 params ("bf16_nearest") keeps Adam's
+    # moments in bf16 too, computed in bf16; the low_precision_params rows compute in f32.
+    Variant(
+        "bf16_master",
+        "bfloat16 params + f32 master weights, f32 Adam",
+        "bfloat16",
+        mode="mpjax",
+    ),
+    Variant(
+        "bf16_nearest",
+        "bfloat16 params, no master weights (optax: bf16 Adam)",
+        "bfloat16",
+        mode="mpjax",
+        master_weights=False,
+    ),
+    Variant(
+        "bf16_sr",
+        "bfloat16 params, stochastic rounding, f32 Adam",
+        "bfloat16",
+        mode="mpjax",
+        master_weights=False,
+        param_rounding="stochastic",
+    ),
+    Variant(
+        "bf16_kahan",
+        "bfloat16 params, Kahan compensation, f32 Adam",
+        "bfloat16",
+        mode="mpjax",
+        master_weights=False,
+        param_rounding="kahan",
+    ),
+    Variant(
+        "bf16_sr_state_bf16",
+        "bfloat16 params, stochastic rounding, bf16 Adam (stochastic)",
+        "bfloat16",
+        mode="mpjax",
+        master_weights=False,
+        param_rounding="stochastic",
+        mu_dtype="bfloat16",
+        nu_dtype="bfloat16",
+        state_rounding="stochastic",
+    ),
+    Variant(
+        "bf16_master_state_bf16",
+        "bfloat16 params + f32 master weights, bf16 Adam (stochastic)",
+        "bfloat16",
+        mode="mpjax",
+        mu_dtype="bfloat16",
+        nu_dtype="bfloat16",
+        state_rounding="stochastic",
+    ),
     Variant(
         "torch_f32",
         "PyTorch float32 (TF32 on GPU), SDPA",
@@ -137,6 +207,17 @@ VARIANTS = [
     ),
 ]
 TORCH_MISSING = 'torch is not installed (pip install -e ".[bench]")'
+# The rows that differ in how the optimizer stores and updates bf16 params, and the f32 row
+# they compare with: `--variants f32 bf16_master ...` runs only them.
+OPTIMIZER_KEYS = (
+    "f32",
+    "bf16_master",
+    "bf16_nearest",
+    "bf16_sr",
+    "bf16_kahan",
+    "bf16_sr_state_bf16",
+    "bf16_master_state_bf16",
+)
 
 # Dense peak FLOP/s per device by matmul kind. Matched against jax's device_kind, first match
 # wins (so the PCIe H100 comes before the SXM one). H200 has H100's compute.
@@ -200,6 +281,12 @@ class Setup:
             attention=variant.attention if variant.framework == "jax" else "fused",
             scan_layers=self.scan_layers,
             remat=self.remat,
+            mode=variant.mode,
+            master_weights=variant.master_weights,
+            param_rounding=variant.param_rounding,
+            mu_dtype=variant.mu_dtype,
+            nu_dtype=variant.nu_dtype,
+            state_rounding=variant.state_rounding,
         )
 
 
@@ -225,8 +312,11 @@ def _row(
     platform_name: str,
     compiled_bytes: int | None,
     peak_bytes: int | None,
+    optimizer: str,
+    memory: mpjax.MemoryReport,
 ) -> dict:
-    """One result row, the same keys for every framework."""
+    """One result row, the same keys for every framework. ``optimizer`` describes the
+    optimizer; ``memory`` counts the params and the optimizer state."""
     import mpjax
 
     mcfg = setup.train_config(variant).model_config()
@@ -252,8 +342,70 @@ def _row(
         "mfu": flops / step_s / peak if peak else None,
         "compiled_memory_bytes": compiled_bytes,
         "peak_bytes_in_use": peak_bytes,
+        "optimizer": optimizer,
+        **memory_fields(memory),
         "final_loss": loss,
     }
+
+
+def memory_fields(memory: mpjax.MemoryReport) -> dict:
+    """A row's memory columns from a memory report: bytes per parameter of params and optimizer
+    state together and apart, and the report's rows (part, dtype, bytes, bytes_per_param)."""
+    n = max(memory.param_count, 1)
+    return {
+        "bytes_per_param": memory.bytes_per_param,
+        "param_bytes_per_param": memory.param_bytes / n,
+        "state_bytes_per_param": memory.state_bytes / n,
+        "memory_parts": memory.to_dict()["rows"],
+    }
+
+
+def torch_memory(model, optimizer) -> mpjax.MemoryReport:
+    """An ``mpjax.MemoryReport`` of a PyTorch model's parameters and its optimizer's state
+    tensors (``numel * element_size``), by the state's keys (AdamW: ``step``, ``exp_avg``,
+    ``exp_avg_sq``); per parameter means per floating-point parameter element."""
+    import jax.numpy as jnp
+    import torch
+
+    import mpjax
+
+    def dtype_name(t) -> str:
+        return mpjax.policy.short_dtype_name(jnp.dtype(str(t.dtype).removeprefix("torch.")))
+
+    totals: dict[tuple[str, str], int] = {}
+
+    def add(part: str, t) -> None:
+        key = (part, dtype_name(t))
+        totals[key] = totals.get(key, 0) + t.numel() * t.element_size()
+
+    params = list(model.parameters())
+    for p in params:
+        add("params", p)
+    for per_param in optimizer.state.values():
+        for name, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                add(name, value)
+    count = sum(p.numel() for p in params if p.is_floating_point())
+    rows = tuple(mpjax.MemoryRow(part, dtype, n) for (part, dtype), n in totals.items())
+    return mpjax.MemoryReport(count, rows)
+
+
+def build_jax_variant(variant: Variant, setup: Setup):
+    """What one JAX variant trains, as the training script builds it: ``(cfg, policy, model,
+    tx, state)``, the initial ``TrainState`` on the first device."""
+    import jax
+    import train_transformer as tt
+
+    import mpjax
+
+    cfg = setup.train_config(variant)
+    tt.validate(cfg)
+    policy = mpjax.get_policy(cfg.policy)
+    mcfg = cfg.model_config()
+    model = tt.build_model(mcfg, policy, variant.mode)
+    tx = tt.make_optimizer(cfg, policy)
+    state = jax.device_put(tt.init_state(model, tx, 0, mcfg.block_size), jax.devices()[0])
+    return cfg, policy, model, tx, state
 
 
 def run_jax_variant(variant: Variant, setup: Setup) -> dict:
@@ -264,13 +416,11 @@ def run_jax_variant(variant: Variant, setup: Setup) -> dict:
 
     import mpjax
 
-    cfg = setup.train_config(variant)
-    policy = mpjax.get_policy(cfg.policy)
+    cfg, policy, model, tx, state = build_jax_variant(variant, setup)
     mcfg = cfg.model_config()
     device = jax.devices()[0]
-    model = tt.build_model(mcfg, policy, variant.mode)
-    tx = tt.make_optimizer(cfg, policy)
-    state = jax.device_put(tt.init_state(model, tx, 0, mcfg.block_size), device)
+    # Before the step donates the state's buffers; the steps keep every shape and dtype.
+    memory = mpjax.memory_report(state.params, state.opt_state)
     data = tt.load_corpus(None, max_bytes=2_000_000)
     x, y = (
         jax.device_put(a, device)
@@ -312,6 +462,8 @@ def run_jax_variant(variant: Variant, setup: Setup) -> dict:
         device.platform,
         compiled_bytes,
         stats.get("peak_bytes_in_use"),
+        tt.describe_optimizer(cfg, policy),
+        memory,
     )
 
 
@@ -354,8 +506,22 @@ def run_torch_variant(variant: Variant, setup: Setup) -> dict:
         peak = torch.cuda.max_memory_allocated()
     else:
         kind, peak = platform.processor() or platform.machine(), None
+    optimizer = (
+        f"torch.optim.AdamW{' (fused)' if device == 'cuda' else ''}, "
+        f"{'GradScaler' if step_fn.scaler.is_enabled() else 'no loss scaling'}, f32 params"
+    )
     return _row(
-        variant, setup, times, loss, compile_s, kind, device.replace("cuda", "gpu"), None, peak
+        variant,
+        setup,
+        times,
+        loss,
+        compile_s,
+        kind,
+        device.replace("cuda", "gpu"),
+        None,
+        peak,
+        optimizer,
+        torch_memory(step_fn.model, step_fn.optimizer),
     )
 
 
@@ -383,6 +549,10 @@ def _fmt_bytes(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:,.1f} MiB"
 
 
+def _fmt_per_param(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def markdown_table(report: dict) -> str:
     results = report["results"]
     # The ratio uses the fastest step: on a shared host, background load inflates medians
@@ -399,15 +569,15 @@ def markdown_table(report: dict) -> str:
         f"JAX layers {'scanned' if cfg.get('scan_layers') else 'in a loop'}, remat "
         f"{cfg.get('remat', 'none')}. Every row comes from this one side-by-side run.",
         "",
-        "| variant | compile s | step ms (median) | step ms (min) | tokens/s | TFLOP/s | MFU | vs f32 (min) | vs PyTorch bf16 SDPA (min) | XLA memory | peak memory |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| variant | compile s | step ms (median) | step ms (min) | tokens/s | TFLOP/s | MFU | vs f32 (min) | vs PyTorch bf16 SDPA (min) | bytes/param | XLA memory | peak memory |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for v in VARIANTS:
         r = results.get(v.key)
         if r is None:
             continue
         if "skipped" in r:
-            lines.append(f"| {v.name} | skipped: {r['skipped']} | | | | | | | | | |")
+            lines.append(f"| {v.name} | skipped: {r['skipped']} | | | | | | | | | | |")
             continue
         speedup = f"{base / r['step_s_min']:.2f}x" if base else "-"
         vs_peer = f"{peer / r['step_s_min']:.2f}x" if peer else "-"
@@ -416,9 +586,15 @@ def markdown_table(report: dict) -> str:
             f"| {v.name} | {r['compile_s']:.1f} | {1e3 * r['step_s_median']:.1f} | "
             f"{1e3 * r['step_s_min']:.1f} | "
             f"{r['tokens_per_s']:,.0f} | {r['achieved_flops_per_s'] / 1e12:.3f} | {mfu} | {speedup} | "
-            f"{vs_peer} | "
+            f"{vs_peer} | {_fmt_per_param(r.get('bytes_per_param'))} | "
             f"{_fmt_bytes(r['compiled_memory_bytes'])} | {_fmt_bytes(r['peak_bytes_in_use'])} |"
         )
+    lines += [
+        "",
+        "bytes/param: the params and the optimizer state per parameter (JAX: "
+        "`mpjax.memory_report` of the row's train state; PyTorch: the model's parameters and "
+        "`optimizer.state`); gradients and activations are not counted.",
+    ]
     load = report["device"].get("load_average_1min")
     if report["device"]["platform"] == "cpu":
         lines += [

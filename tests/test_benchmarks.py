@@ -1,6 +1,7 @@
-"""The benchmark runs end to end on CPU and writes its rows; the PyTorch peer is the same model
-as the example GPT (same parameter count, same logits from the same params) and its rows are
-skipped cleanly where torch is not installed."""
+"""The benchmark runs end to end on CPU and writes its rows; the optimizer rows keep the bytes
+per parameter their setup implies; the PyTorch peer is the same model as the example GPT (same
+parameter count, same logits from the same params) and its rows are skipped cleanly where torch
+is not installed."""
 
 import importlib.metadata
 import json
@@ -9,8 +10,11 @@ import pathlib
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import mpjax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -42,6 +46,11 @@ ROW_KEYS = {
     "mfu",
     "compiled_memory_bytes",
     "peak_bytes_in_use",
+    "optimizer",
+    "bytes_per_param",
+    "param_bytes_per_param",
+    "state_bytes_per_param",
+    "memory_parts",
     "final_loss",
 }
 # An untrained model guesses bytes about uniformly: ln(256) nats, give or take its init.
@@ -62,9 +71,127 @@ def test_jax_rows_have_every_column_and_the_run_records_its_setup(tmp_path):
         assert set(row) == ROW_KEYS, key
         assert row["framework"] == "jax" and row["matmul_kind"] == "bf16"
         assert row["final_loss"] == pytest.approx(FIRST_LOSS, abs=0.3)
+        # f32 params and f32 Adam: 4 + 8 bytes, and a step counter.
+        assert row["bytes_per_param"] == pytest.approx(12, abs=1e-4)
+        assert row["param_bytes_per_param"] == 4 and row["optimizer"].startswith("AdamW")
+        assert [r["part"] for r in row["memory_parts"]] == ["params", "count", "mu", "nu"]
     assert report["results"]["bf16_hand_naive"]["attention"] == "naive"
     assert report["results"]["bf16_mpjax"]["attention"] == "fused"
-    assert "vs PyTorch bf16 SDPA (min)" in (tmp_path / "cpu_tiny.md").read_text()
+    table = (tmp_path / "cpu_tiny.md").read_text()
+    assert "vs PyTorch bf16 SDPA (min)" in table and "| bytes/param |" in table
+
+
+# ------------------------------------------------------------------- optimizer precision
+
+# Bytes per bf16 and per f32 param element of each part of the state each optimizer row
+# builds. Under the "bfloat16" policy the example's model (mpjax mode) keeps its norm params in
+# f32; the f32 row has only f32 params. Other parts (step counters, rounding keys) are scalars.
+EXPECTED_PARTS = {
+    "f32": {"params": (4, 4), "mu": (4, 4), "nu": (4, 4)},
+    "bf16_master": {"params": (2, 4), "master": (4, 0), "mu": (4, 4), "nu": (4, 4)},
+    # optax's Adam on bf16 params keeps its moments in the params' dtypes.
+    "bf16_nearest": {"params": (2, 4), "mu": (2, 4), "nu": (2, 4)},
+    "bf16_sr": {"params": (2, 4), "mu": (4, 4), "nu": (4, 4)},
+    "bf16_kahan": {"params": (2, 4), "compensation": (2, 0), "mu": (4, 4), "nu": (4, 4)},
+    "bf16_sr_state_bf16": {"params": (2, 4), "mu": (2, 2), "nu": (2, 2)},
+    "bf16_master_state_bf16": {"params": (2, 4), "master": (4, 0), "mu": (2, 2), "nu": (2, 2)},
+}
+SETUP = bench.Setup("tiny", 16, None, steps=1, warmup=0, scan_layers=False, remat="none")
+
+
+@pytest.fixture(scope="module")
+def bf16_counts():
+    """(bf16, f32) param elements of the example's tiny model under the bfloat16 policy."""
+    cfg = tt.TrainConfig(policy="bfloat16")
+    mcfg = cfg.model_config()
+    model = tt.build_model(mcfg, mpjax.get_policy("bfloat16"), "mpjax")
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    sizes = {"bfloat16": 0, "float32": 0}
+    for leaf in jax.tree.leaves(shapes["params"]):
+        sizes[leaf.dtype.name] += leaf.size
+    assert sizes["bfloat16"] + sizes["float32"] == mcfg.num_params()
+    assert 0 < sizes["float32"] < sizes["bfloat16"] / 50  # the norms' scales and biases
+    return sizes["bfloat16"], sizes["float32"]
+
+
+@pytest.fixture(scope="module")
+def optimizer_memory():
+    """Each optimizer row's memory report, from the train state the benchmark builds for it."""
+    reports = {}
+    for key in bench.OPTIMIZER_KEYS:
+        variant = next(v for v in bench.VARIANTS if v.key == key)
+        *_, state = bench.build_jax_variant(variant, SETUP)
+        reports[key] = mpjax.memory_report(state.params, state.opt_state)
+    return reports
+
+
+def _expected_bytes(key, counts):
+    n16, n32 = counts
+    return {part: b16 * n16 + b32 * n32 for part, (b16, b32) in EXPECTED_PARTS[key].items()}
+
+
+def test_optimizer_rows_are_the_listed_keys():
+    assert set(bench.OPTIMIZER_KEYS) == set(EXPECTED_PARTS)
+    keys = [v.key for v in bench.VARIANTS]
+    assert len(keys) == len(set(keys)) and set(bench.OPTIMIZER_KEYS) <= set(keys)
+
+
+@pytest.mark.parametrize("key", sorted(EXPECTED_PARTS))
+def test_optimizer_rows_hold_the_bytes_their_setup_implies(key, bf16_counts, optimizer_memory):
+    report = optimizer_memory[key]
+    n = sum(bf16_counts)
+    assert report.param_count == n
+    for part, want in _expected_bytes(key, bf16_counts).items():
+        assert report.part_bytes(part) == want, (key, part)
+    rest = report.total_bytes - sum(_expected_bytes(key, bf16_counts).values())
+    assert 0 < rest <= 64, report  # a step counter, and a key per stochastic rounding
+    fields = bench.memory_fields(report)
+    assert fields["bytes_per_param"] == pytest.approx(
+        sum(_expected_bytes(key, bf16_counts).values()) / n, abs=1e-4
+    )
+    assert fields["param_bytes_per_param"] + fields["state_bytes_per_param"] == pytest.approx(
+        fields["bytes_per_param"]
+    )
+    assert fields["memory_parts"] == report.to_dict()["rows"]
+
+
+def test_optimizer_rows_order_by_bytes(optimizer_memory):
+    per_param = {k: r.bytes_per_param for k, r in optimizer_memory.items()}
+    assert per_param["f32"] == pytest.approx(12, abs=1e-4)
+    assert per_param["bf16_master"] == pytest.approx(14, abs=0.01)
+    assert per_param["bf16_sr_state_bf16"] == pytest.approx(6, abs=0.01)
+    assert per_param["bf16_master_state_bf16"] == pytest.approx(10, abs=0.01)
+    assert (
+        per_param["bf16_sr_state_bf16"]
+        < per_param["bf16_master_state_bf16"]
+        < per_param["bf16_kahan"]
+        < per_param["bf16_master"]
+    )
+    assert per_param["bf16_sr"] < per_param["bf16_kahan"]
+
+
+def test_optimizer_row_of_the_runner(tmp_path, bf16_counts, optimizer_memory):
+    """An optimizer row end to end (bf16 params with Kahan compensation: the quickest of them
+    to compile; the stochastic-rounding rows compile several times longer on CPU)."""
+    key = "bf16_kahan"
+    report = _run(tmp_path, [key])
+    row = report["results"][key]
+    assert set(row) == ROW_KEYS
+    assert row["memory_parts"] == optimizer_memory[key].to_dict()["rows"]
+    n16, n32 = bf16_counts
+    assert row["bytes_per_param"] == pytest.approx(12, abs=1e-4)
+    assert row["param_bytes_per_param"] == pytest.approx((2 * n16 + 4 * n32) / (n16 + n32))
+    variant = next(v for v in bench.VARIANTS if v.key == key)
+    policy = mpjax.get_policy("bfloat16")
+    assert row["optimizer"] == tt.describe_optimizer(SETUP.train_config(variant), policy)
+    assert "no master weights, kahan param updates" in row["optimizer"]
+    assert row["policy"] == str(policy)
+    assert row["final_loss"] == pytest.approx(FIRST_LOSS, abs=0.3)
+    assert report["variants"][key]["param_rounding"] == "kahan"
+    assert report["variants"][key]["master_weights"] is False
+    table = (tmp_path / "cpu_tiny.md").read_text()
+    assert "| bfloat16 params, Kahan compensation, f32 Adam | " in table
+    assert "| 12.00 |" in table
 
 
 def test_torch_rows_are_skipped_with_the_install_command_when_torch_is_absent(
@@ -184,5 +311,9 @@ def test_torch_rows_of_the_runner(tmp_path):
     row = report["results"]["torch_bf16_sdpa"]
     assert set(row) == ROW_KEYS
     assert row["framework"] == "torch" and row["attention"] == "sdpa"
+    # f32 params and AdamW's f32 moments (autocast leaves the params f32), and step counters.
+    assert row["bytes_per_param"] == pytest.approx(12, abs=0.01)
+    parts = {r["part"] for r in row["memory_parts"]}
+    assert parts == {"params", "step", "exp_avg", "exp_avg_sq"}
     assert row["final_loss"] == pytest.approx(FIRST_LOSS, abs=0.3)
     assert report["versions"]["torch"] == importlib.metadata.version("torch")
