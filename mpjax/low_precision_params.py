@@ -50,7 +50,8 @@ class LowPrecisionParamsState(NamedTuple):
       compensation: with ``"kahan"``, what rounding has lost so far for each bfloat16/float16
         param, in the param's dtype; ``optax.MaskedNode()`` for the other params and with the
         other roundings.
-      key: raw PRNG key data (uint32) with ``"stochastic"``, advanced once per applied step;
+      key: raw PRNG key data (uint32) with ``"stochastic"``, advanced once per update (not on
+        a step that :func:`mpjax.loss_scaling` inside skipped);
         ``optax.EmptyState()`` otherwise.
     """
 
@@ -151,8 +152,8 @@ def low_precision_params(
             widen(updates), state.inner_state, widen(params), **extra_args
         )
         p_leaves, treedef = jax.tree.flatten(params)
-        u_leaves = treedef.flatten_up_to(wide_updates)
-        c_leaves = treedef.flatten_up_to(state.compensation)
+        u_leaves = jax.tree.leaves(wide_updates)
+        c_leaves = jax.tree.leaves(state.compensation, is_leaf=_is_masked)
         key = state.key
         if rounding == "stochastic":
             applied = loss_scaling_info(inner_state).applied
@@ -179,8 +180,8 @@ def low_precision_params(
                 new = target.astype(p.dtype)
             out_updates.append(new - p)
             out_comp.append(c)
-        return treedef.unflatten(out_updates), LowPrecisionParamsState(
-            inner_state, treedef.unflatten(out_comp), key
+        return jax.tree.unflatten(treedef, out_updates), LowPrecisionParamsState(
+            inner_state, jax.tree.unflatten(treedef, out_comp), key
         )
 
     return optax.GradientTransformationExtraArgs(init, update)

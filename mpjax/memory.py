@@ -80,9 +80,7 @@ class MemoryReport:
     def table(self) -> str:
         """The rows with bytes and bytes per parameter, and the total."""
         n = max(self.param_count, 1)
-        body = [
-            (r.part, r.dtype, human_bytes(r.bytes), f"{r.bytes / n:.2f}") for r in self.rows
-        ]
+        body = [(r.part, r.dtype, human_bytes(r.bytes), f"{r.bytes / n:.2f}") for r in self.rows]
         total = ("total", "", human_bytes(self.total_bytes), f"{self.bytes_per_param:.2f}")
         return format_table(
             ("part", "dtype", "bytes", "bytes/param"),

@@ -101,7 +101,11 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     upper = jnp.where(above, nearest, other).astype(x.dtype)
     # Exact: x - lower and upper - lower are exact (Sterbenz), the spacing a power of two. For
     # a value dtype holds, the probability is 0 (or NaN for inf and NaN): it stays as it is.
-    p_upper = (x - lower) / (upper - lower)
+    # Tiny values are first scaled by a power of two (exactly): at bfloat16's smallest
+    # exponents the spacing is a float32 subnormal, which XLA:CPU flushes to zero (0 / 0 would
+    # round every such value down).
+    scale = jnp.where(jnp.abs(x) < 2.0**-64, 2.0**64, 1.0).astype(x.dtype)
+    p_upper = (x * scale - lower * scale) / (upper * scale - lower * scale)
     u = jax.random.uniform(_typed_key(key), x.shape, x.dtype)
     return jnp.where(u < p_upper, upper, lower).astype(dtype)
 

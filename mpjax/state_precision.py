@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -33,13 +32,15 @@ from mpjax.rounding import (
 
 __all__ = ["StatePrecisionState", "state_precision"]
 
+
 class StatePrecisionState(NamedTuple):
     """State of :func:`state_precision`.
 
     Attributes:
       inner_state: the wrapped transformation's state, its chosen leaves stored in their
         chosen dtypes.
-      key: raw PRNG key data (uint32), advanced once per applied step, with stochastic
+      key: raw PRNG key data (uint32), advanced once per update (not on a step that
+        :func:`mpjax.loss_scaling` inside skipped), with stochastic
         rounding; ``optax.EmptyState()`` with rounding to nearest.
     """
 
@@ -47,14 +48,10 @@ class StatePrecisionState(NamedTuple):
     key: jax.Array | optax.EmptyState
 
 
-def _field_names(path: tuple) -> list[str]:
-    """The attribute and dict-key names along a pytree path (``mu``, ``nu``, ``trace``...)."""
-    names = []
-    for entry in path:
-        name = getattr(entry, "name", getattr(entry, "key", None))
-        if isinstance(name, str):
-            names.append(name)
-    return names
+def _attribute_names(path: tuple) -> list[str]:
+    """The attribute names along a pytree path: the fields of optax's and mpjax's state
+    classes (``mu``, ``nu``, ``master``...), without the keys of the params' dicts."""
+    return [e.name for e in path if isinstance(e, jax.tree_util.GetAttrKey)]
 
 
 def _dtypes(tree: Any) -> list[Any]:
@@ -81,8 +78,8 @@ def state_precision(
     Which leaves: a single ``dtype`` applies to every floating leaf of ``inner``'s state that
     is not a scalar (Adam's ``mu`` and ``nu``, momentum, accumulators; scalars are
     hyperparameters and counters, such as ``optax.inject_hyperparams``'s learning rate). A
-    mapping names the state fields to store, by the attribute or key names on the leaf's path
-    (``ScaleByAdamState.mu`` is ``"mu"``); every other leaf keeps its dtype. A name that
+    mapping names the state fields to store, by the attribute names on the leaf's path
+    (``ScaleByAdamState.mu`` is ``"mu"``; the params' own dict keys never count); every other leaf keeps its dtype. A name that
     matches no leaf is an error (``init`` lists the names there are).
 
     Rounding: ``"nearest"`` is a cast, as optax's ``mu_dtype`` does (optax then computes the
@@ -116,6 +113,7 @@ def state_precision(
         ``init``) a field name that matches no floating leaf, or a master-weights copy in
         ``inner``'s state.
 
+    >>> import jax.numpy as jnp
     >>> tx = state_precision(optax.adam(1e-3), {"mu": "bfloat16", "nu": "float32"})
     >>> state = tx.init({"w": jnp.zeros(3)})
     >>> adam = state.inner_state[0]
@@ -148,7 +146,9 @@ def state_precision(
             return None
         if isinstance(targets, np.dtype):
             return targets if np.ndim(leaf) > 0 else None
-        for name in reversed(_field_names(path)):
+        # State fields only, innermost first: the params' own dict keys (a param named "mu")
+        # must not decide how Adam's nu for it is stored.
+        for name in _attribute_names(path)[::-1]:
             if name in targets:
                 return targets[name]
         return None
@@ -180,7 +180,7 @@ def state_precision(
         inner_state = inner.init(params)
         paths = jax.tree_util.tree_leaves_with_path(inner_state)
         floating_names = sorted(
-            {n for path, leaf in paths if is_floating(leaf) for n in _field_names(path)}
+            {n for path, leaf in paths if is_floating(leaf) for n in _attribute_names(path)}
         )
         if isinstance(targets, dict):
             missing = [n for n in targets if n not in floating_names]
@@ -190,7 +190,7 @@ def state_precision(
                     f"optimizer's state. Field names with floating leaves: {floating_names}."
                 )
         for path, leaf in paths:
-            if "master" in _field_names(path) and target_of(path, leaf) is not None:
+            if "master" in _attribute_names(path) and target_of(path, leaf) is not None:
                 raise ValueError(
                     "state_precision: the wrapped state holds a master-weights copy "
                     f"(at {jax.tree_util.keystr(path)}), which would be stored in "
