@@ -19,6 +19,7 @@ precision_study_loss.png, precision_study_unmoved.png, precision_study_gradients
 
     python examples/precision_study.py                     # 9 setups x 3 seeds, ~25 min on 2 CPU cores
     python examples/precision_study.py --seeds 0 --setups f32 bf16_nearest bf16_sr --steps 300
+    python examples/precision_study.py --render-only   # the table and plots from the JSON
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ SETUPS = [
     Setup("bf16_master", "bf16 params + f32 master weights", "bfloat16", mode="hand"),
     Setup(
         "bf16_nearest",
-        "bf16 params, round to nearest",
+        "bf16 params and Adam moments, round to nearest (plain optax)",
         "bfloat16",
         master_weights=False,
         mode="hand",
@@ -197,9 +198,9 @@ def gradient_analysis(cfg: tt.TrainConfig, n_batches: int = 8) -> dict:
             got = jax.tree.leaves(grads(f16_model, scale, x, y))
             out[name] = sum(jnp.sum((r != 0) & (g == 0)) for r, g in zip(ref, got))
         logits = f32_model.apply({"params": params}, x).astype(jnp.float32)
-        dlogits = jax.grad(
-            lambda z: optax.softmax_cross_entropy_with_integer_labels(z, y).mean()
-        )(logits)
+        dlogits = jax.grad(lambda z: optax.softmax_cross_entropy_with_integer_labels(z, y).mean())(
+            logits
+        )
         out["log2_dlogits"] = jnp.log2(jnp.abs(dlogits).reshape(-1))
         return out
 
@@ -436,7 +437,12 @@ def plot(results: dict, steps: int, out_dir: pathlib.Path) -> None:
         normal = np.log2(float(jnp.finfo(jnp.float16).smallest_normal))
         ax.axvline(tiny - 1, color="C3", ls="--", label="float16 rounds to 0 below")
         ax.axvline(normal, color="C1", ls="--", label="float16 subnormal below")
-        ax.axvline(tiny - 1 + np.log2(ANALYSIS_SCALE), color="C2", ls=":", label="... x 2^15")
+        ax.axvline(
+            tiny - 1 - np.log2(ANALYSIS_SCALE),
+            color="C2",
+            ls=":",
+            label="rounds to 0 below, with the loss x 2^15",
+        )
         ax.set_xlabel("log2 |d loss / d logit| (float32)")
         ax.set_ylabel("entries")
         ax.set_title(f"logit gradients at the end of '{label}' (seed 0, 8 batches)")
@@ -458,20 +464,37 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--docs", default=str(ROOT / "docs"), help="where the table and plots go")
     p.add_argument("--out", default=str(ROOT / "runs" / "precision_study"), help="run folders")
+    p.add_argument(
+        "--render-only",
+        action="store_true",
+        help="train nothing: rewrite the table and plots from --docs' precision_study.json",
+    )
     args = p.parse_args(argv)
-    if args.steps < 100:
-        p.error(f"--steps must be at least 100, got {args.steps}")
-    setups = [s for s in SETUPS if s.key in args.setups]
-    out_root = pathlib.Path(args.out)
-    if out_root.exists():
-        shutil.rmtree(out_root)  # the study always starts fresh: it owns this folder
-    results = run_all(setups, args.seeds, args.steps, out_root)
     docs = pathlib.Path(args.docs)
+    if args.render_only:
+        results = json.loads((docs / "precision_study.json").read_text())
+        steps = max(
+            e["step"] for r in results.values() for run in r["runs"].values() for e in run["log"]
+        )
+        for entry in results.values():  # the optimizer as the current code describes it
+            setup = next(s for s in SETUPS if s.key == entry["key"])
+            cfg = config(setup, 0, steps, pathlib.Path(args.out) / "unused")
+            entry["optimizer"] = tt.describe_optimizer(cfg, mpjax.get_policy(setup.policy))
+            entry["label"] = setup.label
+    else:
+        if args.steps < 100:
+            p.error(f"--steps must be at least 100, got {args.steps}")
+        setups = [s for s in SETUPS if s.key in args.setups]
+        out_root = pathlib.Path(args.out)
+        if out_root.exists():
+            shutil.rmtree(out_root)  # the study always starts fresh: it owns this folder
+        results = run_all(setups, args.seeds, args.steps, out_root)
+        steps = args.steps
     docs.mkdir(parents=True, exist_ok=True)
-    md = table(results, args.steps)
+    md = table(results, steps)
     write_table(docs / "precision_study.md", md)
     (docs / "precision_study.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, args.steps, docs)
+    plot(results, steps, docs)
     print("\n" + md)
     print(f"wrote {docs / 'precision_study.md'}, precision_study.json and the plots in {docs}")
 
