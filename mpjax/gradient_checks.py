@@ -1,8 +1,9 @@
 """Checks of what mpjax's optax wrappers receive: the wrapped transformation, the state handed
 back to ``update``, and the gradients.
 
-:func:`mpjax.loss_scaling` and :func:`mpjax.master_weights` both reject what they cannot
-handle, with the same messages, at the call that is wrong and before tracing any arithmetic.
+:func:`mpjax.loss_scaling`, :func:`mpjax.master_weights`, :func:`mpjax.state_precision` and
+:func:`mpjax.low_precision_params` reject what they cannot handle, with the same messages, at
+the call that is wrong and before tracing any arithmetic.
 """
 
 from __future__ import annotations
@@ -130,3 +131,20 @@ def check_gradients(grads: Any, params: Any, where: str) -> None:
                 "would be truncated on it. Keep integer leaves out of the optimizer (e.g. "
                 "optax.masked or optax.partition), or store them outside the params."
             )
+
+
+def check_update(
+    grads: Any, state: Any, params: Any, state_type: type, where: str, *, needs_params: bool
+) -> None:
+    """Every check of an ``update(grads, state, params)`` call, in order: the params when the
+    transformation needs them, then :func:`check_state` and :func:`check_gradients`.
+
+    Raises:
+      ValueError: for ``params=None`` where ``needs_params``, and what
+        :func:`check_gradients` raises.
+      TypeError: what :func:`check_state` and :func:`check_gradients` raise.
+    """
+    if needs_params and params is None:
+        raise ValueError(f"{where} needs the params: call update(grads, opt_state, params).")
+    check_state(state, state_type, where)
+    check_gradients(grads, params, where)

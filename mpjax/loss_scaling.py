@@ -48,7 +48,7 @@ import optax
 
 from mpjax import jax_compat
 from mpjax.deprecation import warn_deprecated
-from mpjax.gradient_checks import check_gradients, check_state, check_transformation
+from mpjax.gradient_checks import check_transformation, check_update
 from mpjax.policy import PolicyLike, get_policy, is_floating
 
 __all__ = [
@@ -702,8 +702,7 @@ def loss_scaling(
         )
 
     def update(updates, state, params=None, **extra_args):
-        check_state(state, LossScalingState, "loss_scaling")
-        check_gradients(updates, params, "loss_scaling")
+        check_update(updates, state, params, LossScalingState, "loss_scaling", needs_params=False)
         unscaled = state.loss_scale.unscale(updates)
         # Back to each gradient's own dtype, so inner state dtypes never change; the check comes
         # after the cast because a value finite in float32 can overflow float16.

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mpjax.gradient_checks import check_gradients, check_state, check_transformation
+from mpjax.gradient_checks import check_transformation, check_update
 from mpjax.loss_scaling import loss_scaling_info
 from mpjax.policy import is_low_precision
 from mpjax.rounding import (
@@ -142,12 +142,14 @@ def low_precision_params(
         return LowPrecisionParamsState(inner.init(widen(params)), compensation, key0)
 
     def update(updates, state, params=None, **extra_args):
-        if params is None:
-            raise ValueError(
-                "low_precision_params needs the params: call update(grads, opt_state, params)."
-            )
-        check_state(state, LowPrecisionParamsState, "low_precision_params")
-        check_gradients(updates, params, "low_precision_params")
+        check_update(
+            updates,
+            state,
+            params,
+            LowPrecisionParamsState,
+            "low_precision_params",
+            needs_params=True,
+        )
         wide_updates, inner_state = inner.update(
             widen(updates), state.inner_state, widen(params), **extra_args
         )

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mpjax.gradient_checks import check_gradients, check_state, check_transformation
+from mpjax.gradient_checks import check_transformation, check_update
 from mpjax.policy import is_low_precision
 
 
@@ -97,12 +97,9 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
         return MasterWeightsState(master, inner.init(_master_params(master, params)))
 
     def update(updates, state, params=None, **extra_args):
-        if params is None:
-            raise ValueError(
-                "master_weights needs the params: call update(grads, opt_state, params)."
-            )
-        check_state(state, MasterWeightsState, "master_weights")
-        check_gradients(updates, params, "master_weights")
+        check_update(
+            updates, state, params, MasterWeightsState, "master_weights", needs_params=True
+        )
         grads = jax.tree.map(
             lambda g, p: g.astype(jnp.float32) if is_low_precision(p) else g, updates, params
         )

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import optax
 
-from mpjax.gradient_checks import check_gradients, check_state, check_transformation
+from mpjax.gradient_checks import check_transformation, check_update
 from mpjax.loss_scaling import loss_scaling_info
 from mpjax.policy import is_floating, storage_dtype
 from mpjax.rounding import (
@@ -202,8 +202,9 @@ def state_precision(
         return StatePrecisionState(initial, key0)
 
     def update(updates, state, params=None, **extra_args):
-        check_state(state, StatePrecisionState, "state_precision")
-        check_gradients(updates, params, "state_precision")
+        check_update(
+            updates, state, params, StatePrecisionState, "state_precision", needs_params=False
+        )
         new_updates, new_inner = inner.update(
             widen(updates), widen(state.inner_state), widen(params), **extra_args
         )

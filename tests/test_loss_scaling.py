@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from optimizer_checks import assert_trees_bitwise_equal, standard_promotion
 
 import mpjax
 from mpjax import (
@@ -32,19 +33,6 @@ from mpjax import (
 )
 
 F32, BF16, F16 = (np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
-
-
-def standard_promotion():
-    """optax's Adam (``b1 ** count``) and MultiSteps (``acc / (n_acc + 1)``) mix floats with
-    int32 counters, which strict promotion rejects; mpjax's own code runs strict elsewhere."""
-    return jax.numpy_dtype_promotion("standard")
-
-
-def assert_trees_bitwise_equal(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        assert jnp.result_type(x) == jnp.result_type(y)
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def torch_rule(scale, tracker, finite, growth=2.0, backoff=0.5, interval=2000, lo=None, hi=None):

@@ -12,6 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from optimizer_checks import assert_trees_bitwise_equal, make_poisoned_step, standard_promotion
 
 from mpjax import (
     DynamicLossScale,
@@ -19,26 +20,12 @@ from mpjax import (
     loss_scaling,
     low_precision_params,
     memory_report,
-    scale_loss,
     state_precision,
     stochastic_round,
 )
 from mpjax.rounding import next_rounding_keys, rounding_key, widen
 
 F32, BF16, F16 = (np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
-
-
-def standard_promotion():
-    """optax's Adam computes ``b1 ** count`` (a Python float to an int32 power), which strict
-    promotion rejects; mpjax's own code runs strict everywhere else."""
-    return jax.numpy_dtype_promotion("standard")
-
-
-def assert_trees_bitwise_equal(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        assert jnp.result_type(x) == jnp.result_type(y)
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def is_masked(x):
@@ -335,23 +322,6 @@ def test_orbax_checkpoint_resume_is_bit_identical(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # Loss scaling, MultiSteps, state_precision
-
-
-def loss(p):
-    return jnp.sum((p["w"].astype(F32) - 0.5) ** 2) + jnp.sum(p["b"].astype(F32) ** 2)
-
-
-def make_poisoned_step(tx):
-    """A jitted train step that adds ``poison`` (0 or inf) to every gradient."""
-
-    @jax.jit
-    def step(params, state, poison):
-        grads = jax.grad(lambda p: scale_loss(loss(p), state))(params)
-        grads = jax.tree.map(lambda g: g + poison.astype(g.dtype), grads)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    return step
 
 
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from optimizer_checks import standard_promotion
 
 from mpjax import (
     DynamicLossScale,
@@ -16,12 +17,6 @@ from mpjax import (
 )
 
 F32, BF16, F16 = (np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
-
-
-def standard_promotion():
-    """optax's Adam computes ``b1 ** count`` (a Python float to an int32 power), which strict
-    promotion rejects; mpjax's own code runs strict everywhere else."""
-    return jax.numpy_dtype_promotion("standard")
 
 
 def assert_bitwise_equal(x, y):

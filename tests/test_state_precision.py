@@ -11,13 +11,18 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from optimizer_checks import (
+    assert_trees_bitwise_equal,
+    make_poisoned_step,
+    quadratic_loss,
+    standard_promotion,
+)
 
 from mpjax import (
     DynamicLossScale,
     StatePrecisionState,
     loss_scaling,
     master_weights,
-    scale_loss,
     state_precision,
     stochastic_round,
 )
@@ -25,19 +30,6 @@ from mpjax.rounding import next_rounding_keys, rounding_key
 
 F32, BF16, F16 = (np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 I32, U32 = np.dtype(jnp.int32), np.dtype(jnp.uint32)
-
-
-def standard_promotion():
-    """optax's Adam computes ``b1 ** count`` (a Python float to an int32 power), which strict
-    promotion rejects; mpjax's own code runs strict everywhere else."""
-    return jax.numpy_dtype_promotion("standard")
-
-
-def assert_trees_bitwise_equal(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        assert jnp.result_type(x) == jnp.result_type(y)
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def dtypes(tree):
@@ -290,23 +282,6 @@ def test_jit_does_not_retrace_on_the_next_step():
 # Composition
 
 
-def loss(p):
-    return jnp.sum((p["w"].astype(F32) - 0.5) ** 2) + jnp.sum(p["b"].astype(F32) ** 2)
-
-
-def make_poisoned_step(tx):
-    """A jitted train step that adds ``poison`` (0 or inf) to every gradient."""
-
-    @jax.jit
-    def step(params, state, poison):
-        grads = jax.grad(lambda p: scale_loss(loss(p), state))(params)
-        grads = jax.tree.map(lambda g: g + poison.astype(g.dtype), grads)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    return step
-
-
 def test_loss_scaling_outside_skips_with_the_whole_state_bit_identical():
     inner = state_precision(optax.adam(1e-2), "bf16", rounding="stochastic")
     tx = loss_scaling(inner, DynamicLossScale(2.0**10, growth_interval=100))
@@ -358,7 +333,7 @@ def test_inside_multisteps_trains_and_keeps_dtypes():
     tx = loss_scaling(optax.MultiSteps(inner, 2), DynamicLossScale(2.0**10, growth_interval=100))
     step = make_poisoned_step(tx)
     params = make_params()
-    losses = [float(loss(params))]
+    losses = [float(quadratic_loss(params))]
     with standard_promotion():
         state = tx.init(params)
         key0 = state.inner_state.inner_opt_state.key
@@ -372,7 +347,7 @@ def test_inside_multisteps_trains_and_keeps_dtypes():
             else:
                 assert not np.array_equal(np.asarray(sp.key), np.asarray(key0))
                 key0 = sp.key
-            losses.append(float(loss(params)))
+            losses.append(float(quadratic_loss(params)))
     assert isinstance(sp, StatePrecisionState)
     assert dtypes(sp.inner_state[0].mu) == dtypes(sp.inner_state[0].nu) == {"w": BF16, "b": BF16}
     assert dtypes(state.inner_state.acc_grads) == {"w": F32, "b": F32}

@@ -1,0 +1,45 @@
+"""Helpers shared by the tests of mpjax's optax transformations (loss scaling, master weights,
+state precision, low-precision params)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mpjax import scale_loss
+
+
+def standard_promotion():
+    """optax's Adam (``b1 ** count``) and MultiSteps (``acc / (n_acc + 1)``) mix floats with
+    int32 counters, which strict promotion rejects; mpjax's own code runs strict elsewhere."""
+    return jax.numpy_dtype_promotion("standard")
+
+
+def assert_trees_bitwise_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert jnp.result_type(x) == jnp.result_type(y)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def quadratic_loss(p):
+    """A loss of params ``{"w", "b"}`` of any floating dtype, in float32."""
+    return jnp.sum((p["w"].astype(jnp.float32) - 0.5) ** 2) + jnp.sum(
+        p["b"].astype(jnp.float32) ** 2
+    )
+
+
+def make_poisoned_step(tx):
+    """A jitted train step on :func:`quadratic_loss` that adds ``poison`` (0 or inf) to every
+    gradient, so a test chooses which steps overflow."""
+
+    @jax.jit
+    def step(params, state, poison):
+        grads = jax.grad(lambda p: scale_loss(quadratic_loss(p), state))(params)
+        grads = jax.tree.map(lambda g: g + poison.astype(g.dtype), grads)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
