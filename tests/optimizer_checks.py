@@ -43,3 +43,16 @@ def make_poisoned_step(tx):
         return optax.apply_updates(params, updates), state
 
     return step
+
+
+def run_steps(tx, params, steps, start=0, state=None, *, grads_at):
+    """``steps`` jitted updates from step ``start`` (from ``tx.init`` without a ``state``),
+    step ``i`` taking ``grads_at(i, params)``; returns ``(params, state)``."""
+    step = jax.jit(tx.update)
+    with standard_promotion():
+        if state is None:
+            state = tx.init(params)
+        for i in range(start, start + steps):
+            updates, state = step(grads_at(i, params), state, params)
+            params = optax.apply_updates(params, updates)
+    return params, state

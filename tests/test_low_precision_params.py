@@ -4,6 +4,8 @@ params landing exactly on the rounded target, reproducibility, jit, checkpoint-r
 scaling in both orders (skips, and float16 gradients below the normal range), MultiSteps,
 composition with state_precision (6 bytes per param), sharding and bad input."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,12 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from optimizer_checks import assert_trees_bitwise_equal, make_poisoned_step, standard_promotion
+from optimizer_checks import (
+    assert_trees_bitwise_equal,
+    make_poisoned_step,
+    run_steps,
+    standard_promotion,
+)
 
 from mpjax import (
     DynamicLossScale,
@@ -58,16 +65,7 @@ def grads_at(i, params):
     }
 
 
-def run(tx, params, steps, start=0, state=None):
-    """``steps`` jitted steps from step ``start`` (from ``tx.init`` without a ``state``)."""
-    step = jax.jit(tx.update)
-    with standard_promotion():
-        if state is None:
-            state = tx.init(params)
-        for i in range(start, start + steps):
-            updates, state = step(grads_at(i, params), state, params)
-            params = optax.apply_updates(params, updates)
-    return params, state
+run = functools.partial(run_steps, grads_at=grads_at)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ scalars untouched), rounding to nearest against its definition, stochastic round
 key (reproducible, advancing, exact against the key stream, jit), composition with loss scaling
 (both orders), MultiSteps and master weights, sharding, checkpoint-resume and bad input."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,7 @@ from optimizer_checks import (
     assert_trees_bitwise_equal,
     make_poisoned_step,
     quadratic_loss,
+    run_steps,
     standard_promotion,
 )
 
@@ -53,16 +56,7 @@ def grads_at(i, params):
     }
 
 
-def run(tx, params, steps, start=0, state=None):
-    """``steps`` jitted steps from step ``start`` (from ``tx.init`` without a ``state``)."""
-    step = jax.jit(tx.update)
-    with standard_promotion():
-        if state is None:
-            state = tx.init(params)
-        for i in range(start, start + steps):
-            updates, state = step(grads_at(i, params), state, params)
-            params = optax.apply_updates(params, updates)
-    return params, state
+run = functools.partial(run_steps, grads_at=grads_at)
 
 
 def adam_of(state):
