@@ -221,11 +221,12 @@ class Policy:
         ) -> None: ...
 
     def __post_init__(self):
+        # In field order, so the first bad field is the one named.
+        object.__setattr__(self, "param_dtype", storage_dtype(self.param_dtype, "param_dtype"))
         for field in ("compute_dtype", "output_dtype"):
             dtype = _to_dtype(getattr(self, field), field)
             _check_floating(dtype, field)
             object.__setattr__(self, field, dtype)
-        object.__setattr__(self, "param_dtype", storage_dtype(self.param_dtype, "param_dtype"))
 
     @property
     def needs_loss_scaling(self) -> bool:
