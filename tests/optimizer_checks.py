@@ -56,3 +56,19 @@ def run_steps(tx, params, steps, start=0, state=None, *, grads_at):
             updates, state = step(grads_at(i, params), state, params)
             params = optax.apply_updates(params, updates)
     return params, state
+
+
+def run_sharded_steps(tx, params, steps, sharding, *, grads_at):
+    """:func:`run_steps` with params and gradients placed by ``sharding``, checking that every
+    update keeps it; returns ``(params, initial_state, state)``."""
+    step = jax.jit(tx.update)
+    with standard_promotion():
+        params = jax.device_put(params, sharding)
+        state0 = state = tx.init(params)
+        for i in range(steps):
+            grads = jax.device_put(grads_at(i, params), sharding)
+            updates, state = step(grads, state, params)
+            for u in jax.tree.leaves(updates):
+                assert u.sharding.is_equivalent_to(sharding, u.ndim)
+            params = optax.apply_updates(params, updates)
+    return params, state0, state

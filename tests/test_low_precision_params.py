@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from optimizer_checks import (
     assert_trees_bitwise_equal,
     make_poisoned_step,
+    run_sharded_steps,
     run_steps,
     standard_promotion,
 )
@@ -435,17 +436,8 @@ def test_sharded_run_matches_the_unsharded_one_bit_for_bit(mesh, rounding):
     sharding = NamedSharding(mesh, P("x"))
     params = {"w": (1.0 + 0.3 * jax.random.normal(jax.random.key(0), (64, 8))).astype(BF16)}
     tx = low_precision_params(optax.adam(1e-2), rounding)
-    step = jax.jit(tx.update)
-    with standard_promotion():
-        expected = run(tx, params, 3)
-        p = jax.device_put(params, sharding)
-        state0 = tx.init(p)
-        state = state0
-        for i in range(3):
-            grads = jax.device_put(grads_at(i, params), sharding)
-            updates, state = step(grads, state, p)
-            assert updates["w"].sharding.is_equivalent_to(sharding, 2)
-            p = optax.apply_updates(p, updates)
+    expected = run(tx, params, 3)
+    p, state0, state = run_sharded_steps(tx, params, 3, sharding, grads_at=grads_at)
     adam0, adam = state0.inner_state[0], state.inner_state[0]
     for a0, a in ((adam0.mu["w"], adam.mu["w"]), (adam0.nu["w"], adam.nu["w"])):
         assert a0.sharding.is_equivalent_to(sharding, 2)

@@ -17,6 +17,7 @@ from optimizer_checks import (
     assert_trees_bitwise_equal,
     make_poisoned_step,
     quadratic_loss,
+    run_sharded_steps,
     run_steps,
     standard_promotion,
 )
@@ -383,17 +384,8 @@ def test_sharded_run_matches_the_unsharded_one_bit_for_bit(mesh):
     sharding = NamedSharding(mesh, P("x"))
     params = {"w": jax.random.normal(jax.random.key(0), (64, 8))}
     tx = state_precision(optax.adam(1e-2), "bf16", rounding="stochastic")
-    step = jax.jit(tx.update)
-    with standard_promotion():
-        expected = run(tx, params, 3)
-        p = jax.device_put(params, sharding)
-        state0 = tx.init(p)
-        state = state0
-        for i in range(3):
-            grads = jax.device_put(grads_at(i, params), sharding)
-            updates, state = step(grads, state, p)
-            assert updates["w"].sharding.is_equivalent_to(sharding, 2)
-            p = optax.apply_updates(p, updates)
+    expected = run(tx, params, 3)
+    p, state0, state = run_sharded_steps(tx, params, 3, sharding, grads_at=grads_at)
     for moment in (adam_of(state0).mu["w"], adam_of(state0).nu["w"]):
         assert moment.sharding.is_equivalent_to(sharding, 2)
     assert adam_of(state).mu["w"].sharding.is_equivalent_to(adam_of(state0).mu["w"].sharding, 2)
