@@ -29,8 +29,8 @@ from mpjax.policy import is_low_precision
 from mpjax.rounding import (
     check_rounding,
     next_rounding_keys,
+    round_to,
     rounding_key,
-    stochastic_round,
     widen,
 )
 
@@ -156,11 +156,11 @@ def low_precision_params(
         p_leaves, treedef = jax.tree.flatten(params)
         u_leaves = jax.tree.leaves(wide_updates)
         c_leaves = jax.tree.leaves(state.compensation, is_leaf=_is_masked)
-        key = state.key
+        key, keys = state.key, list[jax.Array]()
         if rounding == "stochastic":
             applied = loss_scaling_info(inner_state).applied
             key, keys = next_rounding_keys(key, sum(map(is_low_precision, p_leaves)), applied)
-            key_iter = iter(keys)
+        key_iter = iter(keys)
 
         out_updates, out_comp = [], []
         for p, u, c in zip(p_leaves, u_leaves, c_leaves):
@@ -169,9 +169,7 @@ def low_precision_params(
                 out_comp.append(c)
                 continue
             target = widen(p) + u
-            if rounding == "stochastic":
-                new = stochastic_round(target, p.dtype, next(key_iter))
-            elif rounding == "kahan":
+            if rounding == "kahan":
                 target = target + widen(c)
                 new = target.astype(p.dtype)
                 lost = (target - widen(new)).astype(c.dtype)
@@ -179,7 +177,7 @@ def low_precision_params(
                 new = jnp.where(moved, new, p)
                 c = jnp.where(moved, lost, c)
             else:
-                new = target.astype(p.dtype)
+                new = round_to(target, p.dtype, rounding, next(key_iter, None))
             out_updates.append(new - p)
             out_comp.append(c)
         return jax.tree.unflatten(treedef, out_updates), LowPrecisionParamsState(
