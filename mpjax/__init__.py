@@ -14,7 +14,17 @@ from mpjax.attention import dot_product_attention
 from mpjax.autocast import AutocastReport, AutocastRow, AutocastWarning, autocast
 from mpjax.deprecation import MpjaxDeprecationWarning
 from mpjax.describe import describe
-from mpjax.inspection import MatmulInfo, MatmulReport, hlo_op_counts, inspect_matmuls
+from mpjax.fp8 import Fp8Recipe
+from mpjax.inspection import (
+    HloDot,
+    HloDotReport,
+    HloOperand,
+    MatmulInfo,
+    MatmulReport,
+    hlo_dots,
+    hlo_op_counts,
+    inspect_matmuls,
+)
 from mpjax.loss_scaling import (
     DynamicLossScale,
     LossScale,
@@ -39,6 +49,7 @@ from mpjax.memory import MemoryReport, MemoryRow, memory_report
 from mpjax.op_categories import DEFAULT_OP_CATEGORIES
 from mpjax.policy import (
     MIXED_BFLOAT16,
+    MIXED_BFLOAT16_FP8,
     MIXED_FLOAT16,
     Policy,
     PolicyLike,
@@ -89,12 +100,17 @@ __all__ = [
     "AutocastWarning",
     "DEFAULT_OP_CATEGORIES",
     "DynamicLossScale",
+    "Fp8Recipe",
+    "HloDot",
+    "HloDotReport",
+    "HloOperand",
     "FULL_PRECISION_SCOPE",
     "LossScale",
     "LossScalingInfo",
     "LossScalingState",
     "LowPrecisionParamsState",
     "MIXED_BFLOAT16",
+    "MIXED_BFLOAT16_FP8",
     "MIXED_FLOAT16",
     "MasterWeightsState",
     "MatmulInfo",
@@ -124,6 +140,7 @@ __all__ = [
     "dot_product_attention",
     "full_precision",
     "get_policy",
+    "hlo_dots",
     "hlo_op_counts",
     "inspect_matmuls",
     "loss_scaling",

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mpjax import fp8
 from mpjax import jax_compat as compat
 from mpjax.deprecation import warn_deprecated
 from mpjax.op_categories import F32, KEEP, LOWER, ORIGINAL, PROMOTE, merge_categories
@@ -361,11 +362,35 @@ class _Interpreter:
             label = category
         compute = region.policy.compute_dtype if region.policy is not None else None
         invals, params, ran = self._cast_inputs(eqn, invals, avals, category, compute, casts)
+        dot = self._fp8_dot(eqn, region, category, compute, ran)
+        if dot is not None:
+            label, ran = "fp8", [jax.ShapeDtypeStruct(a.shape, fp8.E4M3) for a in ran]
         if self.record is not None:
             traced = [v.aval for v in eqn.invars]
             key = ("/".join(path), name, label, _dtype_names(traced), _dtype_names(ran))
             self.record[key] += 1
+        if dot is not None:
+            return [dot(*invals)]
         return compat.bind_equation(eqn, invals, params)
+
+    @staticmethod
+    def _fp8_dot(eqn, region, category, compute, ran) -> Callable[..., Any] | None:
+        """The fp8 matmul that replaces ``eqn``, if its region's policy runs matmuls in fp8:
+        a ``dot_general`` lowered to the compute dtype, unbatched unless the recipe says."""
+        if eqn.primitive.name != "dot_general" or category != LOWER or region.policy is None:
+            return None
+        recipe = region.policy.fp8
+        if recipe is None or any(a.dtype != compute for a in ran):
+            return None
+        p = compat.dot_params(eqn)
+        if not recipe.applies_to(p.dimension_numbers):
+            return None
+        return functools.partial(
+            fp8.dot_general,
+            dimension_numbers=p.dimension_numbers,
+            recipe=recipe,
+            precision=p.precision,
+        )
 
     def _cast_inputs(self, eqn, invals, avals, category, compute, casts):
         """Casts the floating inputs of a first-order equation by its category.

@@ -269,3 +269,169 @@ def hlo_op_counts(
         return _hlo_op_counts(fn, compiled, args, kwargs)
 
     return counts
+
+
+# One HLO instruction: ``[ROOT] name = type[dims]{layout} opcode(operands), attributes``.
+_HLO_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>[a-z][a-z0-9]*)\[[^\]]*\]\S*\s+"
+    r"(?P<op>[a-z][a-z0-9\-_]*)\((?P<operands>[^)]*)\)(?P<attrs>.*)$"
+)
+_HLO_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
+_HLO_CALLEE = re.compile(r"to_apply=%?(?P<name>[\w.\-]+)")
+# What XLA's GPU GEMM rewriter lets stand between a dequantization and the dot.
+_COMMUTING = frozenset(
+    {"bitcast", "broadcast", "copy", "dynamic-slice", "pad", "reshape", "slice", "transpose"}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class HloOperand:
+    """One operand of an HLO ``dot`` as XLA's GPU compiler will see it.
+
+    Attributes:
+      dtype: the operand's HLO element type (``"bf16"``).
+      fp8: the 8-bit type it is dequantized from (``"f8e4m3fn"``, ``"f8e5m2"``), or None when
+        the operand is not ``convert(fp8 value)`` (times a scale), possibly behind layout ops.
+      scaled: whether that dequantization multiplies by a broadcast scalar scale.
+    """
+
+    dtype: str
+    fp8: str | None
+    scaled: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class HloDot:
+    """One ``dot`` of a function's HLO: its result type and its two operands.
+
+    ``fp8`` is True when both operands are scaled fp8 dequantizations: the pattern XLA rewrites
+    into an fp8 cuBLASLt GEMM on Hopper and Ada GPUs.
+    """
+
+    name: str
+    computation: str
+    out_dtype: str
+    lhs: HloOperand
+    rhs: HloOperand
+
+    @property
+    def fp8(self) -> bool:
+        return all(o.fp8 is not None and o.scaled for o in (self.lhs, self.rhs))
+
+
+class HloDotReport(tuple):
+    """A tuple of :class:`HloDot` whose ``str`` is a table."""
+
+    def __str__(self) -> str:
+        def side(o: HloOperand) -> str:
+            return o.dtype if o.fp8 is None else f"{o.fp8}{'*scale' if o.scaled else ''}"
+
+        rows = [(d.computation, d.name, side(d.lhs), side(d.rhs), d.out_dtype) for d in self]
+        if not rows:
+            return "no dots"
+        return format_table(("computation", "dot", "lhs", "rhs", "out"), rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instruction:
+    type: str
+    op: str
+    operands: tuple[str, ...]
+    callee: str | None
+
+
+def _parse_hlo(text: str) -> dict[str, dict[str, _Instruction]]:
+    computations: dict[str, dict[str, _Instruction]] = {}
+    current: dict[str, _Instruction] | None = None
+    for line in text.splitlines():
+        match = _HLO_INSTRUCTION.match(line)
+        if match and current is not None:
+            # Operands are "%name" or, in some versions, "type[dims]{layout} %name".
+            names = tuple(
+                part.split()[-1].lstrip("%")
+                for part in re.split(r",\s*(?![^\[\{]*[\]\}])", match["operands"])
+                if part.strip()
+            )
+            callee = _HLO_CALLEE.search(match["attrs"])
+            current[match["name"]] = _Instruction(
+                match["type"], match["op"], names, callee["name"] if callee else None
+            )
+            continue
+        header = _HLO_COMPUTATION.match(line)
+        if header and "=" not in line.split("{")[0]:
+            current = computations.setdefault(header["name"], {})
+    return computations
+
+
+def _operand(
+    computations: dict[str, dict[str, _Instruction]], computation: str, name: str
+) -> HloOperand:
+    instructions = computations[computation]
+    dtype = instructions[name].type
+    seen = set()
+    while name in instructions and name not in seen:
+        seen.add(name)
+        inst = instructions[name]
+        if inst.op in _COMMUTING and inst.operands:
+            name = inst.operands[0]
+            continue
+        if inst.op == "multiply" and len(inst.operands) == 2:
+            for value, scale in (inst.operands, inst.operands[::-1]):
+                source = instructions.get(value)
+                factor = instructions.get(scale)
+                if (
+                    source is not None
+                    and source.op == "convert"
+                    and instructions[source.operands[0]].type.startswith("f8")
+                    and factor is not None
+                    and factor.op == "broadcast"
+                ):
+                    return HloOperand(dtype, instructions[source.operands[0]].type, True)
+        if inst.op == "convert" and instructions[inst.operands[0]].type.startswith("f8"):
+            return HloOperand(dtype, instructions[inst.operands[0]].type, False)
+        break
+    return HloOperand(dtype, None, False)
+
+
+def _hlo_dots(fn: Callable[..., Any], args: tuple, kwargs: dict) -> HloDotReport:
+    text = jax.jit(fn).lower(*args, **kwargs).as_text(dialect="hlo")
+    computations = _parse_hlo(text)
+    dots = []
+    for computation, instructions in computations.items():
+        for name, inst in instructions.items():
+            if inst.op != "dot":
+                continue
+            lhs, rhs = (_operand(computations, computation, o) for o in inst.operands[:2])
+            dots.append(HloDot(name, computation, inst.type, lhs, rhs))
+    return HloDotReport(dots)
+
+
+def hlo_dots(fn: Callable[..., Any], /) -> Callable[..., HloDotReport]:
+    """Lists the ``dot`` instructions of ``jax.jit(fn)``'s HLO and what feeds their operands;
+    curried like ``jax.make_jaxpr``: ``hlo_dots(fn)(*args, **kwargs)``.
+
+    It reads the HLO JAX emits, before XLA optimizes it: the program XLA's GPU compiler starts
+    from. An operand that is ``convert(fp8 value) * broadcast(scale)`` (possibly behind
+    reshapes, transposes and other layout ops) is reported as scaled fp8; a dot whose two
+    operands are is what XLA turns into an fp8 cuBLASLt GEMM on Hopper and Ada GPUs
+    (:attr:`HloDot.fp8`). Use it to check that the matmuls of an fp8 policy
+    (:mod:`mpjax.fp8`) will run in fp8, forward and backward, on a machine without such a GPU.
+
+    Returns:
+      A function that takes example arguments of ``fn``, lowers ``jax.jit(fn)`` for them and
+      returns an :class:`HloDotReport` (a tuple of :class:`HloDot`).
+
+    >>> import jax.numpy as jnp
+    >>> from mpjax import fp8
+    >>> x, w = jnp.ones((4, 16), jnp.bfloat16), jnp.ones((16, 8), jnp.bfloat16)
+    >>> [d.fp8 for d in hlo_dots(lambda x, w: x @ w)(x, w)]
+    [False]
+    >>> dots = hlo_dots(lambda x, w: fp8.dot_general(x, w, (((1,), (0,)), ((), ()))))(x, w)
+    >>> [(d.fp8, d.lhs.fp8, d.rhs.fp8) for d in dots]
+    [(True, 'f8e4m3fn', 'f8e4m3fn')]
+    """
+
+    def report(*args: Any, **kwargs: Any) -> HloDotReport:
+        return _hlo_dots(fn, args, kwargs)
+
+    return report

@@ -148,6 +148,19 @@ def preferred_element_type(eqn: Any) -> np.dtype | None:
     return None if dtype is None else np.dtype(dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class DotParams:
+    """What a ``dot_general`` equation computes, in ``lax.dot_general``'s terms."""
+
+    dimension_numbers: Any  # ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))
+    precision: Any
+
+
+def dot_params(eqn: Any) -> DotParams:
+    """The dimension numbers and precision of a ``dot_general`` equation."""
+    return DotParams(_param(eqn, "dimension_numbers"), eqn.params.get("precision"))
+
+
 # --- Higher-order primitives --------------------------------------------------------------
 
 

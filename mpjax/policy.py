@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from mpjax.fp8 import Fp8Recipe, check_compute_dtype, fp8_recipe
+
 try:
     import jmp
 except ImportError:  # only Policy.to_jmp needs it: the jmp extra
@@ -61,6 +63,7 @@ _KEYS: dict[str, str] = {
     "o": "output_dtype",
     "output": "output_dtype",
 }
+_FP8_KEY = "fp8"
 
 _FIELD_TO_KEY = {"param_dtype": "params", "compute_dtype": "compute", "output_dtype": "output"}
 
@@ -184,13 +187,17 @@ def storage_dtype(value: Any, role: str) -> np.dtype:
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """A mixed-precision policy: storage, compute and output dtypes.
+    """A mixed-precision policy: storage, compute and output dtypes, and optionally fp8 matmuls.
 
     Args:
       param_dtype: dtype parameters are stored in (the optimizer's dtype). Must be a floating
         dtype of at least 16 bits.
       compute_dtype: dtype matmuls and convolutions run in.
       output_dtype: dtype a module or function returns.
+      fp8: None, or an :class:`mpjax.Fp8Recipe` (or its string form, ``"current"``): the
+        matmuls this policy lowers to the compute dtype run with fp8 operands instead (e4m3
+        forward, e5m2 gradients, per-tensor scales; :mod:`mpjax.fp8`), their results in the
+        compute dtype. The compute dtype must then be bfloat16, float16 or float32.
 
     Dtypes may be given as numpy/jax dtypes or scalar types, or as names (``"bf16"``,
     ``"float32"``...); they are stored as ``numpy.dtype``.
@@ -213,11 +220,16 @@ class Policy:
     param_dtype: np.dtype
     compute_dtype: np.dtype
     output_dtype: np.dtype
+    fp8: Fp8Recipe | None = None
 
     if TYPE_CHECKING:  # the generated __init__ takes any dtype spelling; __post_init__ converts
 
         def __init__(
-            self, param_dtype: DTypeLike, compute_dtype: DTypeLike, output_dtype: DTypeLike
+            self,
+            param_dtype: DTypeLike,
+            compute_dtype: DTypeLike,
+            output_dtype: DTypeLike,
+            fp8: Fp8Recipe | str | None = None,
         ) -> None: ...
 
     def __post_init__(self):
@@ -227,6 +239,12 @@ class Policy:
             dtype = _to_dtype(getattr(self, field), field)
             _check_floating(dtype, field)
             object.__setattr__(self, field, dtype)
+        if self.fp8 is not None:
+            object.__setattr__(self, "fp8", fp8_recipe(self.fp8))
+            try:
+                check_compute_dtype(self.compute_dtype)
+            except ValueError as error:
+                raise ValueError(f"Policy(fp8=...): {error}") from None
 
     @property
     def needs_loss_scaling(self) -> bool:
@@ -267,13 +285,19 @@ class Policy:
         """Returns a copy of this policy with ``output_dtype`` replaced."""
         return dataclasses.replace(self, output_dtype=dtype)
 
+    def with_fp8(self, fp8: Fp8Recipe | str | None) -> Policy:
+        """Returns a copy of this policy with ``fp8`` replaced (None: no fp8 matmuls)."""
+        return dataclasses.replace(self, fp8=fp8)
+
     def __str__(self) -> str:
         names = (short_dtype_name(d) for d in self._dtypes())
-        return "p={},c={},o={}".format(*names)
+        text = "p={},c={},o={}".format(*names)
+        return text if self.fp8 is None else f"{text},{_FP8_KEY}={self.fp8}"
 
     def __repr__(self) -> str:
         p, c, o = (d.name for d in self._dtypes())
-        return f"Policy(param_dtype={p}, compute_dtype={c}, output_dtype={o})"
+        fp8 = "" if self.fp8 is None else f", fp8={str(self.fp8)!r}"
+        return f"Policy(param_dtype={p}, compute_dtype={c}, output_dtype={o}{fp8})"
 
     def _dtypes(self) -> tuple[np.dtype, np.dtype, np.dtype]:
         return self.param_dtype, self.compute_dtype, self.output_dtype
@@ -289,7 +313,13 @@ class Policy:
 
         Raises:
           ImportError: if jmp is not installed (``pip install "mpjax[jmp]"``).
+          ValueError: for a policy with fp8 matmuls, which jmp cannot express.
         """
+        if self.fp8 is not None:
+            raise ValueError(
+                f"Policy {self} runs matmuls in fp8, which a jmp.Policy cannot express; "
+                "convert the policy without it: policy.with_fp8(None).to_jmp()."
+            )
         if jmp is None:
             raise ImportError(
                 "Policy.to_jmp() needs jmp, which is not installed. Install it with: "
@@ -356,10 +386,14 @@ def cast_floating(tree: T, dtype: Any) -> T:
 MIXED_BFLOAT16 = Policy(jnp.float32, jnp.bfloat16, jnp.float32)
 #: The ``"mixed_float16"`` preset: params f32, compute f16, output f32 (f16 needs loss scaling).
 MIXED_FLOAT16 = Policy(jnp.float32, jnp.float16, jnp.float32)
+#: The ``"mixed_bfloat16_fp8"`` preset: ``mixed_bfloat16`` whose matmuls run in fp8 with
+#: current scaling (:mod:`mpjax.fp8`).
+MIXED_BFLOAT16_FP8 = MIXED_BFLOAT16.with_fp8("current")
 
 _PRESETS: dict[str, Policy] = {
     "mixed_bfloat16": MIXED_BFLOAT16,
     "mixed_float16": MIXED_FLOAT16,
+    "mixed_bfloat16_fp8": MIXED_BFLOAT16_FP8,
 }
 
 
@@ -382,16 +416,27 @@ def _parse(spec: str) -> Policy:
         return Policy(dtype, dtype, dtype)
 
     fields: dict[str, np.dtype] = {}
+    fp8: Fp8Recipe | None = None
     for part in text.split(","):
         key, sep, value = (s.strip() for s in part.partition("="))
         if not sep or not key or not value:
             raise ValueError(
                 f"Malformed entry {part.strip()!r} in policy {spec!r}: expected key=dtype "
-                f"with key one of {', '.join(_KEYS)} and dtype one of {_valid_names()}."
+                f"with key one of {', '.join(_KEYS)} and dtype one of {_valid_names()}, or "
+                f"{_FP8_KEY}=<recipe> (for example {_FP8_KEY}=current)."
             )
+        if key == _FP8_KEY:
+            if fp8 is not None:
+                raise ValueError(f"Duplicate key {key!r} in policy {spec!r}.")
+            try:
+                fp8 = fp8_recipe(value)
+            except ValueError as error:
+                raise ValueError(f"In policy {spec!r}: {error}") from None
+            continue
         if key not in _KEYS:
             raise ValueError(
-                f"Unknown key {key!r} in policy {spec!r}. Valid keys: {', '.join(_KEYS)}."
+                f"Unknown key {key!r} in policy {spec!r}. Valid keys: "
+                f"{', '.join([*_KEYS, _FP8_KEY])}."
             )
         field = _KEYS[key]
         if field in fields:
@@ -404,7 +449,7 @@ def _parse(spec: str) -> Policy:
     param = fields.get("param_dtype", np.dtype(jnp.float32))
     compute = fields.get("compute_dtype", param)
     output = fields.get("output_dtype", compute)
-    return Policy(param, compute, output)
+    return Policy(param, compute, output, fp8)
 
 
 def get_policy(spec: PolicyLike) -> Policy:
@@ -416,12 +461,14 @@ def get_policy(spec: PolicyLike) -> Policy:
         - a :class:`Policy` (returned as is), or a ``jmp.Policy`` or any other object with
           ``param_dtype``, ``compute_dtype`` and ``output_dtype`` attributes
           (:class:`JmpStylePolicy`; converted);
-        - a preset: ``"mixed_bfloat16"`` (params f32, compute bf16, output f32) or
-          ``"mixed_float16"`` (the same with f16);
+        - a preset: ``"mixed_bfloat16"`` (params f32, compute bf16, output f32),
+          ``"mixed_float16"`` (the same with f16) or ``"mixed_bfloat16_fp8"``
+          (``mixed_bfloat16`` with fp8 matmuls, current scaling);
         - a dtype name (``"float32"``, ``"bf16"``, ``"half"``...) for all three dtypes;
         - jmp's grammar, ``"p=f32,c=bf16,o=f32"`` or ``"params=float32,compute=bfloat16"``,
           with jmp's defaults: params f32, compute follows params, output follows compute.
-          Spaces around commas and ``=`` are allowed;
+          Spaces around commas and ``=`` are allowed. An ``fp8=<recipe>`` entry
+          (``"p=f32,c=bf16,o=f32,fp8=current"``) adds fp8 matmuls (:class:`mpjax.Fp8Recipe`);
         - a dtype object (``jnp.bfloat16``, ``np.dtype("float32")``) for all three dtypes.
 
     Raises:
