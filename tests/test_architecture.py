@@ -16,6 +16,7 @@ PACKAGE = ROOT / "mpjax"
 # Lowest first. A module may import modules of its own layer or of lower ones, never of a
 # higher one. Every module of the package must have a layer.
 LAYERS = (
+    {"fp8"},  # the fp8 numerics a policy's recipe names
     {"policy", "deprecation"},
     {"rules"},
     # The casting engine's parts, the inspection of jaxprs, and the optimizer side.
@@ -43,6 +44,7 @@ LAYER = {module: i for i, layer in enumerate(LAYERS) for module in layer}
 
 # Modules that must import without Flax, and run: everything below the integrations.
 FLAX_FREE = (
+    "fp8",
     "policy",
     "deprecation",
     "rules",

@@ -342,32 +342,39 @@ def test_fp8_under_scan_over_layers_and_remat():
 
 
 def test_fp8_under_sharding_matches_the_unsharded_step():
-    x = normal((8, 16), 13)
-    model = mpjax.linen.apply_policy(Mlp(), "mixed_bfloat16_fp8")
-    x3 = x.reshape(8, 1, 16)
-    params = model.init(jax.random.key(0), x3)["params"]
-
-    def loss(p, x):
-        return jnp.mean(model.apply({"params": p}, x) ** 2)
-
-    grad = jax.jit(jax.grad(loss))
+    """Sharded (data-parallel batch, FSDP-style kernels), the fp8 gradients stay closer to the
+    unsharded fp8 gradients than fp8 is to bf16: partial sums are added in another order, and
+    a value that moves by one bf16 ulp can round to the neighbouring fp8 value, nothing more.
+    test_fp8_scales_are_global_under_sharding checks the scales exactly."""
+    x = normal((8, 1, 16), 13)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
-    sharded = jax.device_put(x3, NamedSharding(mesh, PartitionSpec("data")))
-    # The kernels sharded too, as FSDP does: each amax is a reduction across devices.
-    kernels = jax.tree.map(
-        lambda a: (
-            jax.device_put(a, NamedSharding(mesh, PartitionSpec(*[None] * (a.ndim - 1), "data")))
-            if a.shape[-1] % 8 == 0
-            else a
-        ),
-        params,
-    )
-    expected, got = grad(params, x3), grad(kernels, sharded)
-    for e, g in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
-        # Partial sums are added in another order, and a value that moves by one bf16 ulp
-        # can round to the neighbouring e5m2 value (a step of 25%) before a backward matmul:
-        # equal up to fp8 noise, which test_fp8_scales_are_global_under_sharding excludes.
-        assert float(jnp.linalg.norm(g - e)) < 0.05 * float(jnp.linalg.norm(e))
+
+    def grads(policy, sharded):
+        model = mpjax.linen.apply_policy(Mlp(), policy)
+        params = model.init(jax.random.key(0), x)["params"]
+
+        def loss(p, x):
+            return jnp.mean(model.apply({"params": p}, x) ** 2)
+
+        if not sharded:
+            return jax.jit(jax.grad(loss))(params, x)
+        kernels = jax.tree.map(
+            lambda a: (
+                jax.device_put(
+                    a, NamedSharding(mesh, PartitionSpec(*[None] * (a.ndim - 1), "data"))
+                )
+                if a.shape[-1] % 8 == 0
+                else a
+            ),
+            params,
+        )
+        batch = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))
+        return jax.jit(jax.grad(loss))(kernels, batch)
+
+    expected, got = grads("mixed_bfloat16_fp8", False), grads("mixed_bfloat16_fp8", True)
+    bf16 = grads("mixed_bfloat16", False)
+    for e, g, b in zip(*map(jax.tree.leaves, (expected, got, bf16))):
+        assert float(jnp.linalg.norm(g - e)) <= float(jnp.linalg.norm(b - e)) + 1e-7
 
 
 def test_fp8_scales_are_global_under_sharding():
