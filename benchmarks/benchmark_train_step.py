@@ -18,6 +18,14 @@ estimate for the compiled step and, where the device reports it, peak device mem
 optimizer state take (JAX: ``mpjax.memory_report`` of the variant's real train state; PyTorch:
 the model's parameters and ``optimizer.state`` after the timed steps), by part.
 
+The fp8 rows (``fp8_mpjax``, ``fp8_autocast``) run the blocks' dense matmuls under
+``mixed_bfloat16_fp8``: e4m3 operands forward and e5m2 gradients backward with current
+scaling, which Hopper and Ada GPUs run as cuBLASLt fp8 GEMMs; compare them with the bf16 rows
+of the same run (``--variants`` with ``FP8_KEYS``). On CPU fp8 is emulated: slower, not faster.
+
+    python benchmarks/benchmark_train_step.py --preset medium \
+        --variants bf16_mpjax fp8_mpjax bf16_autocast fp8_autocast torch_bf16_sdpa   # H100
+
 Besides the activation-precision rows, the optimizer rows keep bfloat16 params and differ in
 how the optimizer updates them (f32 master weights, rounding to nearest, stochastic rounding,
 Kahan compensation) and in the dtype of Adam's moments: 14 down to 6 bytes per parameter.
@@ -111,6 +119,18 @@ VARIANTS = [
         attention="naive",
     ),
     Variant("bf16_autocast", "mixed_bfloat16, mpjax.autocast", "mixed_bfloat16", mode="autocast"),
+    # fp8 rows: the dense matmuls of the blocks with e4m3/e5m2 operands (current scaling), the
+    # output head and attention in bf16; compare with bf16_mpjax / bf16_autocast. Their MFU
+    # column still counts against the bf16 peak, so fp8 can pass 100% of it.
+    Variant(
+        "fp8_mpjax",
+        "mixed_bfloat16_fp8, mpjax.linen.apply_policy",
+        "mixed_bfloat16_fp8",
+        mode="mpjax",
+    ),
+    Variant(
+        "fp8_autocast", "mixed_bfloat16_fp8, mpjax.autocast", "mixed_bfloat16_fp8", mode="autocast"
+    ),
     Variant("bf16_hand", "mixed_bfloat16, dtype=bf16 by hand", "mixed_bfloat16"),
     Variant(
         "bf16_hand_naive",
@@ -218,6 +238,9 @@ OPTIMIZER_KEYS = (
     "bf16_sr_state_bf16",
     "bf16_master_state_bf16",
 )
+
+# The fp8 rows and the bf16 rows they race: `--variants bf16_mpjax fp8_mpjax ...`.
+FP8_KEYS = ("bf16_mpjax", "fp8_mpjax", "bf16_autocast", "fp8_autocast", "torch_bf16_sdpa")
 
 # Dense peak FLOP/s per device by matmul kind. Matched against jax's device_kind, first match
 # wins (so the PCIe H100 comes before the SXM one). H200 has H100's compute.

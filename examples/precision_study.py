@@ -17,8 +17,9 @@ Writes the table into docs/precision_study.md (between the table markers), every
 of every run into docs/precision_study.json, and three plots into docs/:
 precision_study_loss.png, precision_study_unmoved.png, precision_study_gradients.png.
 
-    python examples/precision_study.py                     # 9 setups x 3 seeds, ~25 min on 2 CPU cores
+    python examples/precision_study.py                     # 11 setups x 3 seeds, ~35 min on 2 CPU cores
     python examples/precision_study.py --seeds 0 --setups f32 bf16_nearest bf16_sr --steps 300
+    python examples/precision_study.py --add --setups mixed_bf16_fp8 mixed_bf16_fp8_head
     python examples/precision_study.py --render-only   # the table and plots from the JSON
 """
 
@@ -70,6 +71,7 @@ class Setup:
     mu_dtype: str | None = None
     nu_dtype: str | None = None
     state_rounding: str = "nearest"
+    fp8_head: bool = False
     # How the dtypes reach the model. bf16-param setups write them into the model ("hand"),
     # so every param is bf16, norms included (module rules would keep norms f32); the others
     # go through module rules, which give the same arithmetic for f32 params.
@@ -113,6 +115,17 @@ SETUPS = [
         nu_dtype="bfloat16",
         state_rounding="stochastic",
         mode="hand",
+    ),
+    Setup(
+        "mixed_bf16_fp8",
+        "mixed bf16 + fp8 matmuls (current scaling), head in bf16",
+        "mixed_bfloat16_fp8",
+    ),
+    Setup(
+        "mixed_bf16_fp8_head",
+        "mixed bf16 + fp8 matmuls (current scaling), head in fp8 too",
+        "mixed_bfloat16_fp8",
+        fp8_head=True,
     ),
     Setup("mixed_f16_none", "mixed f16, no loss scaling", "mixed_float16", loss_scale="none"),
     Setup(
@@ -469,6 +482,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="train nothing: rewrite the table and plots from --docs' precision_study.json",
     )
+    p.add_argument(
+        "--add",
+        action="store_true",
+        help="train only --setups and put them into --docs' precision_study.json, next to the "
+        "setups already there (which must have run --steps steps)",
+    )
     args = p.parse_args(argv)
     docs = pathlib.Path(args.docs)
     if args.render_only:
@@ -486,9 +505,25 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--steps must be at least 100, got {args.steps}")
         setups = [s for s in SETUPS if s.key in args.setups]
         out_root = pathlib.Path(args.out)
-        if out_root.exists():
+        previous = {}
+        if args.add:
+            previous = json.loads((docs / "precision_study.json").read_text())
+            done = {
+                e["step"] for r in previous.values() for x in r["runs"].values() for e in x["log"]
+            }
+            if max(done) != args.steps:
+                p.error(
+                    f"--add: the study in {docs} ran {max(done)} steps, not --steps {args.steps}"
+                )
+            for setup in setups:
+                for seed in args.seeds:
+                    shutil.rmtree(out_root / f"{setup.key}_seed{seed}", ignore_errors=True)
+        elif out_root.exists():
             shutil.rmtree(out_root)  # the study always starts fresh: it owns this folder
-        results = run_all(setups, args.seeds, args.steps, out_root)
+        new = run_all(setups, args.seeds, args.steps, out_root)
+        # In SETUPS order, whichever run wrote them.
+        merged = {**previous, **new}
+        results = {s.key: merged[s.key] for s in SETUPS if s.key in merged}
         steps = args.steps
     docs.mkdir(parents=True, exist_ok=True)
     md = table(results, steps)

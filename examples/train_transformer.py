@@ -51,8 +51,9 @@ ATTENTION_IMPL = "fused"  # fused (jax.nn.dot_product_attention: cuDNN flash on 
 SCAN_LAYERS = False  # run the blocks under nn.scan: one compiled block, for deep models
 REMAT = "none"  # rematerialize each block in the backward pass: none, full or dots
 POLICY = (
-    "mixed_bfloat16"  # any mpjax policy: float32, mixed_bfloat16, bfloat16, "p=f32,c=bf16,o=f32"
+    "mixed_bfloat16"  # any mpjax policy: float32, mixed_bfloat16, mixed_bfloat16_fp8, bfloat16...
 )
+FP8_HEAD = False  # under an fp8 policy, run the (tied) output head in fp8 too
 LOSS_SCALE = "auto"  # auto (dynamic for float16, none otherwise), dynamic, static:N or none
 MASTER_WEIGHTS = True  # keep an f32 master copy when the policy stores params in bf16/f16
 PARAM_ROUNDING = "nearest"  # without master weights: nearest, stochastic or kahan
@@ -101,6 +102,7 @@ class TrainConfig:
     scan_layers: bool = SCAN_LAYERS
     remat: str = REMAT
     policy: str = POLICY
+    fp8_head: bool = FP8_HEAD
     mode: str = MODE
     loss_scale: str = LOSS_SCALE
     master_weights: bool = MASTER_WEIGHTS
@@ -338,17 +340,32 @@ class AutocastModel:
     def init(self, *args, **kwargs):
         return self.policy.cast_to_param(self.module.init(*args, **kwargs))
 
+    rules: dict = dataclasses.field(default_factory=dict)
+
     @functools.cached_property
     def apply(self):
-        return mpjax.autocast(self.module.apply, self.policy)
+        return mpjax.autocast(self.module.apply, self.policy, rules=self.rules)
 
 
-def build_model(config: GPTConfig, policy: mpjax.Policy, mode: str = MODE):
+def head_rule(config: GPTConfig, policy: mpjax.Policy, fp8_head: bool, scope: str = "") -> dict:
+    """The rule that keeps the output head (``wte.attend`` when tied, else ``head``) out of
+    fp8, as fp8 recipes usually do: the logits' matmul is the most sensitive one. Empty
+    without fp8, or with ``fp8_head``. ``scope`` prefixes the key: autocast sees Flax's named
+    scopes, ``GPT/wte.attend`` for the tied head's method."""
+    if policy.fp8 is None or fp8_head:
+        return {}
+    return {scope + ("wte*" if config.tie_embeddings else "head"): policy.with_fp8(None)}
+
+
+def build_model(
+    config: GPTConfig, policy: mpjax.Policy, mode: str = MODE, *, fp8_head: bool = FP8_HEAD
+):
     """The model a policy trains; every mode has linen's ``init``/``apply`` and the same params.
 
     Args:
       config: the model's shape.
-      policy: the precision policy.
+      policy: the precision policy. With fp8 (``mixed_bfloat16_fp8``) every dense matmul runs
+        in fp8 except the output head's, unless ``fp8_head``.
       mode: how the policy reaches the model:
         ``"mpjax"``: the unmodified model wrapped by :func:`mpjax.linen.apply_policy`, with a
         class rule that treats the model's own ``LayerNorm`` like Flax's norms (f32 params and
@@ -357,16 +374,24 @@ def build_model(config: GPTConfig, policy: mpjax.Policy, mode: str = MODE):
         (``GPT(config, dtype=compute, param_dtype=param)``), the way Flax users do it today;
         ``"autocast"``: the unmodified model's ``apply`` under :func:`mpjax.autocast`.
 
+      fp8_head: run the output head in fp8 too.
+
     Raises:
-      ValueError: for an unknown ``mode``.
+      ValueError: for an unknown ``mode``, or an fp8 policy in ``"hand"`` mode (Flax's
+        ``dtype`` attributes cannot say fp8).
     """
     if mode == "mpjax":
-        rules = mpjax.Rules({LayerNorm: mpjax.norm_policy}, default=policy)
-        return mpjax.linen.apply_policy(GPT(config), rules)
+        rules = {LayerNorm: mpjax.norm_policy, **head_rule(config, policy, fp8_head)}
+        return mpjax.linen.apply_policy(GPT(config), mpjax.Rules(rules, default=policy))
     if mode == "hand":
+        if policy.fp8 is not None:
+            raise ValueError(
+                f"--policy {policy} runs matmuls in fp8, which dtypes written by hand cannot "
+                "express: use --mode mpjax or --mode autocast."
+            )
         return GPT(config, dtype=policy.compute_dtype, param_dtype=policy.param_dtype)
     if mode == "autocast":
-        return AutocastModel(GPT(config), policy)
+        return AutocastModel(GPT(config), policy, head_rule(config, policy, fp8_head, "GPT/"))
     raise ValueError(f"mode must be one of {', '.join(MODEL_MODES)}; got {mode!r}.")
 
 
@@ -939,7 +964,7 @@ def train(cfg: TrainConfig) -> dict:
     rng = np.random.default_rng(cfg.seed)
 
     # Model, optimizer, state.
-    model = build_model(mcfg, policy, cfg.mode)
+    model = build_model(mcfg, policy, cfg.mode, fp8_head=cfg.fp8_head)
     tx = make_optimizer(cfg, policy)
     state = init_state(model, tx, cfg.seed, seq_len, mesh)
     state_shardings = jax.tree.map(lambda a: a.sharding, state)
@@ -1216,7 +1241,14 @@ def make_parser() -> argparse.ArgumentParser:
         "--policy",
         default=POLICY,
         help="mpjax policy: float32, mixed_bfloat16, mixed_float16, bfloat16, "
-        "'p=f32,c=bf16,o=f32', ...",
+        "mixed_bfloat16_fp8 (fp8 matmuls, current scaling; Hopper/Ada GPUs run them as fp8 "
+        "GEMMs), 'p=f32,c=bf16,o=f32', 'p=f32,c=bf16,o=f32,fp8=current;margin=1', ...",
+    )
+    g.add_argument(
+        "--fp8-head",
+        action=argparse.BooleanOptionalAction,
+        default=FP8_HEAD,
+        help="under an fp8 policy, run the output head's matmul in fp8 too (default: bf16)",
     )
     g.add_argument(
         "--mode",

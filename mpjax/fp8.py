@@ -92,9 +92,7 @@ class Fp8Recipe:
                 f"Fp8Recipe(margin=...) must be from 0 to {_MAX_MARGIN}; got {self.margin}."
             )
         if not isinstance(self.batched, (bool, np.bool_)):
-            raise TypeError(
-                f"Fp8Recipe(batched=...) must be True or False; got {self.batched!r}."
-            )
+            raise TypeError(f"Fp8Recipe(batched=...) must be True or False; got {self.batched!r}.")
         object.__setattr__(self, "margin", int(self.margin))
         object.__setattr__(self, "batched", bool(self.batched))
 

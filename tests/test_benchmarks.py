@@ -3,6 +3,7 @@ per parameter their setup implies; the PyTorch peer is the same model as the exa
 parameter count, same logits from the same params) and its rows are skipped cleanly where torch
 is not installed."""
 
+import functools
 import importlib.metadata
 import json
 import math
@@ -317,3 +318,19 @@ def test_torch_rows_of_the_runner(tmp_path):
     assert parts == {"params", "step", "exp_avg", "exp_avg_sq"}
     assert row["final_loss"] == pytest.approx(FIRST_LOSS, abs=0.3)
     assert report["versions"]["torch"] == importlib.metadata.version("torch")
+
+
+def test_fp8_rows_build_a_step_whose_dense_matmuls_are_fp8():
+    """The fp8 rows race the bf16 rows of the same run, and their train step really has fp8
+    dots (scaled e4m3/e5m2 operands) for XLA to turn into fp8 GEMMs."""
+    keys = [v.key for v in bench.VARIANTS]
+    assert set(bench.FP8_KEYS) <= set(keys)
+    for key in ("fp8_mpjax", "fp8_autocast"):
+        variant = next(v for v in bench.VARIANTS if v.key == key)
+        cfg, policy, model, tx, state = bench.build_jax_variant(variant, SETUP)
+        assert policy.fp8 is not None
+        x = jnp.zeros((1, 16), jnp.int32)
+        loss = functools.partial(tt.loss_fn, model, x=x, y=x)
+        dots = mpjax.hlo_dots(jax.grad(loss))(state.params)
+        # Per block: qkv, proj, fc and proj, forward and both gradients; the head stays bf16.
+        assert sum(d.fp8 for d in dots) == 3 * 4 * cfg.model_config().n_layer, str(dots)

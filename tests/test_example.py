@@ -804,3 +804,40 @@ def test_user_errors_are_a_message_not_a_traceback(text_file, tmp_path, extra, m
     argv = _argv(text_file, tmp_path / "run", "--steps", "2") + extra
     with pytest.raises(SystemExit, match=message):
         tt.main(argv)
+
+
+@pytest.mark.parametrize("mode", ["mpjax", "autocast"])
+@pytest.mark.parametrize("fp8_head", [False, True])
+def test_fp8_policy_runs_every_dense_matmul_in_fp8_but_the_head(mode, fp8_head):
+    """Under mixed_bfloat16_fp8 the blocks' dense matmuls, scanned and rematerialized, run
+    with scaled fp8 operands forward and backward; the tied head stays bf16 unless
+    --fp8-head, and attention's batched matmuls stay bf16."""
+    config = dataclasses.replace(DEEP, scan_layers=True, remat="full", attention="naive")
+    policy = mpjax.get_policy("mixed_bfloat16_fp8")
+    model = tt.build_model(config, policy, mode, fp8_head=fp8_head)
+    params = model.init(jax.random.key(0), _tokens(config=config))["params"]
+    x, y = _tokens(config=config, seed=1), _tokens(config=config, seed=2)
+    dots = mpjax.hlo_dots(jax.grad(lambda p: tt.loss_fn(model, p, x, y)))(params)
+    fp8_dots = [d for d in dots if d.fp8]
+    # The scanned block (computed once in the loop body): qkv, proj, fc, mlp proj forward,
+    # and twice as many backward; remat computes the forward again in the backward pass.
+    assert len(fp8_dots) >= 3 * 4, str(dots)
+    head = 3 if fp8_head else 0  # forward, input and table gradient of the tied head
+    assert len([d for d in dots if d.fp8 and d.computation.startswith("main")]) == head
+    assert all(d.out_dtype == "bf16" for d in dots), str(dots)
+
+
+def test_fp8_run_trains_and_resumes_bit_identically(text_file, tmp_path):
+    cfg = _cfg(text_file, tmp_path, steps=6, ckpt_interval=3, policy="mixed_bfloat16_fp8")
+    straight = tt.train(cfg)
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "6")
+    resumed = tt.train(dataclasses.replace(cfg, resume=True))
+    for a, b in zip(jax.tree.leaves(straight["state"]), jax.tree.leaves(resumed["state"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    losses = [r["loss"] for r in straight["history"]]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+def test_hand_mode_refuses_an_fp8_policy():
+    with pytest.raises(ValueError, match="use --mode mpjax or --mode autocast"):
+        tt.build_model(SMALL, mpjax.get_policy("mixed_bfloat16_fp8"), "hand")
