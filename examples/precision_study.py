@@ -520,7 +520,8 @@ def main(argv: list[str] | None = None) -> None:
                     shutil.rmtree(out_root / f"{setup.key}_seed{seed}", ignore_errors=True)
         elif out_root.exists():
             shutil.rmtree(out_root)  # the study always starts fresh: it owns this folder
-        new = run_all(setups, args.seeds, args.steps, out_root)
+        # Through JSON, as the runs read back from it: seeds become string keys in both.
+        new = json.loads(json.dumps(run_all(setups, args.seeds, args.steps, out_root)))
         # In SETUPS order, whichever run wrote them.
         merged = {**previous, **new}
         results = {s.key: merged[s.key] for s in SETUPS if s.key in merged}

@@ -22,6 +22,15 @@ Scaling (:class:`Fp8Recipe`):
   :func:`mpjax.autocast` of any function, in wrapped Flax models, in ``scan``, ``remat``,
   ``shard_map`` and under sharding (the amax of a sharded array is a global reduction).
 
+- delayed scaling, with explicit state (:func:`delayed_dot_general`): each tensor's scale
+  comes from the largest amax of the previous steps (an amax history of configurable length,
+  as Transformer Engine and Flax's ``fp8_ops`` keep it). The state of one matmul is an
+  :class:`Fp8Meta` of arrays that the caller carries from step to step, and the new state
+  comes back as the *gradient* with respect to the old one, so one ``jax.grad`` gives both the
+  parameter gradients and the next state: no side effects, so it jits, scans (stack the
+  metas of scanned layers along the scan axis), rematerializes, shards and checkpoints as
+  plain arrays.
+
 Overflow: finite values beyond the fp8 range saturate to ±max (a plain cast makes them NaN in
 e4m3 and inf in e5m2). Non-finite values stay non-finite, so an overflow in the forward pass or
 in the gradients still reaches :func:`mpjax.loss_scaling`, which skips the step.
@@ -31,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -203,44 +212,68 @@ def _representable_scale(scale: jax.Array, compute: np.dtype) -> jax.Array:
     return jnp.maximum(scale, tiny).astype(compute).astype(_F32)
 
 
-def _qdq(x: jax.Array, dtype: np.dtype, margin: int) -> jax.Array:
-    compute = np.dtype(x.dtype)
-    scale = _representable_scale(current_scale(x, dtype, margin), compute)
-    return dequantize(quantize(x, dtype, scale), compute, scale)
+class _Quantized(NamedTuple):
+    """A tensor in fp8 and the scale it was quantized with (rounded to the compute dtype)."""
+
+    q: jax.Array
+    scale: jax.Array
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _operand(x: jax.Array, margin: int) -> jax.Array:
-    """An e4m3-quantized forward operand; its gradient passes straight through."""
-    return _qdq(x, E4M3, margin)
+def _quantized(x: jax.Array, dtype: np.dtype, scale: jax.Array) -> _Quantized:
+    scale = _representable_scale(scale, np.dtype(x.dtype))
+    return _Quantized(quantize(x, dtype, scale), scale)
 
 
-def _operand_fwd(x, margin):
-    return _qdq(x, E4M3, margin), None
+def _matmul(a, b, dimension_numbers, precision, compute):
+    return lax.dot_general(
+        dequantize(a.q, compute, a.scale),
+        dequantize(b.q, compute, b.scale),
+        dimension_numbers,
+        precision=precision,
+        preferred_element_type=compute,
+    )
 
 
-def _operand_bwd(margin, _, g):
-    return (g,)
+def _forward(lhs, rhs, scales, dimension_numbers, precision):
+    """The forward matmul on e4m3 operands; its residuals are the fp8 values and their
+    scales, so the backward matmuls dequantize next to their dots (the pattern XLA rewrites
+    into fp8 GEMMs, inside scanned loops too) and keep half the bytes of bf16 residuals."""
+    a, b = _quantized(lhs, E4M3, scales[0]), _quantized(rhs, E4M3, scales[1])
+    return _matmul(a, b, dimension_numbers, precision, np.dtype(lhs.dtype)), (a, b)
 
 
-_operand.defvjp(_operand_fwd, _operand_bwd)
+def _backward(operands, g, g_scale, dimension_numbers, precision):
+    """The gradients of both operands from the e5m2-quantized ``g``: the straight-through
+    estimator for the forward rounding, with fp8 operands in both backward matmuls."""
+    a, b = operands
+    compute = np.dtype(g.dtype)
+    qg = _quantized(g, E5M2, g_scale)
+    _, vjp = jax.vjp(
+        lambda x, y: lax.dot_general(
+            x, y, dimension_numbers, precision=precision, preferred_element_type=compute
+        ),
+        dequantize(a.q, compute, a.scale),
+        dequantize(b.q, compute, b.scale),
+    )
+    return vjp(dequantize(qg.q, compute, qg.scale))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _gradient(y: jax.Array, margin: int) -> jax.Array:
-    """The identity, whose gradient is quantized to e5m2 before the backward matmuls use it."""
-    return y
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _current(lhs, rhs, dimension_numbers, precision, margin):
+    return _current_fwd(lhs, rhs, dimension_numbers, precision, margin)[0]
 
 
-def _gradient_fwd(y, margin):
-    return y, None
+def _current_fwd(lhs, rhs, dimension_numbers, precision, margin):
+    scales = (current_scale(lhs, E4M3, margin), current_scale(rhs, E4M3, margin))
+    return _forward(lhs, rhs, scales, dimension_numbers, precision)
 
 
-def _gradient_bwd(margin, _, g):
-    return (_qdq(g, E5M2, margin),)
+def _current_bwd(dimension_numbers, precision, margin, operands, g):
+    scale = current_scale(g, E5M2, margin)
+    return _backward(operands, g, scale, dimension_numbers, precision)
 
 
-_gradient.defvjp(_gradient_fwd, _gradient_bwd)
+_current.defvjp(_current_fwd, _current_bwd)
 
 
 def check_compute_dtype(dtype: Any) -> np.dtype:
@@ -289,11 +322,151 @@ def dot_general(
            [4, 4, 4]], dtype=bfloat16)
     """
     recipe = fp8_recipe(recipe)
+    lhs, rhs = _in_compute_dtype(lhs, rhs)
+    return _current(lhs, rhs, dimension_numbers, precision, recipe.margin)
+
+
+def _in_compute_dtype(lhs: jax.Array, rhs: jax.Array) -> tuple[jax.Array, jax.Array]:
     with jax.numpy_dtype_promotion("standard"):
         compute = check_compute_dtype(jnp.promote_types(lhs.dtype, rhs.dtype))
-    lhs = _operand(lhs.astype(compute), recipe.margin)
-    rhs = _operand(rhs.astype(compute), recipe.margin)
-    out = lax.dot_general(
-        lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=compute
-    )
-    return _gradient(out, recipe.margin)
+    return lhs.astype(compute), rhs.astype(compute)
+
+
+# --- Delayed scaling ----------------------------------------------------------------------
+
+# The rows of an Fp8Meta: the two forward operands (e4m3) and the incoming gradient (e5m2).
+_ROLES = (E4M3, E4M3, E5M2)
+
+
+class Fp8Meta(NamedTuple):
+    """The delayed-scaling state of one fp8 matmul: f32 arrays, a pytree like any other.
+
+    Attributes:
+      scale: shape ``(3,)``: the scales the next step quantizes the lhs, the rhs and the
+        incoming gradient with (``x ≈ q * scale``).
+      amax_history: shape ``(history, 3)``: the amax of each of them over the last
+        ``history`` steps, newest first.
+
+    Stacked along leading axes (``(layers, 3)``, ``(layers, history, 3)``) it is the state
+    of a matmul inside ``lax.scan`` over layers.
+    """
+
+    scale: jax.Array
+    amax_history: jax.Array
+
+
+def init_meta(history: int = 1024) -> Fp8Meta:
+    """The state of a matmul that has not run yet: scales of 1 and an all-zero history.
+
+    Args:
+      history: how many steps' amaxes the scale is taken from (at least 1; 1 uses the last
+        step's amax only).
+
+    Raises:
+      ValueError: for a history shorter than 1.
+      TypeError: for a history that is not an int.
+
+    >>> init_meta(4).amax_history.shape
+    (4, 3)
+    """
+    if isinstance(history, bool) or not isinstance(history, (int, np.integer)):
+        raise TypeError(
+            f"init_meta(history=...) must be an int, at least 1; got {history!r} of type "
+            f"{type(history).__name__}."
+        )
+    if history < 1:
+        raise ValueError(f"init_meta(history=...) must be at least 1; got {history}.")
+    return Fp8Meta(jnp.ones((3,), _F32), jnp.zeros((int(history), 3), _F32))
+
+
+def next_meta(meta: Fp8Meta, amax: jax.Array, margin: int = 0) -> Fp8Meta:
+    """The state after a step whose three tensors had these ``amax`` values (shape ``(3,)``).
+
+    The history rolls by one with ``amax`` in front; each scale becomes the largest amax in
+    its history divided by its format's maximum, times ``2**margin``. A row whose amax is not
+    finite (an overflow, a step that loss scaling skips) keeps its history and scale; a row
+    whose history is all zeros keeps its scale.
+
+    >>> meta = next_meta(init_meta(2), jnp.array([896.0, 1.0, 0.0]))
+    >>> meta.scale.tolist(), meta.amax_history.tolist()
+    ([2.0, 0.002232142956927419, 1.0], [[896.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    """
+    amax = amax.astype(_F32)
+    finite = jnp.isfinite(amax)
+    rolled = jnp.roll(meta.amax_history, 1, axis=0).at[0].set(amax)
+    history = jnp.where(finite, rolled, meta.amax_history)
+    largest = jnp.max(history, axis=0)
+    bounds = jnp.array([_fp8_max(d) for d in _ROLES], _F32)
+    scale = jnp.where(largest > 0, largest / bounds * (2.0**margin), meta.scale)
+    return Fp8Meta(scale, history)
+
+
+def _amax(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(x)).astype(_F32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _delayed(lhs, rhs, meta, dimension_numbers, precision, margin):
+    return _delayed_fwd(lhs, rhs, meta, dimension_numbers, precision, margin)[0]
+
+
+def _delayed_fwd(lhs, rhs, meta, dimension_numbers, precision, margin):
+    out, operands = _forward(lhs, rhs, meta.scale[:2], dimension_numbers, precision)
+    return out, (operands, meta, _amax(lhs), _amax(rhs))
+
+
+def _delayed_bwd(dimension_numbers, precision, margin, residuals, g):
+    operands, meta, amax_lhs, amax_rhs = residuals
+    dlhs, drhs = _backward(operands, g, meta.scale[2], dimension_numbers, precision)
+    new = next_meta(meta, jnp.stack([amax_lhs, amax_rhs, _amax(g)]), margin)
+    return dlhs, drhs, new
+
+
+_delayed.defvjp(_delayed_fwd, _delayed_bwd)
+
+
+def delayed_dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    meta: Fp8Meta,
+    *,
+    margin: int = 0,
+    precision: Any = None,
+) -> jax.Array:
+    """``lax.dot_general`` in fp8 with delayed scaling: the scales come from ``meta``.
+
+    Forward, ``lhs`` and ``rhs`` are quantized to e4m3 with ``meta.scale[0]`` and
+    ``meta.scale[1]``, saturating where a tensor outgrew its scale; under ``jax.grad`` the
+    incoming gradient is quantized to e5m2 with ``meta.scale[2]`` and both backward matmuls
+    take fp8 operands. The gradient with respect to ``meta`` is the *next* state
+    (:func:`next_meta` of this step's three amaxes), so differentiate with respect to the
+    state as well and keep that gradient as the new state::
+
+        grads, new_meta = jax.grad(loss, argnums=(0, 1))(params, meta, batch)
+
+    Don't add such gradients up: with gradient accumulation keep the state of one micro-batch.
+    Outside ``jax.grad`` (evaluation) the state simply stays as it is.
+
+    Args:
+      lhs, rhs: the operands; computed in the wider of their dtypes (bf16, f16 or f32).
+      dimension_numbers: as for ``lax.dot_general``.
+      meta: the state, from :func:`init_meta` or the previous step's gradient.
+      margin: binades of headroom, as in :class:`Fp8Recipe`.
+      precision: as for ``lax.dot_general``; leave it None on GPU.
+
+    >>> import jax, jax.numpy as jnp
+    >>> x, w = jnp.ones((2, 16), jnp.bfloat16), jnp.ones((16, 4), jnp.bfloat16)
+    >>> loss = lambda w, meta: delayed_dot_general(x, w, (((1,), (0,)), ((), ())), meta).sum()
+    >>> _, meta = jax.grad(loss, argnums=(0, 1))(w, init_meta(4))
+    >>> meta.amax_history[0].tolist()  # this step's amaxes: lhs, rhs, gradient
+    [1.0, 1.0, 1.0]
+    """
+    if not isinstance(meta, Fp8Meta):
+        raise TypeError(
+            f"delayed_dot_general(meta=...) takes an mpjax.fp8.Fp8Meta (from init_meta() or "
+            f"the previous step's gradient); got {type(meta).__name__}."
+        )
+    recipe = Fp8Recipe(margin=margin)  # checks the margin
+    lhs, rhs = _in_compute_dtype(lhs, rhs)
+    return _delayed(lhs, rhs, meta, dimension_numbers, precision, recipe.margin)

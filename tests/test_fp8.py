@@ -448,3 +448,150 @@ def test_hlo_dots_tells_unscaled_and_plain_operands_apart():
 
     (dot,) = mpjax.hlo_dots(transposed)(x, w)
     assert dot.fp8, str(mpjax.hlo_dots(transposed)(x, w))
+
+
+# --- Delayed scaling (explicit state) -----------------------------------------------------
+
+
+def delayed_grads(x, w, meta, g):
+    """Gradients of x, w and the state for an upstream gradient ``g``."""
+    out, vjp = jax.vjp(lambda x, w, m: fp8.delayed_dot_general(x, w, DENSE, m), x, w, meta)
+    return out, *vjp(g)
+
+
+def test_delayed_history_and_scales_update_exactly():
+    meta = fp8.init_meta(3)
+    amaxes = []
+    for step in range(5):
+        x, w = normal((4, 16), 20 + step, 2.0**step), normal((16, 8), 30 + step)
+        g = normal((4, 8), 40 + step, 1e-3)
+        _, _, _, meta = delayed_grads(x, w, meta, g)
+        amaxes.append([float(jnp.max(jnp.abs(a))) for a in (x, w, g)])
+        newest_first = amaxes[::-1][:3] + [[0.0] * 3] * max(0, 3 - len(amaxes))
+        np.testing.assert_array_equal(meta.amax_history, np.float32(newest_first))
+        largest = np.max(np.float32(newest_first), axis=0)
+        np.testing.assert_array_equal(meta.scale, largest / np.float32([448, 448, 57344]))
+
+
+def test_delayed_scaling_quantizes_with_the_previous_steps_scales():
+    meta = fp8.Fp8Meta(jnp.array([0.5, 0.25, 1e-4]), jnp.zeros((4, 3)))
+    x, w, g = normal((4, 16), 1, 10.0), normal((16, 8), 2), normal((4, 8), 3, 1e-2)
+    out, dx, _, _ = delayed_grads(x, w, meta, g)
+
+    def qdq(v, dtype, scale):
+        scale = jnp.float32(scale)
+        return fp8.dequantize(fp8.quantize(v, dtype, scale), jnp.float32, scale)
+
+    qx, qw, qg = qdq(x, E4M3, 0.5), qdq(w, E4M3, 0.25), qdq(g, E5M2, 1e-4)
+    np.testing.assert_allclose(out, qx @ qw, rtol=1e-6)
+    np.testing.assert_allclose(dx, qg @ qw.T, rtol=1e-6)
+
+
+def test_a_stale_scale_saturates_instead_of_overflowing():
+    """The first step's scale of 1 meets an input up to 1000: it saturates at 448 (a plain
+    e4m3 cast would give NaN), and the next state has the scale that fits."""
+    x = jnp.array([[1000.0, -2.0]])
+    w = jnp.eye(2)
+    out, _, _, meta = delayed_grads(x, w, fp8.init_meta(4), jnp.ones((1, 2)))
+    np.testing.assert_array_equal(out, [[448.0, -2.0]])
+    assert float(meta.scale[0]) == np.float32(1000.0) / np.float32(448.0)
+
+
+def test_an_overflowing_gradient_leaves_its_state_alone():
+    meta = fp8.next_meta(fp8.init_meta(2), jnp.array([1.0, 2.0, 3.0]))
+    x, w = normal((2, 4), 4), normal((4, 2), 5)
+    _, dx, _, new = delayed_grads(x, w, meta, jnp.ones((2, 2)).at[0, 0].set(jnp.inf))
+    assert not np.isfinite(dx).all()  # the overflow still reaches loss scaling
+    assert float(new.scale[2]) == float(meta.scale[2])
+    np.testing.assert_array_equal(new.amax_history[:, 2], meta.amax_history[:, 2])
+    assert float(new.amax_history[0, 0]) == float(jnp.max(jnp.abs(x)))  # the others move on
+
+
+def stacked_model(params, metas, x, remat=False):
+    """Layers under lax.scan, each with its own stacked slice of the state."""
+
+    def layer(h, p_and_meta):
+        w, meta = p_and_meta
+        return jnp.tanh(fp8.delayed_dot_general(h, w, DENSE, meta)), None
+
+    layer = jax.checkpoint(layer) if remat else layer
+    return jnp.mean(lax_scan(layer, x, (params, metas))[0] ** 2)
+
+
+def lax_scan(f, init, xs):
+    return jax.lax.scan(f, init, xs)
+
+
+def test_delayed_scaling_under_scan_and_remat_matches_a_python_loop():
+    params = normal((3, 16, 16), 6, 0.3)
+    metas = jax.tree.map(lambda a: jnp.stack([a] * 3), fp8.init_meta(4))
+    metas = jax.vmap(lambda m, k: fp8.next_meta(m, k))(metas, 1.0 + jnp.arange(9.0).reshape(3, 3))
+    x = normal((4, 16), 7)
+
+    def looped(params, metas, x):
+        h = x
+        for i in range(3):
+            meta = jax.tree.map(lambda a, i=i: a[i], metas)
+            h = jnp.tanh(fp8.delayed_dot_general(h, params[i], DENSE, meta))
+        return jnp.mean(h**2)
+
+    expected = jax.jit(jax.grad(looped, argnums=(0, 1)))(params, metas, x)
+    for remat in (False, True):
+        got = jax.jit(jax.grad(stacked_model, argnums=(0, 1)), static_argnums=3)(
+            params, metas, x, remat
+        )
+        for e, g in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
+            np.testing.assert_allclose(g, e, rtol=1e-6, atol=0)
+    new_metas = expected[1]
+    assert new_metas.amax_history.shape == (3, 4, 3) and (new_metas.amax_history[:, 0] > 0).all()
+    dots = mpjax.hlo_dots(jax.grad(stacked_model, argnums=(0, 1)))(params, metas, x)
+    assert dots and all(d.fp8 for d in dots), str(dots)
+
+
+def delayed_training(params, metas, steps, start=0):
+    """Adam on the scanned model; the state's gradient is the next state."""
+    tx = optax.adam(1e-2)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, metas, opt_state, i):
+        x = jax.random.normal(jax.random.fold_in(jax.random.key(9), i), (4, 16))
+        grads, metas = jax.grad(stacked_model, argnums=(0, 1))(params, metas, x)
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), metas, opt_state
+
+    return step, opt_state
+
+
+def test_delayed_state_checkpoint_resume_is_bit_identical():
+    import flax.serialization
+
+    params = normal((3, 16, 16), 8, 0.3)
+    metas = jax.tree.map(lambda a: jnp.stack([a] * 3), fp8.init_meta(4))
+    step, opt_state = delayed_training(params, metas, 6)
+    straight = (params, metas, opt_state)
+    saved = None
+    for i in range(6):
+        straight = step(*straight, i)
+        if i == 2:
+            saved = flax.serialization.to_bytes(straight)
+    assert step._cache_size() == 1  # the state is arrays: no retrace from step to step
+    restored = flax.serialization.from_bytes(straight, saved)
+    for i in range(3, 6):
+        restored = step(*restored, i)
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(restored)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_delayed_state_inputs_are_checked():
+    with pytest.raises(TypeError, match="takes an mpjax.fp8.Fp8Meta"):
+        fp8.delayed_dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), DENSE, {"scale": 1.0})
+    with pytest.raises(ValueError, match="must be at least 1; got 0"):
+        fp8.init_meta(0)
+    with pytest.raises(TypeError, match="must be an int"):
+        fp8.init_meta(2.5)
+    with pytest.raises(ValueError, match="margin"):
+        fp8.delayed_dot_general(
+            jnp.ones((2, 2)), jnp.ones((2, 2)), DENSE, fp8.init_meta(), margin=-2
+        )
