@@ -287,7 +287,7 @@ class Policy:
 
     def with_fp8(self, fp8: Fp8Recipe | str | None) -> Policy:
         """Returns a copy of this policy with ``fp8`` replaced (None: no fp8 matmuls)."""
-        return dataclasses.replace(self, fp8=fp8)
+        return dataclasses.replace(self, fp8=None if fp8 is None else fp8_recipe(fp8))
 
     def __str__(self) -> str:
         names = (short_dtype_name(d) for d in self._dtypes())
