@@ -11,7 +11,14 @@ from typing import Any
 from mpjax import autocast as _autocast_module
 from mpjax import loss_scaling as _loss_scaling_module
 from mpjax.attention import dot_product_attention
-from mpjax.autocast import AutocastReport, AutocastRow, AutocastWarning, autocast
+from mpjax.autocast import (
+    AutocastReport,
+    AutocastRow,
+    AutocastWarning,
+    autocast,
+    fp8_state,
+    with_fp8_state,
+)
 from mpjax.deprecation import MpjaxDeprecationWarning
 from mpjax.describe import describe
 from mpjax.fp8 import Fp8Recipe
@@ -138,6 +145,7 @@ __all__ = [
     "check_overflow",
     "describe",
     "dot_product_attention",
+    "fp8_state",
     "full_precision",
     "get_policy",
     "hlo_dots",
@@ -152,6 +160,7 @@ __all__ = [
     "scale_loss",
     "state_precision",
     "stochastic_round",
+    "with_fp8_state",
 ]
 if _flax is None:  # `from mpjax import *` without Flax
     __all__ = [name for name in __all__ if name not in _NEED_FLAX]

@@ -135,6 +135,18 @@ class _Settings:
             stacklevel=5,
         )
 
+    def warn_delayed(self, where: str, higher_order: str) -> None:
+        if ("delayed", where) in self.warned:
+            return
+        self.warned.add(("delayed", where))
+        warnings.warn(
+            f"mpjax: a matmul in {where or '<root>'!r} runs inside {higher_order!r}, where "
+            "delayed fp8 scaling cannot carry its state: it runs with current scaling "
+            "instead. Only matmuls at the top level, in jit, scan and remat get delayed scaling.",
+            AutocastWarning,
+            stacklevel=6,
+        )
+
     def warn_unknown(self, name: str, higher_order: bool) -> None:
         if name in self.warned:
             return
@@ -222,6 +234,71 @@ def _dtype_names(avals: Sequence[Any]) -> tuple[str, ...]:
     return tuple(short_dtype_name(a.dtype) for a in avals)
 
 
+# Higher-order primitives whose bodies delayed fp8 scaling cannot thread its state through:
+# a loop of unknown length, branches of which one runs, user-defined derivatives, per-device
+# bodies. Their matmuls fall back to current scaling.
+_OPAQUE_TO_DELAYED = frozenset({"while", "cond", "custom_jvp_call", "custom_vjp_call", "shard_map"})
+
+
+class _DelayedScaling:
+    """The delayed fp8 scaling state that one engine run threads through its matmuls.
+
+    Each matmul that a delayed-scaling policy runs in fp8 is a *site*, named by where it runs
+    (the path of its module's region, else its scope path) and its count there
+    (``"Dense_0#0"``), inside the scans around it (``"h[scan0]/mlp/fc#0"``, its state stacked
+    along the scan's length). ``metas`` maps
+    the sites of the current level to their :class:`mpjax.fp8.Fp8Meta`; None while
+    discovering, when ``found`` collects each site's history length and stacking shape.
+    """
+
+    def __init__(self, metas: Mapping[str, fp8.Fp8Meta] | None):
+        self.metas = metas
+        self.found: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self.namespace = ""
+        self.shape: tuple[int, ...] = ()
+        self.counts: collections.Counter = collections.Counter()
+        self.opaque: str | None = None  # the enclosing primitive that hides the state
+
+    def _next(self, base: str) -> int:
+        n = self.counts[base]
+        self.counts[base] += 1
+        return n
+
+    def site(self, where: str) -> str:
+        base = self.namespace + where
+        return f"{base}#{self._next(base)}"
+
+    def scan_namespace(self, where: str) -> str:
+        base = self.namespace + where
+        return f"{base}[scan{self._next(base + '[scan]')}]/"
+
+    @contextlib.contextmanager
+    def level(self, namespace: str, metas: Mapping[str, Any] | None, length: int):
+        """Inside a scan: the sites of its body, each iteration's slice of their state (or,
+        discovering, their state stacked ``length`` deep)."""
+        saved = (self.namespace, self.metas, self.shape, self.counts)
+        self.namespace, self.metas, self.counts = namespace, metas, collections.Counter()
+        if metas is None:
+            self.shape = (*self.shape, length)
+        try:
+            yield
+        finally:
+            self.namespace, self.metas, self.shape, self.counts = saved
+
+    @contextlib.contextmanager
+    def hidden(self, primitive: str):
+        saved, self.opaque = self.opaque, self.opaque or primitive
+        try:
+            yield
+        finally:
+            self.opaque = saved
+
+    def initial_state(self) -> dict[str, fp8.Fp8Meta]:
+        return {
+            site: fp8.init_meta(history, shape) for site, (history, shape) in self.found.items()
+        }
+
+
 class _Interpreter:
     """Evaluates jaxprs under autocast, binding every equation into the current trace.
 
@@ -230,10 +307,17 @@ class _Interpreter:
     :func:`autocast` reuses them and JAX's own caches hit on the next call.
     """
 
-    def __init__(self, settings: _Settings, cache: dict, record: collections.Counter | None = None):
+    def __init__(
+        self,
+        settings: _Settings,
+        cache: dict,
+        record: collections.Counter | None = None,
+        delayed: _DelayedScaling | None = None,
+    ):
         self.settings = settings
         self.cache = cache
         self.record = record
+        self.delayed = delayed
         self.handlers: dict[str, Callable[..., list]] = {
             "jit": self._jit,
             "pjit": self._jit,
@@ -341,6 +425,9 @@ class _Interpreter:
         name = eqn.primitive.name
         handler = self.handlers.get(name)
         if handler is not None:
+            if self.delayed is not None and name in _OPAQUE_TO_DELAYED:
+                with self.delayed.hidden(name):
+                    return handler(eqn, invals, path)
             return handler(eqn, invals, path)
         checkpoint = compat.checkpoint_name_of(eqn)
         boundary = None if checkpoint is None else boundary_dtype(checkpoint)
@@ -362,7 +449,7 @@ class _Interpreter:
             label = category
         compute = region.policy.compute_dtype if region.policy is not None else None
         invals, params, ran = self._cast_inputs(eqn, invals, avals, category, compute, casts)
-        dot = self._fp8_dot(eqn, region, category, compute, ran)
+        dot = self._fp8_dot(eqn, region, category, compute, ran, path)
         if dot is not None:
             label, ran = "fp8", [jax.ShapeDtypeStruct(a.shape, fp8.E4M3) for a in ran]
         if self.record is not None:
@@ -373,8 +460,7 @@ class _Interpreter:
             return [dot(*invals)]
         return compat.bind_equation(eqn, invals, params)
 
-    @staticmethod
-    def _fp8_dot(eqn, region, category, compute, ran) -> Callable[..., Any] | None:
+    def _fp8_dot(self, eqn, region, category, compute, ran, path) -> Callable[..., Any] | None:
         """The fp8 matmul that replaces ``eqn``, if its region's policy runs matmuls in fp8:
         a ``dot_general`` lowered to the compute dtype, unbatched unless the recipe says."""
         if eqn.primitive.name != "dot_general" or category != LOWER or region.policy is None:
@@ -385,10 +471,46 @@ class _Interpreter:
         p = compat.dot_params(eqn)
         if not recipe.applies_to(p.dimension_numbers):
             return None
-        return functools.partial(
+        current = functools.partial(
             fp8.dot_general,
             dimension_numbers=p.dimension_numbers,
             recipe=recipe,
+            precision=p.precision,
+        )
+        if recipe.scaling != "delayed":
+            return current
+        delayed = self.delayed
+        if delayed is None:
+            raise ValueError(
+                f"The policy of {region.path or 'the root'!r} ({region.policy}) scales fp8 with "
+                "delayed scaling, whose state this call was not given. Use the wrapped model's "
+                "own init and apply (linen: the state is the 'fp8' collection of its variables; "
+                "NNX: mpjax.nnx.init_fp8_state), or for autocast mpjax.fp8_state(fn)(*args) and "
+                "mpjax.with_fp8_state(fn, state)(*args)."
+            )
+        if delayed.opaque is not None:
+            self.settings.warn_delayed("/".join(path), delayed.opaque)
+            return current
+        site = delayed.site(region.path)
+        if delayed.metas is None:  # discovering: the function is only traced
+            delayed.found[site] = (recipe.history, delayed.shape)
+            return current
+        meta = delayed.metas.get(site)
+        expected = fp8.init_meta(recipe.history, delayed.shape)
+        if meta is None or jax.tree.map(jnp.shape, meta) != jax.tree.map(jnp.shape, expected):
+            found = (
+                "no state" if meta is None else f"state of shapes {jax.tree.map(jnp.shape, meta)}"
+            )
+            raise ValueError(
+                f"The fp8 state has {found} for the matmul {site!r}, which needs an Fp8Meta of "
+                f"shapes {jax.tree.map(jnp.shape, expected)} (history {recipe.history}). Make "
+                "the state for this model and policy: it lists the matmuls it was made for."
+            )
+        return functools.partial(
+            fp8.delayed_dot_general,
+            dimension_numbers=p.dimension_numbers,
+            meta=fp8.Fp8Meta(*meta),
+            margin=recipe.margin,
             precision=p.precision,
         )
 
@@ -475,6 +597,8 @@ class _Interpreter:
 
     def _jit(self, eqn, invals, path):
         p = compat.jit_params(eqn)
+        if self.delayed is not None:  # the state's values belong to this trace: run inline
+            return self.run(p.jaxpr, invals, path)
 
         def build():
             def body(*args):
@@ -499,12 +623,37 @@ class _Interpreter:
         def fix(carry):
             return [_cast_to(c, d) for c, d in zip(carry, carry_dtypes)]
 
-        def body(carry, x):
+        delayed = self.delayed
+        if delayed is not None and delayed.opaque is None:
+            # Each iteration takes its slice of the state of the matmuls inside.
+            namespace = delayed.scan_namespace(self.settings.region(path).path)
+            metas = delayed.metas
+            keys = [] if metas is None else sorted(k for k in metas if k.startswith(namespace))
+            stacked = [metas[k] for k in keys] if metas is not None else []
+
+            def body(carry, x):
+                x, sliced = x
+                inner = None if metas is None else dict(zip(keys, sliced))
+                with delayed.level(namespace, inner, p.length):
+                    outs = self.run(p.jaxpr, [*consts, *carry, *x], path)
+                return fix(outs[:n_carry]), outs[n_carry:]
+
+            carry, ys = lax.scan(
+                body,
+                fix(init),
+                (list(xs), stacked),
+                length=p.length,
+                reverse=p.reverse,
+                unroll=p.unroll,
+            )
+            return [*carry, *ys]
+
+        def plain_body(carry, x):
             outs = self.run(p.jaxpr, [*consts, *carry, *x], path)
             return fix(outs[:n_carry]), outs[n_carry:]
 
         carry, ys = lax.scan(
-            body, fix(init), list(xs), length=p.length, reverse=p.reverse, unroll=p.unroll
+            plain_body, fix(init), list(xs), length=p.length, reverse=p.reverse, unroll=p.unroll
         )
         return [*carry, *ys]
 
@@ -838,17 +987,13 @@ def autocast(
     >>> mpjax.inspect_matmuls(jax.grad(lambda w: autocast(mlp)(w, x).sum()))(w).operand_dtypes()
     Counter({('bfloat16', 'bfloat16'): 5})
     """
-    settings = _settings(fn, policy, rules, categories)
-    traces = _TraceCache()
+    info = _AutocastFunction(fn, _settings(fn, policy, rules, categories), _TraceCache())
 
     @functools.wraps(fn)
     def autocast_fn(*args, **kwargs):
-        traced, dynamic = _trace(fn, traces, args, kwargs, trace_scalars=True)
-        outs = _Interpreter(settings, traced.cache).run(traced.closed, dynamic, ())
-        outs = [_to_output(x, a, settings.policy) for x, a in zip(outs, traced.closed.out_avals)]
-        return jax.tree.unflatten(traced.out_tree, outs)
+        return info.call(args, kwargs)
 
-    _autocast_functions[autocast_fn] = _AutocastFunction(fn, settings, traces)
+    _autocast_functions[autocast_fn] = info
     return autocast_fn
 
 
@@ -859,6 +1004,16 @@ class _AutocastFunction:
     fn: Callable[..., Any]
     settings: _Settings
     traces: _TraceCache
+
+    def call(self, args, kwargs, delayed: _DelayedScaling | None = None, record=None) -> Any:
+        """Runs ``fn`` through the engine; a recording run (``record``) builds its own nested
+        functions rather than reuse, or leave behind, ones that record elsewhere."""
+        traced, dynamic = _trace(self.fn, self.traces, args, kwargs, trace_scalars=True)
+        cache = traced.cache if record is None else {}
+        outs = _Interpreter(self.settings, cache, record, delayed).run(traced.closed, dynamic, ())
+        policy = self.settings.policy
+        outs = [_to_output(x, a, policy) for x, a in zip(outs, traced.closed.out_avals)]
+        return jax.tree.unflatten(traced.out_tree, outs)
 
 
 # The functions autocast() returned, to what they wrap. Kept beside them rather than as an
@@ -906,11 +1061,42 @@ def run_in_regions(fn: Callable[..., Any], policy: Policy, *args, **kwargs) -> A
     the function closes over module state, so it is traced at each call (once per ``jax.jit``
     trace under jit).
     """
+    return _run_in_regions(fn, policy, args, kwargs, None)
+
+
+def _run_in_regions(fn, policy, args, kwargs, delayed: _DelayedScaling | None) -> Any:
     settings = _Settings(policy, merge_categories(None), ())
     with jax.numpy_dtype_promotion("standard"):
         traced, dynamic = _trace(fn, None, args, kwargs)
-    outs = _Interpreter(settings, traced.cache).run(traced.closed, dynamic, ())
+    outs = _Interpreter(settings, traced.cache, delayed=delayed).run(traced.closed, dynamic, ())
     return jax.tree.unflatten(traced.out_tree, outs)
+
+
+def run_in_regions_with_fp8_state(
+    fn: Callable[..., Any], policy: Policy, state: Mapping[str, fp8.Fp8Meta], *args, **kwargs
+) -> Any:
+    """:func:`run_in_regions` whose delayed-scaling fp8 matmuls take their state from
+    ``state`` (from :func:`fp8_state_in_regions`; see :func:`with_fp8_state`)."""
+    return _run_in_regions(fn, policy, args, kwargs, _DelayedScaling(state))
+
+
+def run_in_regions_finding_fp8_state(
+    fn: Callable[..., Any], policy: Policy, *args, **kwargs
+) -> tuple[Any, dict[str, fp8.Fp8Meta]]:
+    """:func:`run_in_regions`, and the initial state of the delayed-scaling fp8 matmuls it
+    ran (with current scaling, having no state yet): what a Flax ``init`` needs."""
+    delayed = _DelayedScaling(None)
+    return _run_in_regions(fn, policy, args, kwargs, delayed), delayed.initial_state()
+
+
+def fp8_state_in_regions(
+    fn: Callable[..., Any], policy: Policy, *args, **kwargs
+) -> dict[str, fp8.Fp8Meta]:
+    """The initial state of the delayed-scaling fp8 matmuls of ``fn`` run in regions (empty
+    when it has none), found by tracing it abstractly for these arguments."""
+    delayed = _DelayedScaling(None)
+    _abstractly(lambda a, k: _run_in_regions(fn, policy, a, k, delayed), args, kwargs)
+    return delayed.initial_state()
 
 
 def _trace(
@@ -960,6 +1146,104 @@ def _trace(
     return traced, dynamic
 
 
+def _abstractly(fn: Callable[[tuple, dict], Any], args: tuple, kwargs: dict) -> Any:
+    """``fn(args, kwargs)`` traced under ``jax.eval_shape`` (nothing is computed): arrays and
+    ``jax.ShapeDtypeStruct`` leaves become abstract, every other leaf stays a static value."""
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    arrays = [
+        i
+        for i, leaf in enumerate(leaves)
+        if _is_traced(leaf, True) or isinstance(leaf, jax.ShapeDtypeStruct)
+    ]
+
+    def call(array_leaves):
+        merged = list(leaves)
+        for i, leaf in zip(arrays, array_leaves):
+            merged[i] = leaf
+        return fn(*jax.tree.unflatten(tree, merged))
+
+    return jax.eval_shape(call, [leaves[i] for i in arrays])
+
+
+def _autocast_info(fn: Any, caller: str) -> _AutocastFunction:
+    if not is_autocast(fn):
+        raise TypeError(
+            f"{caller}() takes a function made by mpjax.autocast; got {fn!r}. Wrap it first: "
+            f"{caller}(mpjax.autocast(fn, policy), ...)."
+        )
+    return _autocast_functions[fn]
+
+
+def fp8_state(fn: Callable[..., Any]) -> Callable[..., dict[str, fp8.Fp8Meta]]:
+    """The initial delayed-scaling state of an autocast function; curried like
+    ``jax.make_jaxpr``: ``fp8_state(fn)(*args, **kwargs)``.
+
+    Under a policy whose fp8 recipe scales with ``"delayed"`` scaling, every matmul it runs in
+    fp8 keeps an :class:`mpjax.fp8.Fp8Meta` (scales and amax history). This traces ``fn`` for
+    the example arguments (nothing is computed) and returns the state of each such matmul, by
+    site: its scope path and count, inside the scans around it (``"h[scan0]/mlp/fc#0"``,
+    stacked along the scan's length). Pass it to :func:`with_fp8_state`; it is a dict of
+    arrays, to checkpoint with the params.
+
+    Args:
+      fn: a function made by :func:`autocast`.
+
+    Raises:
+      TypeError: if ``fn`` was not made by :func:`autocast`.
+
+    >>> import jax, jax.numpy as jnp
+    >>> f = autocast(lambda w, x: x @ w, "p=f32,c=bf16,o=f32,fp8=delayed;history=4")
+    >>> state = fp8_state(f)(jnp.ones((8, 4)), jnp.ones((2, 8)))
+    >>> {site: meta.amax_history.shape for site, meta in state.items()}
+    {'#0': (4, 3)}
+    """
+    info = _autocast_info(fn, "fp8_state")
+
+    def init(*args, **kwargs) -> dict[str, fp8.Fp8Meta]:
+        delayed = _DelayedScaling(None)
+        _abstractly(lambda a, k: info.call(a, k, delayed), args, kwargs)
+        return delayed.initial_state()
+
+    return init
+
+
+def with_fp8_state(fn: Callable[..., Any], state: Mapping[str, fp8.Fp8Meta]) -> Callable[..., Any]:
+    """``fn`` (an autocast function) running its delayed-scaling fp8 matmuls with ``state``.
+
+    The function has ``fn``'s signature. Differentiate through it with respect to the state as
+    well: the gradient with respect to ``state`` is the next state (each matmul's new scales
+    and amax history), so one ``jax.grad`` gives the parameter gradients and the state to
+    carry to the next step::
+
+        def loss(params, state, x):
+            return mpjax.with_fp8_state(f, state)(params, x).mean()
+
+        grads, state = jax.grad(loss, argnums=(0, 1))(params, state, x)
+
+    Outside ``jax.grad`` (evaluation) the state is used and stays as it is.
+
+    Args:
+      fn: a function made by :func:`autocast`.
+      state: from :func:`fp8_state`, or the previous step's gradient with respect to it.
+
+    Raises:
+      TypeError: if ``fn`` was not made by :func:`autocast` or ``state`` is not a mapping.
+      ValueError: when called, if ``state`` lacks a matmul ``fn`` runs or has other shapes.
+    """
+    info = _autocast_info(fn, "with_fp8_state")
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            "with_fp8_state(fn, state): state must be the mapping fp8_state(fn)(*args) "
+            f"returned (or its gradient); got {type(state).__name__}."
+        )
+
+    @functools.wraps(info.fn)
+    def run(*args, **kwargs):
+        return info.call(args, kwargs, _DelayedScaling(state))
+
+    return run
+
+
 def describe_autocast(fn: Callable[..., Any]) -> Callable[..., AutocastReport]:
     """What :func:`autocast` does to each kind of equation of ``fn``; the :func:`mpjax.describe`
     of autocast functions.
@@ -999,22 +1283,8 @@ def describe_autocast(fn: Callable[..., Any]) -> Callable[..., AutocastReport]:
         )
         # Traced as the autocast function traces its arguments: arrays and Python floats (and
         # shape structs, for an abstract trace) are traced; any other leaf is a static value.
-        leaves, tree = jax.tree.flatten((args, kwargs))
-        arrays = [
-            i
-            for i, leaf in enumerate(leaves)
-            if _is_traced(leaf, True) or isinstance(leaf, jax.ShapeDtypeStruct)
-        ]
-
-        def recorded(array_leaves):
-            merged = list(leaves)
-            for i, leaf in zip(arrays, array_leaves):
-                merged[i] = leaf
-            a, k = jax.tree.unflatten(tree, merged)
-            traced, dynamic = _trace(info.fn, info.traces, a, k, trace_scalars=True)
-            return _Interpreter(info.settings, {}, record).run(traced.closed, dynamic, ())
-
-        jax.eval_shape(recorded, [leaves[i] for i in arrays])
+        # Delayed fp8 scaling needs no state to be described: the sites are only traced.
+        _abstractly(lambda a, k: info.call(a, k, _DelayedScaling(None), record), args, kwargs)
         return AutocastReport(AutocastRow(*key, count) for key, count in record.items())
 
     return report

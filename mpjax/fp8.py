@@ -52,7 +52,7 @@ E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 """The gradient format: 5 exponent and 2 mantissa bits, finite range ±57344."""
 
-SCALINGS = ("current",)
+SCALINGS = ("current", "delayed")
 """The scaling modes :class:`Fp8Recipe` accepts."""
 
 _F32 = np.dtype(jnp.float32)
@@ -65,7 +65,11 @@ class Fp8Recipe:
     """How the matmuls of a policy run in fp8.
 
     Args:
-      scaling: how scales are chosen; ``"current"``: from the amax of each tensor at each step.
+      scaling: how scales are chosen. ``"current"``: from the amax of each tensor at each
+        step (stateless). ``"delayed"``: from the largest amax of the last ``history`` steps,
+        kept in a state the caller carries (:func:`delayed_dot_general`; through a policy, a
+        Flax collection, NNX Variables or :func:`mpjax.fp8_state` for autocast).
+      history: the length of the amax history of delayed scaling (at least 1).
       margin: the scale is multiplied by ``2**margin``, leaving that many binades of headroom
         below the fp8 maximum (0 to 16).
       batched: also run batched matmuls (those with batch dimensions: attention's ``q @ k^T``
@@ -73,15 +77,17 @@ class Fp8Recipe:
         dense layers and einsums against a weight, where Transformer Engine runs fp8 too.
 
     ``str(recipe)`` is the form policy strings use (``"current"``, ``"current;margin=1"``,
-    ``"current;batched"``) and :meth:`parse` reads it back.
+    ``"delayed;history=16"``) and :meth:`parse` reads it back; options left at their
+    defaults are left out.
 
     >>> Fp8Recipe()
-    Fp8Recipe(scaling='current', margin=0, batched=False)
-    >>> str(Fp8Recipe(margin=1, batched=True))
-    'current;margin=1;batched'
+    Fp8Recipe(scaling='current', history=1024, margin=0, batched=False)
+    >>> str(Fp8Recipe("delayed", history=16, margin=1))
+    'delayed;history=16;margin=1'
     """
 
     scaling: str = "current"
+    history: int = 1024
     margin: int = 0
     batched: bool = False
 
@@ -90,6 +96,14 @@ class Fp8Recipe:
             raise ValueError(
                 f"Fp8Recipe(scaling=...) must be one of {', '.join(map(repr, SCALINGS))}; got "
                 f"{self.scaling!r}."
+            )
+        if (
+            isinstance(self.history, bool)
+            or not isinstance(self.history, (int, np.integer))
+            or self.history < 1
+        ):
+            raise ValueError(
+                f"Fp8Recipe(history=...) must be an int, at least 1; got {self.history!r}."
             )
         if isinstance(self.margin, bool) or not isinstance(self.margin, (int, np.integer)):
             raise TypeError(
@@ -102,11 +116,14 @@ class Fp8Recipe:
             )
         if not isinstance(self.batched, (bool, np.bool_)):
             raise TypeError(f"Fp8Recipe(batched=...) must be True or False; got {self.batched!r}.")
+        object.__setattr__(self, "history", int(self.history))
         object.__setattr__(self, "margin", int(self.margin))
         object.__setattr__(self, "batched", bool(self.batched))
 
     def __str__(self) -> str:
         parts = [self.scaling]
+        if self.history != 1024:
+            parts.append(f"history={self.history}")
         if self.margin:
             parts.append(f"margin={self.margin}")
         if self.batched:
@@ -121,8 +138,8 @@ class Fp8Recipe:
         Raises:
           ValueError: for an unknown scaling or option, or a margin that is not an integer.
 
-        >>> Fp8Recipe.parse("current;margin=2")
-        Fp8Recipe(scaling='current', margin=2, batched=False)
+        >>> Fp8Recipe.parse("delayed;history=16")
+        Fp8Recipe(scaling='delayed', history=16, margin=0, batched=False)
         """
         if not isinstance(text, str):
             raise TypeError(f"Fp8Recipe.parse takes a string; got {text!r}.")
@@ -132,12 +149,13 @@ class Fp8Recipe:
             key, sep, value = option.partition("=")
             if option == "batched":
                 fields["batched"] = True
-            elif key == "margin" and sep and value.lstrip("-").isdigit():
-                fields["margin"] = int(value)
+            elif key in ("margin", "history") and sep and value.lstrip("-").isdigit():
+                fields[key] = int(value)
             else:
                 raise ValueError(
-                    f"Unknown fp8 option {option!r} in {text!r}. Options: margin=N (an integer "
-                    "from 0 to 16) and batched, after the scaling, separated by ';'."
+                    f"Unknown fp8 option {option!r} in {text!r}. Options: history=N (delayed "
+                    "scaling's amax history, at least 1), margin=N (an integer from 0 to 16) "
+                    "and batched, after the scaling, separated by ';'."
                 )
         return cls(**fields)
 
@@ -152,7 +170,7 @@ def fp8_recipe(spec: Fp8Recipe | str) -> Fp8Recipe:
     """The :class:`Fp8Recipe` that ``spec`` names: a recipe (returned as is) or its string form.
 
     >>> fp8_recipe("current")
-    Fp8Recipe(scaling='current', margin=0, batched=False)
+    Fp8Recipe(scaling='current', history=1024, margin=0, batched=False)
     """
     if isinstance(spec, Fp8Recipe):
         return spec
@@ -355,12 +373,14 @@ class Fp8Meta(NamedTuple):
     amax_history: jax.Array
 
 
-def init_meta(history: int = 1024) -> Fp8Meta:
+def init_meta(history: int = 1024, shape: tuple[int, ...] = ()) -> Fp8Meta:
     """The state of a matmul that has not run yet: scales of 1 and an all-zero history.
 
     Args:
       history: how many steps' amaxes the scale is taken from (at least 1; 1 uses the last
         step's amax only).
+      shape: leading axes to stack the state along (``(layers,)`` for a matmul inside a scan
+        over layers).
 
     Raises:
       ValueError: for a history shorter than 1.
@@ -376,7 +396,8 @@ def init_meta(history: int = 1024) -> Fp8Meta:
         )
     if history < 1:
         raise ValueError(f"init_meta(history=...) must be at least 1; got {history}.")
-    return Fp8Meta(jnp.ones((3,), _F32), jnp.zeros((int(history), 3), _F32))
+    shape = tuple(shape)
+    return Fp8Meta(jnp.ones((*shape, 3), _F32), jnp.zeros((*shape, int(history), 3), _F32))
 
 
 def next_meta(meta: Fp8Meta, amax: jax.Array, margin: int = 0) -> Fp8Meta:

@@ -48,7 +48,11 @@ except ImportError as error:
     ) from error
 
 from mpjax import regions
-from mpjax.autocast import run_in_regions
+from mpjax.autocast import (
+    run_in_regions,
+    run_in_regions_finding_fp8_state,
+    run_in_regions_with_fp8_state,
+)
 from mpjax.deprecation import warn_deprecated
 from mpjax.describe import register_describer
 from mpjax.policy import Policy, PolicyLike, cast_floating
@@ -62,7 +66,12 @@ from mpjax.rules import (
     register_norm_rules,
 )
 
-__all__ = ["apply_policy", "describe"]
+__all__ = ["FP8_COLLECTION", "apply_policy", "describe"]
+
+FP8_COLLECTION = "fp8"
+"""The variable collection that holds the delayed-scaling fp8 state of a wrapped model: its
+``init`` adds it when a policy scales fp8 with delayed scaling, its ``apply`` reads it, and the
+gradient with respect to it is the next state (:func:`mpjax.fp8.delayed_dot_general`)."""
 
 register_norm_rules("linen", nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm)
 
@@ -235,10 +244,12 @@ class _PolicyMixin(_MixinBase):
     def _mpjax_active(self) -> bool:
         return bool(_active.stack) and _active.stack[-1][0] is type(self)._mpjax_state
 
-    def _mpjax_run(self, fn: Callable[..., Any], *args, **kwargs):
+    def _mpjax_run(self, fn: Callable[..., Any], *args, fp8: Any = None):
         state = type(self)._mpjax_state
         with _policy_call(state, (), report=True):
-            return run_in_regions(fn, state.rules.default, *args, **kwargs)
+            if fp8 is None:
+                return run_in_regions(fn, state.rules.default, *args)
+            return run_in_regions_with_fp8_state(fn, state.rules.default, fp8, *args)
 
     # A top-level init/apply runs entirely through the engine, so functions passed as
     # `method=` that reach into submodules (`lambda m, x: m.encoder(x)`) are covered too.
@@ -246,13 +257,24 @@ class _PolicyMixin(_MixinBase):
         if self._mpjax_active():
             return super().init_with_output(rngs, *args, **kwargs)
         init = super().init_with_output
-        return self._mpjax_run(lambda r, a, k: init(r, *a, **k), rngs, args, kwargs)
+        state = type(self)._mpjax_state
+        if not state.rules.scales_fp8_delayed():
+            return self._mpjax_run(lambda r, a, k: init(r, *a, **k), rngs, args, kwargs)
+        # Init runs the fp8 matmuls with current scaling and creates their delayed state.
+        with _policy_call(state, (), report=True):
+            (out, variables), fp8 = run_in_regions_finding_fp8_state(
+                lambda r, a, k: init(r, *a, **k), state.rules.default, rngs, args, kwargs
+            )
+        return out, {**variables, FP8_COLLECTION: fp8}
 
     def apply(self, variables, *args, **kwargs):
         if self._mpjax_active():
             return super().apply(variables, *args, **kwargs)
         apply = super().apply
-        return self._mpjax_run(lambda v, a, k: apply(v, *a, **k), variables, args, kwargs)
+        fp8 = variables.get(FP8_COLLECTION) if isinstance(variables, Mapping) else None
+        if fp8 is not None:
+            variables = {k: v for k, v in variables.items() if k != FP8_COLLECTION}
+        return self._mpjax_run(lambda v, a, k: apply(v, *a, **k), variables, args, kwargs, fp8=fp8)
 
     def _call_wrapped_method(self, fun, args, kwargs):
         # Used as a submodule or bound, the wrapped module's methods (setup included) enter

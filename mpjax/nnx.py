@@ -51,7 +51,12 @@ except ImportError as error:
     ) from error
 
 from mpjax import jax_compat, regions
-from mpjax.autocast import run_in_regions, tracing
+from mpjax.autocast import (
+    fp8_state_in_regions,
+    run_in_regions,
+    run_in_regions_with_fp8_state,
+    tracing,
+)
 from mpjax.deprecation import warn_deprecated
 from mpjax.describe import register_describer
 from mpjax.policy import Policy, PolicyLike, is_floating
@@ -65,7 +70,7 @@ from mpjax.rules import (
     register_norm_rules,
 )
 
-__all__ = ["apply_policy", "describe", "set_policy"]
+__all__ = ["FP8_ATTRIBUTE", "Fp8State", "apply_policy", "describe", "init_fp8_state", "set_policy"]
 
 register_norm_rules("nnx", nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm)
 
@@ -179,10 +184,55 @@ class _Slot:
     index: int
 
 
-def _through_engine(module: nnx.Module, policy: Policy, args: tuple, kwargs: dict) -> Any:
-    """Calls ``module(*args, **kwargs)`` through the casting engine, as ``nnx.jit`` calls a
-    function: the module and the NNX objects among the arguments (``rngs``, other modules)
-    are split into state, merged inside the trace, and their updated state written back."""
+class Fp8State(nnx.Variable):
+    """The delayed-scaling fp8 state of a model: a dict of :class:`mpjax.fp8.Fp8Meta` by
+    matmul, made by :func:`init_fp8_state` as the model's ``mpjax_fp8`` attribute.
+
+    The gradient with respect to it is the next state: differentiate with respect to
+    ``nnx.Any(nnx.Param, Fp8State)`` and ``nnx.update`` the model with the ``Fp8State`` part
+    of the gradients (not through the optimizer).
+    """
+
+
+FP8_ATTRIBUTE = "mpjax_fp8"
+
+
+def init_fp8_state(model: nnx.Module, *args, **kwargs) -> None:
+    """Gives ``model`` the delayed-scaling state of its fp8 matmuls, **in place**: an
+    :class:`Fp8State` attribute ``mpjax_fp8``, one :class:`mpjax.fp8.Fp8Meta` per matmul
+    that ``model(*args, **kwargs)`` runs in fp8 under a delayed-scaling policy.
+
+    The example arguments are only traced (nothing is computed). Call it after
+    :func:`set_policy` and before training; afterwards ``model(...)`` uses the state, and
+    a train step carries it::
+
+        diff = nnx.DiffState(0, nnx.Any(nnx.Param, mpjax.nnx.Fp8State))
+        grads = nnx.grad(loss, argnums=diff)(model, batch)
+        param_grads, fp8 = nnx.split_state(grads, nnx.Param, mpjax.nnx.Fp8State)
+        optimizer.update(model, param_grads)
+        nnx.update(model, fp8)  # the gradient of the state is the next state
+
+    Raises:
+      TypeError: if ``model`` is not an ``nnx.Module`` instance.
+      ValueError: if no policy was set on ``model``.
+    """
+    _check_model(model, "init_fp8_state")
+    plan = getattr(type(model), "_mpjax_plan", None)
+    if plan is None:
+        raise ValueError(
+            "init_fp8_state(model, ...) needs a policy set on the model first: "
+            "mpjax.nnx.set_policy(model, policy_or_rules)."
+        )
+    run, state, leaves, _ = _split_call(model, args, kwargs)
+    fp8 = fp8_state_in_regions(run, plan.policy, state, leaves)
+    setattr(model, FP8_ATTRIBUTE, Fp8State(fp8))
+
+
+def _split_call(module: nnx.Module, args: tuple, kwargs: dict):
+    """``module(*args, **kwargs)`` as a function of state, as ``nnx.jit`` calls a function:
+    the module and the NNX objects among the arguments (``rngs``, other modules) are split
+    into state and merged inside the trace. Returns the function, the state, the other
+    argument leaves and the split nodes."""
     leaves, tree = jax.tree.flatten((args, kwargs), is_leaf=_is_nnx_object)
     objects = [leaf for leaf in leaves if _is_nnx_object(leaf)]
     slots = iter(range(1, len(objects) + 1))
@@ -196,7 +246,18 @@ def _through_engine(module: nnx.Module, policy: Policy, args: tuple, kwargs: dic
         call_args, call_kwargs = jax.tree.unflatten(tree, leaves)
         return merged[0](*call_args, **call_kwargs), nnx.state(merged)
 
-    out, new_state = run_in_regions(run, policy, state, leaves)
+    return run, state, leaves, nodes
+
+
+def _through_engine(module: nnx.Module, policy: Policy, args: tuple, kwargs: dict) -> Any:
+    """Calls ``module(*args, **kwargs)`` through the casting engine and writes back the state
+    the call updated; the delayed fp8 state, if the module has one, goes to the engine."""
+    run, state, leaves, nodes = _split_call(module, args, kwargs)
+    fp8 = getattr(module, FP8_ATTRIBUTE, None)
+    if isinstance(fp8, Fp8State):
+        out, new_state = run_in_regions_with_fp8_state(run, policy, _raw(fp8), state, leaves)
+    else:
+        out, new_state = run_in_regions(run, policy, state, leaves)
     # Write back only what the call changed: a Variable returned untouched comes back as the
     # very array that went in, and writing it anyway would fail under a trace the model was
     # not created in (a closed-over model under jax.jit), where the call itself mutated nothing.

@@ -311,6 +311,12 @@ class Rules:
             )
         return Rules._from(self.rules[:index] + self.rules[index + 1 :], self.default)
 
+    def scales_fp8_delayed(self) -> bool:
+        """Whether the default or any rule's policy runs fp8 matmuls with delayed scaling: then
+        the integrations create and carry its state."""
+        policies = [self.default, *(r.policy_for(self.default) for r in self.rules)]
+        return any(p.fp8 is not None and p.fp8.scaling == "delayed" for p in policies)
+
     def with_default(self, policy: PolicyLike) -> Rules:
         """Returns new rules with another default policy."""
         return Rules._from(self.rules, get_policy(policy))

@@ -595,3 +595,174 @@ def test_delayed_state_inputs_are_checked():
         fp8.delayed_dot_general(
             jnp.ones((2, 2)), jnp.ones((2, 2)), DENSE, fp8.init_meta(), margin=-2
         )
+
+
+# --- Delayed scaling through policies: autocast, linen, NNX -------------------------------
+
+DELAYED = "p=f32,c=bf16,o=f32,fp8=delayed;history=4"
+
+
+def test_delayed_recipes_parse_and_round_trip():
+    policy = mpjax.get_policy(DELAYED)
+    assert policy.fp8 == fp8.Fp8Recipe("delayed", history=4)
+    assert mpjax.get_policy(str(policy)) == policy
+    with pytest.raises(ValueError, match=r"history=\.\.\.\) must be an int, at least 1"):
+        fp8.Fp8Recipe("delayed", history=0)
+
+
+def scanned_layers(ws, x):
+    def layer(h, w):
+        return jnp.tanh(h @ w), None
+
+    return jax.lax.scan(layer, x, ws)[0] @ ws[0]
+
+
+def test_autocast_delayed_state_is_stacked_per_scan_and_updated_by_grad():
+    f = mpjax.autocast(scanned_layers, DELAYED)
+    ws, x = normal((3, 16, 16), 21, 0.3), normal((4, 16), 22)
+    state = mpjax.fp8_state(f)(ws, x)
+    assert jax.tree.map(jnp.shape, state) == {
+        "[scan0]/#0": fp8.Fp8Meta((3, 3), (3, 4, 3)),
+        "#0": fp8.Fp8Meta((3,), (4, 3)),
+    }
+
+    def loss(ws, state):
+        return jnp.sum(mpjax.with_fp8_state(f, state)(ws, x))
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    grads, new = step(ws, state)
+    # The last matmul: this step's amaxes of its bf16 operands and of the gradient (ones).
+    head = new["#0"].amax_history[0]
+    assert float(head[1]) == float(jnp.max(jnp.abs(ws[0].astype(jnp.bfloat16))))
+    assert float(head[2]) == 1.0 and 0 < float(head[0]) <= 1.0  # tanh's output
+    first = new["[scan0]/#0"].amax_history[0, 0]
+    assert float(first[0]) == float(jnp.max(jnp.abs(x.astype(jnp.bfloat16))))
+    # A second step rolls the history and takes its scales from it.
+    _, newer = step(ws, new)
+    np.testing.assert_array_equal(newer["#0"].amax_history[1], new["#0"].amax_history[0])
+    assert step._cache_size() == 1
+    dots = mpjax.hlo_dots(jax.grad(loss, argnums=(0, 1)))(ws, state)
+    assert dots and all(d.fp8 for d in dots), str(dots)
+
+
+def test_autocast_delayed_without_state_says_how_to_get_it():
+    f = mpjax.autocast(lambda w, x: x @ w, DELAYED)
+    with pytest.raises(ValueError, match=r"mpjax.fp8_state\(fn\)\(\*args\)"):
+        f(jnp.ones((4, 2)), jnp.ones((2, 4)))
+    with pytest.raises(TypeError, match="takes a function made by mpjax.autocast"):
+        mpjax.fp8_state(lambda x: x)
+    with pytest.raises(TypeError, match="state must be the mapping"):
+        mpjax.with_fp8_state(f, [1, 2])
+
+
+def test_a_state_made_for_another_model_is_refused_naming_the_matmul():
+    f = mpjax.autocast(lambda w, x: x @ w, DELAYED)
+    g = mpjax.autocast(lambda w, x: x @ w, "p=f32,c=bf16,o=f32,fp8=delayed;history=8")
+    state = mpjax.fp8_state(g)(jnp.ones((4, 2)), jnp.ones((2, 4)))
+    with pytest.raises(ValueError, match=r"matmul '#0'.*history 4"):
+        mpjax.with_fp8_state(f, state)(jnp.ones((4, 2)), jnp.ones((2, 4)))
+
+
+def test_matmuls_in_a_cond_fall_back_to_current_scaling_with_a_warning():
+    def fn(w, x):
+        return jax.lax.cond(x.sum() > 0, lambda: x @ w, lambda: x @ w.T)
+
+    f = mpjax.autocast(fn, DELAYED)
+    w, x = normal((8, 8), 23), normal((2, 8), 24)
+    with pytest.warns(mpjax.AutocastWarning, match="runs with current scaling instead"):
+        state = mpjax.fp8_state(f)(w, x)
+    assert state == {}
+    dots = mpjax.hlo_dots(mpjax.with_fp8_state(f, state))(w, x)
+    assert len(dots) == 2 and all(d.fp8 for d in dots)
+
+
+def test_linen_init_creates_the_fp8_collection_and_apply_carries_it():
+    model = mpjax.linen.apply_policy(ScannedBlocks(), DELAYED)
+    x = normal((4, 32), 25)
+    variables = model.init(jax.random.key(0), x)
+    fp8_state = variables[mpjax.linen.FP8_COLLECTION]
+    assert jax.tree.map(jnp.shape, fp8_state) == {
+        "[scan0]/ScanCheckpointLayer_0/Dense_0#0": fp8.Fp8Meta((3, 3), (3, 4, 3))
+    }
+    with pytest.raises(ValueError, match="the 'fp8' collection of its variables"):
+        model.apply({"params": variables["params"]}, x)
+
+    def loss(params, state):
+        return jnp.mean(model.apply({"params": params, "fp8": state}, x) ** 2)
+
+    grads, new = jax.jit(jax.grad(loss, argnums=(0, 1)))(variables["params"], fp8_state)
+    history = new["[scan0]/ScanCheckpointLayer_0/Dense_0#0"].amax_history
+    assert (history[:, 0] > 0).all() and (history[:, 1:] == 0).all()
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    report = mpjax.hlo_dots(jax.grad(loss, argnums=(0, 1)))(variables["params"], fp8_state)
+    assert report and all(d.fp8 for d in report), str(report)
+
+
+def linen_delayed_training(steps, resume_at=None):
+    """A train loop whose checkpoint (params, fp8 collection, optimizer state) goes through
+    bytes at ``resume_at``: resuming must change nothing."""
+    import flax.serialization
+
+    model = mpjax.linen.apply_policy(Mlp(), DELAYED)
+    x = normal((2, 8, 16), 26)
+    variables = model.init(jax.random.key(0), x)
+    tx = optax.adam(1e-2)
+
+    @jax.jit
+    def step(carry, i):
+        params, state, opt_state = carry
+        batch = x * (1.0 + i.astype(jnp.float32))
+
+        def loss(params, state):
+            return jnp.mean(model.apply({"params": params, "fp8": state}, batch) ** 2)
+
+        grads, state = jax.grad(loss, argnums=(0, 1))(params, state)
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), state, opt_state
+
+    carry = (variables["params"], variables["fp8"], tx.init(variables["params"]))
+    for i in range(steps):
+        carry = step(carry, jnp.int32(i))
+        if i == resume_at:
+            carry = flax.serialization.from_bytes(carry, flax.serialization.to_bytes(carry))
+    return carry
+
+
+def test_linen_delayed_training_resumes_bit_identically():
+    straight, resumed = linen_delayed_training(5), linen_delayed_training(5, resume_at=2)
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    histories = [m.amax_history for m in straight[1].values()]
+    assert histories and all((h[:4] > 0).all() for h in histories)  # 4 steps in a history of 4
+
+
+def test_nnx_delayed_state_lives_in_variables_and_updates_through_nnx_grad():
+    model = NnxMlp(nnx.Rngs(0))
+    with pytest.raises(ValueError, match="needs a policy set on the model first"):
+        mpjax.nnx.init_fp8_state(model, normal((4, 16), 27))
+    mpjax.nnx.set_policy(model, DELAYED)
+    x = normal((4, 16), 27)
+    with pytest.raises(ValueError, match="mpjax.nnx.init_fp8_state"):
+        model(x)
+    mpjax.nnx.init_fp8_state(model, x)
+    state = model.mpjax_fp8.get_value()
+    assert set(state) == {"up#0", "head#0"}
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        diff = nnx.DiffState(0, nnx.Any(nnx.Param, mpjax.nnx.Fp8State))
+        grads = nnx.grad(lambda m, x: jnp.mean(m(x) ** 2), argnums=diff)(model, x)
+        params, fp8_state = nnx.split_state(grads, nnx.Param, mpjax.nnx.Fp8State)
+        optimizer.update(model, params)
+        nnx.update(model, fp8_state)
+
+    step(model, optimizer, x)
+    step(model, optimizer, x)
+    history = model.mpjax_fp8.get_value()["up#0"].amax_history
+    assert (history[:2] > 0).all() and (history[2:] == 0).all()
+    assert float(history[0, 0]) == float(jnp.max(jnp.abs(x.astype(jnp.bfloat16))))
+    graph, params = nnx.split(model)
+    dots = mpjax.hlo_dots(jax.grad(lambda s: jnp.mean(nnx.merge(graph, s)(x) ** 2)))(params)
+    assert len(dots) == 5 and all(d.fp8 for d in dots), str(dots)
