@@ -851,6 +851,12 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.temperature <= 0:
         raise ValueError(f"--temperature must be positive, got {cfg.temperature}.")
     policy = mpjax.get_policy(cfg.policy)
+    if policy.fp8 is not None and policy.fp8.scaling == "delayed":
+        raise ValueError(
+            f"--policy {cfg.policy}: this script's train step carries no delayed-scaling fp8 "
+            "state; use current scaling (mixed_bfloat16_fp8, or fp8=current), or see the "
+            "README's fp8 section for a train step that carries the state."
+        )
     resolve_loss_scale(cfg.loss_scale, policy)
     if cfg.param_rounding not in mpjax.PARAM_ROUNDINGS:
         raise ValueError(

@@ -22,14 +22,16 @@ Scaling (:class:`Fp8Recipe`):
   :func:`mpjax.autocast` of any function, in wrapped Flax models, in ``scan``, ``remat``,
   ``shard_map`` and under sharding (the amax of a sharded array is a global reduction).
 
-- delayed scaling, with explicit state (:func:`delayed_dot_general`): each tensor's scale
-  comes from the largest amax of the previous steps (an amax history of configurable length,
-  as Transformer Engine and Flax's ``fp8_ops`` keep it). The state of one matmul is an
-  :class:`Fp8Meta` of arrays that the caller carries from step to step, and the new state
-  comes back as the *gradient* with respect to the old one, so one ``jax.grad`` gives both the
-  parameter gradients and the next state: no side effects, so it jits, scans (stack the
-  metas of scanned layers along the scan axis), rematerializes, shards and checkpoints as
-  plain arrays.
+- ``"delayed"``: each tensor's scale comes from the largest amax of the previous steps (an
+  amax history of configurable length, as Transformer Engine and Flax's ``fp8_ops`` keep it).
+  The state of one matmul is an :class:`Fp8Meta` of arrays that the caller carries from step
+  to step, and the new state comes back as the *gradient* with respect to the old one, so one
+  ``jax.grad`` gives both the parameter gradients and the next state: no side effects, so it
+  jits, scans (the metas of scanned layers stacked along the scan axis), rematerializes,
+  shards and checkpoints as plain arrays. :func:`delayed_dot_general` is one such matmul;
+  through a policy the engine keeps one state per matmul: the ``"fp8"`` collection of a
+  wrapped linen model, :class:`mpjax.nnx.Fp8State` for NNX, :func:`mpjax.fp8_state` and
+  :func:`mpjax.with_fp8_state` for :func:`mpjax.autocast`.
 
 Overflow: finite values beyond the fp8 range saturate to ±max (a plain cast makes them NaN in
 e4m3 and inf in e5m2). Non-finite values stay non-finite, so an overflow in the forward pass or

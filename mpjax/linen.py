@@ -20,6 +20,10 @@ interceptor sees every method call of every module below the wrapped one and, fo
 4. casts its outputs to the output dtype where the policy's region ends: at the wrapped root,
    and at a module whose policy differs from the policy of the module that called it.
 
+Under a policy that runs fp8 matmuls with delayed scaling, ``init`` also returns the state of
+each such matmul as the :data:`FP8_COLLECTION` (``"fp8"``) collection, and ``apply`` takes it
+back; its gradient is the next state (:mod:`mpjax.fp8`).
+
 The modules being configured are the throwaway copies Flax binds for each ``init``/``apply``
 call, never the user's instances, so nothing outside the call changes.
 """

@@ -24,6 +24,10 @@ softmax and losses run in f32. The stored Params are only read: ``nnx.Optimizer`
 updates the f32 values, and gradients come back in the param dtype because the casts are part
 of the differentiated computation.
 
+Under a policy that runs fp8 matmuls with delayed scaling, :func:`init_fp8_state` gives the
+model the state of each such matmul, an :class:`Fp8State` Variable whose gradient is the next
+state (:mod:`mpjax.fp8`).
+
 Why not a wrapper module: it would prefix every state path (checkpoints of the wrapped and
 unwrapped model would differ) and would only intercept the root call. Why not a cast-on-read
 ``Param`` subclass: ``nnx.Optimizer`` writes the low-precision value it reads back into the

@@ -507,6 +507,7 @@ def test_bad_flags_are_rejected_naming_the_flag(capsys):
         (["--mu-dtype", "float8_e4m3fn"], "--mu-dtype"),
         (["--nu-dtype", "double-ish"], "--nu-dtype"),
         (["--state-rounding", "down"], "--state-rounding"),
+        (["--policy", "p=f32,c=bf16,o=f32,fp8=delayed"], "fp8=current"),
     ]:
         with pytest.raises(SystemExit):
             tt.parse_args(argv)
