@@ -496,6 +496,7 @@ class _Interpreter:
             delayed.found[site] = (recipe.history, delayed.shape)
             return current
         meta = delayed.metas.get(site)
+        meta = None if meta is None else fp8.as_meta(meta)
         expected = fp8.init_meta(recipe.history, delayed.shape)
         if meta is None or jax.tree.map(jnp.shape, meta) != jax.tree.map(jnp.shape, expected):
             found = (
@@ -509,7 +510,7 @@ class _Interpreter:
         return functools.partial(
             fp8.delayed_dot_general,
             dimension_numbers=p.dimension_numbers,
-            meta=fp8.Fp8Meta(*meta),
+            meta=meta,
             margin=recipe.margin,
             precision=p.precision,
         )

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -375,6 +376,25 @@ class Fp8Meta(NamedTuple):
     amax_history: jax.Array
 
 
+def as_meta(value: Any) -> Fp8Meta:
+    """``value`` as an :class:`Fp8Meta`: one already, a ``(scale, amax_history)`` pair, or a
+    mapping with those keys (what some checkpoint libraries restore a named tuple as).
+
+    Raises:
+      TypeError: for anything else.
+    """
+    if isinstance(value, Fp8Meta):
+        return value
+    if isinstance(value, Mapping) and set(value) == set(Fp8Meta._fields):
+        return Fp8Meta(**value)
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return Fp8Meta(*value)
+    raise TypeError(
+        "An fp8 state entry must be an mpjax.fp8.Fp8Meta (or a (scale, amax_history) pair, or "
+        f"a mapping with those keys); got {type(value).__name__}."
+    )
+
+
 def init_meta(history: int = 1024, shape: tuple[int, ...] = ()) -> Fp8Meta:
     """The state of a matmul that has not run yet: scales of 1 and an all-zero history.
 
@@ -485,11 +505,13 @@ def delayed_dot_general(
     >>> meta.amax_history[0].tolist()  # this step's amaxes: lhs, rhs, gradient
     [1.0, 1.0, 1.0]
     """
-    if not isinstance(meta, Fp8Meta):
+    try:
+        meta = as_meta(meta)
+    except TypeError as error:
         raise TypeError(
             f"delayed_dot_general(meta=...) takes an mpjax.fp8.Fp8Meta (from init_meta() or "
-            f"the previous step's gradient); got {type(meta).__name__}."
-        )
+            f"the previous step's gradient): {error}"
+        ) from None
     recipe = Fp8Recipe(margin=margin)  # checks the margin
     lhs, rhs = _in_compute_dtype(lhs, rhs)
     return _delayed(lhs, rhs, meta, dimension_numbers, precision, recipe.margin)

@@ -696,6 +696,11 @@ def test_linen_init_creates_the_fp8_collection_and_apply_carries_it():
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
     report = mpjax.hlo_dots(jax.grad(loss, argnums=(0, 1)))(variables["params"], fp8_state)
     assert report and all(d.fp8 for d in report), str(report)
+    # Restored by a checkpoint library as plain dicts, the state works the same.
+    as_dicts = {site: meta._asdict() for site, meta in fp8_state.items()}
+    _, from_dicts = jax.jit(jax.grad(loss, argnums=(0, 1)))(variables["params"], as_dicts)
+    for site, meta in new.items():
+        np.testing.assert_array_equal(from_dicts[site]["amax_history"], meta.amax_history)
 
 
 def linen_delayed_training(steps, resume_at=None):
