@@ -430,9 +430,9 @@ def next_meta(meta: Fp8Meta, amax: jax.Array, margin: int = 0) -> Fp8Meta:
     finite (an overflow, a step that loss scaling skips) keeps its history and scale; a row
     whose history is all zeros keeps its scale.
 
-    >>> meta = next_meta(init_meta(2), jnp.array([896.0, 1.0, 0.0]))
+    >>> meta = next_meta(init_meta(2), jnp.array([896.0, 112.0, 0.0]))
     >>> meta.scale.tolist(), meta.amax_history.tolist()
-    ([2.0, 0.002232142956927419, 1.0], [[896.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    ([2.0, 0.25, 1.0], [[896.0, 112.0, 0.0], [0.0, 0.0, 0.0]])
     """
     amax = amax.astype(_F32)
     finite = jnp.isfinite(amax)

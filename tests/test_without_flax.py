@@ -34,7 +34,7 @@ from mpjax.loss_scaling import DynamicLossScale, loss_scaling, loss_scaling_info
 from mpjax.master_weights import master_weights
 
 loaded = sorted(m for m in sys.modules if m.startswith("mpjax."))
-assert loaded == ["mpjax.deprecation", "mpjax.gradient_checks", "mpjax.jax_compat",
+assert loaded == ["mpjax.deprecation", "mpjax.fp8", "mpjax.gradient_checks", "mpjax.jax_compat",
                   "mpjax.loss_scaling", "mpjax.master_weights", "mpjax.policy"], loaded
 assert not [m for m, v in sys.modules.items() if m.split(".")[0] == "flax" and v is not None]
 
