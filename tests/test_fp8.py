@@ -792,3 +792,16 @@ def test_delayed_state_under_sharding_matches_the_unsharded_step():
         amax, amax_sharded = meta.amax_history[0], got[site].amax_history[0]
         np.testing.assert_array_equal(amax_sharded[:2], amax[:2])
         np.testing.assert_allclose(amax_sharded[2], amax[2], rtol=2**-7)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_delayed_matmul_and_its_state_keep_their_dtypes(dtype):
+    x, w = normal((8, 32), 29, dtype=dtype), normal((32, 4), 30, dtype=dtype)
+    out, dx, dw, meta = delayed_grads(x, w, fp8.init_meta(4), jnp.ones((8, 4), dtype))
+    assert out.dtype == dx.dtype == dw.dtype == dtype
+    assert meta.scale.dtype == meta.amax_history.dtype == jnp.float32
+    assert fp8.quantize(x, E5M2, jnp.float32(1.0)).dtype == E5M2
+    assert (
+        fp8.dequantize(fp8.quantize(x, E4M3, jnp.float32(1.0)), dtype, jnp.float32(1.0)).dtype
+        == dtype
+    )
