@@ -497,15 +497,17 @@ class _Interpreter:
             return current
         meta = delayed.metas.get(site)
         meta = None if meta is None else fp8.as_meta(meta)
-        expected = fp8.init_meta(recipe.history, delayed.shape)
-        if meta is None or jax.tree.map(jnp.shape, meta) != jax.tree.map(jnp.shape, expected):
+        expected = ((*delayed.shape, 3), (*delayed.shape, recipe.history, 3))
+        if meta is None or (meta.scale.shape, meta.amax_history.shape) != expected:
             found = (
-                "no state" if meta is None else f"state of shapes {jax.tree.map(jnp.shape, meta)}"
+                "no state"
+                if meta is None
+                else f"state of shapes {(meta.scale.shape, meta.amax_history.shape)}"
             )
             raise ValueError(
                 f"The fp8 state has {found} for the matmul {site!r}, which needs an Fp8Meta of "
-                f"shapes {jax.tree.map(jnp.shape, expected)} (history {recipe.history}). Make "
-                "the state for this model and policy: it lists the matmuls it was made for."
+                f"shapes {expected} (scale, amax_history; history {recipe.history}). Make the "
+                "state for this model and policy: it lists the matmuls it was made for."
             )
         return functools.partial(
             fp8.delayed_dot_general,
@@ -629,8 +631,8 @@ class _Interpreter:
             # Each iteration takes its slice of the state of the matmuls inside.
             namespace = delayed.scan_namespace(self.settings.region(path).path)
             metas = delayed.metas
-            keys = [] if metas is None else sorted(k for k in metas if k.startswith(namespace))
-            stacked = [metas[k] for k in keys] if metas is not None else []
+            mine = {k: v for k, v in sorted((metas or {}).items()) if k.startswith(namespace)}
+            keys, stacked = list(mine), list(mine.values())
 
             def body(carry, x):
                 x, sliced = x

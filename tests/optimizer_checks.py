@@ -45,6 +45,20 @@ def make_poisoned_step(tx):
     return step
 
 
+def counting_step(tx):
+    """A jitted ``step(params, state, grads) -> (params, state)`` of ``tx``, and the list it
+    appends to at each trace: one entry after many steps means no retrace."""
+    traces = []
+
+    @jax.jit
+    def step(params, state, grads):
+        traces.append(1)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step, traces
+
+
 def run_steps(tx, params, steps, start=0, state=None, *, grads_at):
     """``steps`` jitted updates from step ``start`` (from ``tx.init`` without a ``state``),
     step ``i`` taking ``grads_at(i, params)``; returns ``(params, state)``."""

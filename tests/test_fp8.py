@@ -56,6 +56,7 @@ def test_quantize_saturates_finite_values_and_keeps_non_finite_ones(dtype):
 def test_current_scale_maps_amax_to_the_fp8_maximum():
     x = jnp.array([[-896.0, 3.0], [1.0, 0.5]])
     assert float(fp8.current_scale(x, E4M3)) == 2.0
+    assert fp8.current_scale(x.astype(jnp.bfloat16), E4M3).dtype == jnp.float32
     assert float(fp8.current_scale(x, E5M2)) == 896.0 / 57344.0
     assert float(fp8.current_scale(x, E4M3, margin=2)) == 8.0
     assert float(fp8.current_scale(jnp.zeros(3), E4M3)) == 1.0
@@ -335,8 +336,8 @@ def test_fp8_under_scan_over_layers_and_remat():
 
     report = mpjax.hlo_dots(jax.grad(loss))(params)
     assert report and all(d.fp8 for d in report), str(report)
-    assert {d.computation for d in report} != {report[0].computation} or len(report) >= 2
-    # The same numbers as the unscanned computation layer by layer.
+    # Inside the loop: the scanned layer's dots are in the while body, not the entry.
+    assert any(not d.computation.startswith("main") for d in report), str(report)
     grads = jax.jit(jax.grad(loss))(params)
     assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
 
@@ -515,11 +516,7 @@ def stacked_model(params, metas, x, remat=False):
         return jnp.tanh(fp8.delayed_dot_general(h, w, DENSE, meta)), None
 
     layer = jax.checkpoint(layer) if remat else layer
-    return jnp.mean(lax_scan(layer, x, (params, metas))[0] ** 2)
-
-
-def lax_scan(f, init, xs):
-    return jax.lax.scan(f, init, xs)
+    return jnp.mean(jax.lax.scan(layer, x, (params, metas))[0] ** 2)
 
 
 def test_delayed_scaling_under_scan_and_remat_matches_a_python_loop():
@@ -548,8 +545,9 @@ def test_delayed_scaling_under_scan_and_remat_matches_a_python_loop():
     assert dots and all(d.fp8 for d in dots), str(dots)
 
 
-def delayed_training(params, metas, steps, start=0):
-    """Adam on the scanned model; the state's gradient is the next state."""
+def delayed_training(params):
+    """Adam on the scanned model: a jitted step and the initial optimizer state; the
+    gradient of the fp8 state is the next state."""
     tx = optax.adam(1e-2)
     opt_state = tx.init(params)
 
@@ -569,7 +567,7 @@ def test_delayed_state_checkpoint_resume_is_bit_identical():
 
     params = normal((3, 16, 16), 8, 0.3)
     metas = jax.tree.map(lambda a: jnp.stack([a] * 3), fp8.init_meta(4))
-    step, opt_state = delayed_training(params, metas, 6)
+    step, opt_state = delayed_training(params)
     straight = (params, metas, opt_state)
     saved = None
     for i in range(6):
@@ -800,6 +798,7 @@ def test_delayed_matmul_and_its_state_keep_their_dtypes(dtype):
     out, dx, dw, meta = delayed_grads(x, w, fp8.init_meta(4), jnp.ones((8, 4), dtype))
     assert out.dtype == dx.dtype == dw.dtype == dtype
     assert meta.scale.dtype == meta.amax_history.dtype == jnp.float32
+    assert {a.dtype for a in fp8.init_meta(4, (2,))} == {np.dtype(jnp.float32)}
     assert fp8.quantize(x, E5M2, jnp.float32(1.0)).dtype == E5M2
     assert (
         fp8.dequantize(fp8.quantize(x, E4M3, jnp.float32(1.0)), dtype, jnp.float32(1.0)).dtype

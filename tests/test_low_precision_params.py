@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from optimizer_checks import (
     assert_trees_bitwise_equal,
+    counting_step,
     make_poisoned_step,
     run_sharded_steps,
     run_steps,
@@ -276,13 +277,7 @@ def test_reproducible_from_the_seed_and_no_retrace():
     c = run(t, params, 3, state=other)
     assert not np.array_equal(np.asarray(a[0]["w"]), np.asarray(c[0]["w"]))
 
-    traces = []
-
-    @jax.jit
-    def step(params, state, grads):
-        traces.append(1)
-        updates, state = t.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+    step, traces = counting_step(t)
 
     with standard_promotion():
         state = t.init(params)

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from optimizer_checks import (
     assert_trees_bitwise_equal,
+    counting_step,
     make_poisoned_step,
     quadratic_loss,
     run_sharded_steps,
@@ -257,13 +258,7 @@ def test_stochastic_is_reproducible_from_its_seed_and_its_key_advances():
 def test_jit_does_not_retrace_on_the_next_step():
     params = make_params()
     tx = state_precision(optax.adamw(1e-2), {"mu": "bf16", "nu": "bf16"}, rounding="stochastic")
-    traces = []
-
-    @jax.jit
-    def step(params, state, grads):
-        traces.append(1)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+    step, traces = counting_step(tx)
 
     with standard_promotion():
         state = tx.init(params)
