@@ -1,10 +1,29 @@
 """Fused attention: ``jax.nn.dot_product_attention`` behind Flax's ``attention_fn`` signature.
 
 Attention written as two einsums and a softmax materializes the ``T x T`` scores, in memory and
-in time. :func:`dot_product_attention` computes the same function through
-``jax.nn.dot_product_attention``, which runs cuDNN's fused flash attention on a GPU when the
-dtypes (bf16/f16), head size and masks allow, and XLA's composition otherwise (on CPU, for
-example). cuDNN computes the softmax in f32 internally, as mpjax's policies do.
+in time. :func:`dot_product_attention` computes the same function with cuDNN's fused flash
+attention where it can, and with XLA's composition elsewhere:
+
+- **Chosen per platform when the function is lowered**, not when it is traced: the function
+  holds both (``lax.platform_dependent``), and compiling it for a CUDA GPU keeps cuDNN's
+  kernels, forward and backward, while compiling it for a CPU keeps XLA's. So the same jitted
+  step gets the right path on a GPU, on a CPU, and in a compile for a GPU done on a machine
+  without one (see :func:`mpjax.gpu_plan`). ``jax.nn.dot_product_attention``'s own default
+  (``implementation=None``) is XLA's path everywhere.
+- **cuDNN where it applies**: bfloat16 or float16 inputs, a head size of at most 128 and a
+  multiple of 8, a bias only with even sequence lengths, and whatever else cuDNN's own checks
+  refuse when the call is traced (without the CUDA plugin, ``pip install "mpjax[cuda12]"``,
+  cuDNN is never chosen). Otherwise XLA's path runs on every platform. ``implementation``
+  forces either.
+- **In the compute dtype**: under an mpjax policy (a wrapped Flax model, :func:`mpjax.autocast`)
+  the query, key and value are cast to the compute dtype of the region the attention is called
+  in *when it is traced*, so a model whose Dense layers return float32 still reaches cuDNN in
+  bfloat16. Outside a policy they are brought to ``dtype``, else to their common dtype.
+
+cuDNN computes the logits and the softmax in f32 internally, as XLA's path does for bfloat16
+(f32 logits, f32 softmax). For float16, XLA's path computes the logits in float16 (the query
+scaled first) and the softmax in f32, since XLA's CPU backend has no float16 x float16 ->
+float32 matmul.
 
 It takes the arguments Flax's attention layers pass to their ``attention_fn`` (linen's
 ``MultiHeadDotProductAttention``, NNX's ``MultiHeadAttention``), so a rule can route a model's
@@ -15,25 +34,38 @@ attention layers to it without touching the model::
         default="mixed_bfloat16",
     )
 
-Under a policy it runs in the region's compute dtype like any other code; outside one, the
-query, key and value are brought to their common dtype.
-
-Called outside a policy with bf16/f16 inputs, the gradient of JAX's XLA path (the CPU's, or a
-GPU's when cuDNN cannot take the shapes) multiplies an f32 cotangent with the bf16/f16 keys.
-JAX checks that mix against ``jax_numpy_dtype_promotion`` when it *compiles*, so under
-``"strict"`` promotion such a gradient must be compiled under ``"standard"`` promotion (JAX's
-default). Under an mpjax policy the casting engine runs those matmuls in the compute dtype,
-and strict promotion compiles.
+Called outside a policy with bf16 inputs, the gradient of JAX's XLA path multiplies an f32
+cotangent with the bf16 keys. JAX checks that mix against ``jax_numpy_dtype_promotion`` when it
+*compiles*, so under ``"strict"`` promotion such a gradient must be compiled under
+``"standard"`` promotion (JAX's default). Under an mpjax policy the casting engine runs those
+matmuls in the compute dtype, and strict promotion compiles.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
-__all__ = ["dot_product_attention"]
+from mpjax.autocast import traced_compute_dtype
+
+__all__ = ["IMPLEMENTATIONS", "cudnn_refusal", "dot_product_attention"]
+
+IMPLEMENTATIONS = ("xla", "cudnn", None)
+"""The values of ``implementation``: XLA's composition, cuDNN's fused kernel, or cuDNN on
+CUDA GPUs where it applies and XLA elsewhere (the default)."""
+
+_CUDNN_DTYPES = frozenset(np.dtype(d) for d in (jnp.bfloat16, jnp.float16))
+_CUDNN_MAX_HEAD = 128  # Hopper takes 256, but the target is not known when tracing
+_F16 = np.dtype(jnp.float16)
+_F32 = np.dtype(jnp.float32)
+# cuDNN's own checks when it is traced: bad layouts, no cuDNN (no CUDA plugin), shapes its
+# kernels do not cover.
+_REFUSALS = (ValueError, NotImplementedError, RuntimeError, TypeError)
 
 
 def dot_product_attention(
@@ -70,12 +102,15 @@ def dot_product_attention(
       dropout_rate: must be 0 unless ``deterministic``: fused attention has no dropout.
       deterministic: as in Flax.
       dtype: the dtype to compute in, as Flax's ``dtype``; None for the common dtype of the
-        inputs (under an mpjax policy, the region's compute dtype).
+        inputs. Under an mpjax policy the region's compute dtype wins, as it does for every
+        operation of a wrapped model.
       precision: must be None: the fused kernel has its own.
       module: the calling Flax module (unused: fused attention has no weights to sow).
       is_causal: mask out the future, without materializing a mask.
-      implementation: ``"xla"``, ``"cudnn"`` or None (cuDNN when supported, else XLA), as for
-        ``jax.nn.dot_product_attention``.
+      implementation: None (the default): cuDNN's fused kernel when the function is
+        compiled for a CUDA GPU and cuDNN takes these inputs (:func:`cudnn_refusal`), XLA's
+        composition otherwise. ``"cudnn"`` forces cuDNN (which then fails to compile for a
+        platform other than CUDA, or raises for inputs it refuses); ``"xla"`` forces XLA.
       **flax_options: Flax's other ``attention_fn`` keywords. ``force_fp32_for_softmax`` and
         ``promote_dtype`` are accepted (the softmax runs in f32 anyway); custom einsums
         (``einsum_dot_general``, ``qk_attn_weights_einsum``, ``attn_weights_value_einsum``)
@@ -86,7 +121,7 @@ def dot_product_attention(
 
     Raises:
       ValueError: for dropout in training mode, a ``precision``, a custom einsum, an unknown
-        keyword, or inputs whose rank is not 3 or 4.
+        keyword or ``implementation``, or inputs whose rank is not 3 or 4.
 
     >>> q = k = v = jnp.ones((2, 5, 4, 8), jnp.bfloat16)
     >>> dot_product_attention(q, k, v, is_causal=True).dtype
@@ -121,18 +156,110 @@ def dot_product_attention(
             "([batch, length, heads, head_dim]) or 3 (no batch axis); got a query of shape "
             f"{query.shape}."
         )
-    compute = dtype if dtype is not None else _common_dtype(query, key, value)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"dot_product_attention(implementation=...) must be None (cuDNN on CUDA GPUs where "
+            f"it applies, XLA elsewhere), 'cudnn' or 'xla'; got {implementation!r}."
+        )
+    compute = traced_compute_dtype()
+    if compute is None:
+        compute = dtype if dtype is not None else _common_dtype(query, key, value)
     query, key, value = (jnp.asarray(x, compute) for x in (query, key, value))
     if bias is not None:
         bias = jnp.asarray(bias, compute)
     if mask is not None:
         mask = jnp.asarray(mask, jnp.bool_)
+    unbatched = query.ndim == 3
+    if unbatched:
+        query, key, value = (x[None] for x in (query, key, value))
     # jax.nn's XLA path promotes bf16/f16 logits to f32 implicitly, which strict dtype
     # promotion forbids; the promotion is the intended one, whatever the caller's setting.
     with jax.numpy_dtype_promotion("standard"):
-        return jax.nn.dot_product_attention(
-            query, key, value, bias, mask, is_causal=is_causal, implementation=implementation
-        )
+        cudnn = functools.partial(_cudnn, is_causal=is_causal)
+        xla = functools.partial(_xla, is_causal=is_causal)
+        if implementation == "cudnn":
+            out = cudnn(query, key, value, bias, mask)
+        elif implementation == "xla" or cudnn_refusal(query, key, value, bias, mask, is_causal):
+            out = xla(query, key, value, bias, mask)
+        else:
+            out = lax.platform_dependent(query, key, value, bias, mask, cuda=cudnn, default=xla)
+    return out[0] if unbatched else out
+
+
+def cudnn_refusal(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    is_causal: bool = False,
+) -> str | None:
+    """Why cuDNN's fused attention would not take these inputs, or None if it would.
+
+    Takes arrays or ``jax.ShapeDtypeStruct``s of rank 4, already in the dtype to compute in.
+    Checks the dtype (bfloat16 or float16), the head size (at most 128, a multiple of 8), a
+    bias's sequence lengths (even, for its gradient), then traces cuDNN's own call, whose
+    checks cover the rest (layouts, masks, and whether cuDNN is installed at all).
+
+    >>> import jax, jax.numpy as jnp
+    >>> cudnn_refusal(*[jax.ShapeDtypeStruct((1, 8, 2, 64), jnp.float32)] * 3)
+    'cuDNN runs attention in bfloat16 or float16, not float32'
+    """
+    dtype = np.dtype(query.dtype)
+    if dtype not in _CUDNN_DTYPES:
+        return f"cuDNN runs attention in bfloat16 or float16, not {dtype.name}"
+    head = query.shape[-1]
+    if head > _CUDNN_MAX_HEAD or head % 8:
+        return f"cuDNN takes head sizes of at most {_CUDNN_MAX_HEAD}, multiples of 8; got {head}"
+    if bias is not None and (query.shape[1] % 2 or key.shape[1] % 2):
+        return "cuDNN's bias gradient needs even sequence lengths"
+    try:
+        with jax.numpy_dtype_promotion("standard"):
+            jax.eval_shape(
+                functools.partial(_cudnn, is_causal=is_causal), query, key, value, bias, mask
+            )
+    except _REFUSALS as error:
+        return f"cuDNN refused: {error}"
+    return None
+
+
+def _cudnn(query, key, value, bias, mask, *, is_causal):
+    return jax.nn.dot_product_attention(
+        query, key, value, bias, mask, is_causal=is_causal, implementation="cudnn"
+    )
+
+
+def _xla(query, key, value, bias, mask, *, is_causal):
+    if np.dtype(query.dtype) == _F16:
+        return _xla_float16(query, key, value, bias, mask, is_causal)
+    return jax.nn.dot_product_attention(
+        query, key, value, bias, mask, is_causal=is_causal, implementation="xla"
+    )
+
+
+def _xla_float16(query, key, value, bias, mask, is_causal):
+    """XLA's composition for float16: float16 logits of the scaled query, an f32 softmax.
+
+    ``jax.nn``'s asks for float16 x float16 -> float32 logits, which XLA's CPU backend cannot
+    compile; scaling the query first keeps the float16 logits in range.
+    """
+    b, t, n, h = query.shape
+    s, kv_heads = key.shape[1], key.shape[2]
+    groups = n // kv_heads
+    query = query * jnp.asarray(1.0 / np.sqrt(h), query.dtype)
+    grouped = query.reshape(b, t, kv_heads, groups, h)
+    logits = jnp.einsum("btkgh,bskh->bkgts", grouped, key).astype(_F32).reshape(b, n, t, s)
+    if bias is not None:
+        logits = logits + bias.astype(_F32)
+    if is_causal:
+        causal = jnp.tril(jnp.ones((t, s), jnp.bool_))  # top-left aligned, as jax.nn's
+        mask = causal if mask is None else mask & causal
+    if mask is not None:
+        # Large and finite, as jax.nn's: a fully masked row averages the values, never NaN.
+        logits = jnp.where(mask, logits, -0.7 * float(np.finfo(np.float32).max))
+    probs = jax.nn.softmax(logits, axis=-1).astype(query.dtype)
+    grouped_probs = probs.reshape(b, kv_heads, groups, t, s)
+    return jnp.einsum("bkgts,bskh->btkgh", grouped_probs, value).reshape(b, t, n, h)
 
 
 def _common_dtype(*arrays: jax.Array) -> Any:

@@ -54,7 +54,9 @@ class AutocastWarning(UserWarning):
 
 
 class _Tracing(threading.local):
-    depth = 0
+    def __init__(self) -> None:
+        # The settings of each engine trace in progress on this thread, innermost last.
+        self.settings: list[_Settings] = []
 
 
 _tracing = _Tracing()
@@ -66,7 +68,25 @@ def tracing() -> bool:
     The Flax integrations check it: a wrapped module called while the engine traces only opens
     its precision region; called outside, it starts the engine itself.
     """
-    return _tracing.depth > 0
+    return bool(_tracing.settings)
+
+
+def traced_compute_dtype() -> np.dtype | None:
+    """The compute dtype the engine will run the code being traced right now in: that of the
+    innermost precision region around it (or of the rule or policy of its path), or None
+    outside an engine trace and inside :func:`mpjax.full_precision`.
+
+    Most operations are traced in the model's own dtypes and cast later, when the engine
+    evaluates them. An operation whose *implementation* depends on the dtype (fused attention,
+    which cuDNN runs only in bf16/f16) asks here while it is traced, and is traced in the
+    compute dtype from the start. Inside a nested ``jax.jit``, ``scan`` or ``checkpoint`` of
+    the traced function JAX starts a fresh name stack, so only regions opened inside it (those
+    of the modules of a wrapped Flax model) are seen there.
+    """
+    if not _tracing.settings:
+        return None
+    policy = _tracing.settings[-1].region(compat.current_scope_names()).policy
+    return None if policy is None else np.dtype(policy.compute_dtype)
 
 
 def _widest(dtypes: Iterable[Any]) -> np.dtype:
@@ -699,6 +719,14 @@ class _Interpreter:
                 x if t is None else _cast_to(x, t) for x, t in zip(fn(*ops), targets)
             ]
 
+        platforms = compat.cond_platforms(eqn)
+        if platforms is not None:
+            # Re-made as lax.platform_dependent, so that each platform still lowers its own
+            # branch only (cuDNN attention's custom calls do not lower for the CPU).
+            fns = [fixed(b) for b in branches]
+            per_platform = {n: fn for fn, names in zip(fns, platforms) if names for n in names}
+            default = next((fn for fn, names in zip(fns, platforms) if not names), None)
+            return list(lax.platform_dependent(*operands, default=default, **per_platform))
         return list(lax.switch(index, [fixed(b) for b in branches], *operands))
 
     def _remat(self, eqn, invals, path):
@@ -1011,7 +1039,9 @@ class _AutocastFunction:
     def call(self, args, kwargs, delayed: _DelayedScaling | None = None, record=None) -> Any:
         """Runs ``fn`` through the engine; a recording run (``record``) builds its own nested
         functions rather than reuse, or leave behind, ones that record elsewhere."""
-        traced, dynamic = _trace(self.fn, self.traces, args, kwargs, trace_scalars=True)
+        traced, dynamic = _trace(
+            self.fn, self.settings, self.traces, args, kwargs, trace_scalars=True
+        )
         cache = traced.cache if record is None else {}
         outs = _Interpreter(self.settings, cache, record, delayed).run(traced.closed, dynamic, ())
         policy = self.settings.policy
@@ -1070,7 +1100,7 @@ def run_in_regions(fn: Callable[..., Any], policy: Policy, *args, **kwargs) -> A
 def _run_in_regions(fn, policy, args, kwargs, delayed: _DelayedScaling | None) -> Any:
     settings = _Settings(policy, merge_categories(None), ())
     with jax.numpy_dtype_promotion("standard"):
-        traced, dynamic = _trace(fn, None, args, kwargs)
+        traced, dynamic = _trace(fn, settings, None, args, kwargs)
     outs = _Interpreter(settings, traced.cache, delayed=delayed).run(traced.closed, dynamic, ())
     return jax.tree.unflatten(traced.out_tree, outs)
 
@@ -1103,7 +1133,12 @@ def fp8_state_in_regions(
 
 
 def _trace(
-    fn, traces: _TraceCache | None, args, kwargs, trace_scalars: bool = False
+    fn,
+    settings: _Settings,
+    traces: _TraceCache | None,
+    args,
+    kwargs,
+    trace_scalars: bool = False,
 ) -> tuple[_Traced, list]:
     """The jaxpr of ``fn`` for these arguments (cached in ``traces`` unless None), and the
     arguments it takes: the array leaves, and Python floats and complex numbers if
@@ -1136,11 +1171,11 @@ def _trace(
         out_trees.append(out_tree)
         return out_leaves
 
-    _tracing.depth += 1
+    _tracing.settings.append(settings)
     try:
         closed = jax.make_jaxpr(flat_fn)(*dynamic)
     finally:
-        _tracing.depth -= 1
+        _tracing.settings.pop()
     traced = _Traced(closed, out_trees[0], {})
     # A jaxpr that closed over tracers of an enclosing trace is only valid inside that trace.
     closes_over_tracers = any(compat.is_tracer(c) for c in closed.consts)

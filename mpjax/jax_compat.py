@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import source_info_util  # the name stack of the trace in progress
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as jex_primitives
 
@@ -137,6 +138,17 @@ def scope_names(eqn: Any) -> tuple[str, ...]:
     return tuple(e.name for e in eqn.source_info.name_stack.stack if type(e).__name__ == "Scope")
 
 
+def current_scope_names() -> tuple[str, ...]:
+    """The ``jax.named_scope`` names open around the code being traced right now, outermost
+    first, as :func:`scope_names` reads them off an equation once it is recorded.
+
+    JAX starts a fresh name stack for each nested trace (``jit``, ``scan``, ``checkpoint``),
+    so these are the scopes opened inside the innermost one.
+    """
+    stack = source_info_util.current_name_stack().stack
+    return tuple(e.name for e in stack if type(e).__name__ == "Scope")
+
+
 def name_stack(eqn: Any) -> str:
     """``eqn``'s name stack as JAX prints it, transforms included: ``"transpose(jvp(MLP))"``."""
     return str(eqn.source_info.name_stack)
@@ -235,6 +247,17 @@ def while_params(eqn: Any) -> WhileParams:
 def cond_branches(eqn: Any) -> tuple[jex_core.ClosedJaxpr, ...]:
     """The branches of a ``cond`` equation; its first input is the branch index."""
     return tuple(closed(b) for b in _param(eqn, "branches"))
+
+
+def cond_platforms(eqn: Any) -> tuple[tuple[str, ...] | None, ...] | None:
+    """For a ``cond`` made by ``lax.platform_dependent``, the platforms of each branch (None
+    for the default branch), as its ``branches_platforms`` param holds them; None for a
+    ``cond`` on a value.
+
+    Such a ``cond`` is resolved when it is lowered, for the platform it is lowered for: the
+    other branches are never lowered, so they may hold operations that platform cannot run.
+    """
+    return eqn.params.get("branches_platforms")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,6 @@ LAYERS = (
         "jax_compat",
         "table",
         "inspection",
-        "attention",
         "gradient_checks",
         "loss_scaling",
         "master_weights",
@@ -36,6 +35,7 @@ LAYERS = (
     # that names their parts.
     {"state_precision", "low_precision_params", "memory"},
     {"autocast", "report"},
+    {"attention"},  # an operation that asks the engine for its region's compute dtype
     {"describe"},  # the one report entry point: the integrations register with it
     {"linen", "nnx", "flax_serialization"},  # the Flax integrations
     {"__init__"},
