@@ -8,12 +8,17 @@ format with more range, since gradients span more binades than activations and w
 runs all three matmuls (forward, input gradient, weight gradient) on those values. Outputs and
 accumulation stay in the compute dtype (bf16, f16 or f32).
 
-The matmuls are written the way XLA's GPU compiler recognizes fp8 GEMMs: each operand of the
-``dot`` is ``convert(f8 value) * broadcast(scale)``, with an f32 scalar scale and default
-precision. On Hopper (and Ada) GPUs XLA rewrites that into a cuBLASLt fp8 GEMM that reads the
-fp8 values and applies the scales itself; elsewhere it runs the same arithmetic in the compute
-dtype, so CPU results equal what the GPU computes up to accumulation order.
-:func:`mpjax.hlo_dots` shows the pattern in a function's HLO.
+The matmuls multiply the fp8 values themselves: each GEMM is a ``dot_general`` whose two
+operands are float8 arrays, accumulating in f32 (``preferred_element_type``), and the product
+of the two scales multiplies its output, which is then rounded to the compute dtype. XLA's GPU
+compiler turns such a dot into an fp8 GEMM on Hopper (and Ada) GPUs whatever its GEMM flags:
+a Triton GEMM with fp8 operands under its default flags, a cuBLASLt fp8 GEMM
+(``__cublas$lt$matmul$f8``) with Triton GEMMs off. (The other form, a dot of dequantized
+operands ``convert(q) * scale``, becomes an fp8 GEMM only with Triton GEMMs off: with XLA's
+defaults the dot runs in bf16 and the dequantizations in separate kernels.) Elsewhere, on a
+CPU for example, XLA runs the same arithmetic in wider types, so CPU results equal what the
+GPU computes up to the order of the f32 sums. :func:`mpjax.hlo_dots` shows the fp8 dots of a
+function; :func:`mpjax.gpu_plan` shows the GEMMs an H100 compile makes of them.
 
 Scaling (:class:`Fp8Recipe`):
 
@@ -42,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -245,38 +250,64 @@ def _quantized(x: jax.Array, dtype: np.dtype, scale: jax.Array) -> _Quantized:
     return _Quantized(quantize(x, dtype, scale), scale)
 
 
-def _matmul(a, b, dimension_numbers, precision, compute):
-    return lax.dot_general(
-        dequantize(a.q, compute, a.scale),
-        dequantize(b.q, compute, b.scale),
-        dimension_numbers,
-        precision=precision,
-        preferred_element_type=compute,
+def _matmul(a: _Quantized, b: _Quantized, dimension_numbers, precision, compute):
+    """The GEMM on the fp8 values themselves, accumulated in f32, scaled after: the form
+    XLA compiles to an fp8 GEMM (cuBLASLt's or Triton's) whatever its GEMM flags."""
+    out = lax.dot_general(
+        a.q, b.q, dimension_numbers, precision=precision, preferred_element_type=_F32
     )
+    return (out * (a.scale * b.scale)).astype(compute)
+
+
+def _kept(ndim: int, *removed: Sequence[int]) -> list[int]:
+    """The axes of an ``ndim`` operand that are neither contracted nor batched."""
+    gone = {axis for axes in removed for axis in axes}
+    return [axis for axis in range(ndim) if axis not in gone]
+
+
+def _transpose_lhs(lhs_ndim, rhs_ndim, dimension_numbers, swap_ans=False):
+    """The dimension numbers and the output permutation that give the gradient of a
+    ``dot_general``'s lhs (of rank ``lhs_ndim``; the rhs ``y`` is of rank ``rhs_ndim``) as
+    ``transpose(dot_general(g, y, ...))``: the transposition
+    ``jax.grad`` does for a ``dot_general``, written out so that both factors can stay fp8."""
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    x_kept = _kept(lhs_ndim, x_contract, x_batch)
+    y_kept = _kept(rhs_ndim, y_contract, y_batch)
+    n_batch = len(x_batch)
+    if swap_ans:  # g's axes: batch, y's kept, x's kept
+        ans_y = range(n_batch, n_batch + len(y_kept))
+    else:  # g's axes: batch, x's kept, y's kept
+        ans_y = range(n_batch + len(x_kept), n_batch + len(x_kept) + len(y_kept))
+    dims = ((tuple(ans_y), tuple(y_kept)), (tuple(range(n_batch)), tuple(y_batch)))
+    x_contract_by_y = [x_contract[i] for i in np.argsort(y_contract)]
+    permutation = tuple(int(i) for i in np.argsort([*x_batch, *x_kept, *x_contract_by_y]))
+    return dims, permutation
+
+
+def _gradient_matmul(g, y, lhs_ndim, dimension_numbers, precision, compute, swap_ans=False):
+    dims, permutation = _transpose_lhs(lhs_ndim, y.q.ndim, dimension_numbers, swap_ans)
+    return lax.transpose(_matmul(g, y, dims, precision, compute), permutation)
 
 
 def _forward(lhs, rhs, scales, dimension_numbers, precision):
     """The forward matmul on e4m3 operands; its residuals are the fp8 values and their
-    scales, so the backward matmuls dequantize next to their dots (the pattern XLA rewrites
-    into fp8 GEMMs, inside scanned loops too) and keep half the bytes of bf16 residuals."""
+    scales (half the bytes of bf16 residuals), which the backward GEMMs take as they are."""
     a, b = _quantized(lhs, E4M3, scales[0]), _quantized(rhs, E4M3, scales[1])
     return _matmul(a, b, dimension_numbers, precision, np.dtype(lhs.dtype)), (a, b)
 
 
 def _backward(operands, g, g_scale, dimension_numbers, precision):
     """The gradients of both operands from the e5m2-quantized ``g``: the straight-through
-    estimator for the forward rounding, with fp8 operands in both backward matmuls."""
+    estimator for the forward rounding, with fp8 operands in both backward GEMMs (e5m2 x
+    e4m3)."""
     a, b = operands
     compute = np.dtype(g.dtype)
     qg = _quantized(g, E5M2, g_scale)
-    _, vjp = jax.vjp(
-        lambda x, y: lax.dot_general(
-            x, y, dimension_numbers, precision=precision, preferred_element_type=compute
-        ),
-        dequantize(a.q, compute, a.scale),
-        dequantize(b.q, compute, b.scale),
-    )
-    return vjp(dequantize(qg.q, compute, qg.scale))
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    swapped = ((rhs_contract, lhs_contract), (rhs_batch, lhs_batch))
+    dlhs = _gradient_matmul(qg, b, a.q.ndim, dimension_numbers, precision, compute)
+    drhs = _gradient_matmul(qg, a, b.q.ndim, swapped, precision, compute, swap_ans=True)
+    return dlhs, drhs
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))

@@ -289,10 +289,12 @@ class HloOperand:
     """One operand of an HLO ``dot`` as XLA's GPU compiler will see it.
 
     Attributes:
-      dtype: the operand's HLO element type (``"bf16"``).
-      fp8: the 8-bit type it is dequantized from (``"f8e4m3fn"``, ``"f8e5m2"``), or None when
-        the operand is not ``convert(fp8 value)`` (times a scale), possibly behind layout ops.
-      scaled: whether that dequantization multiplies by a broadcast scalar scale.
+      dtype: the operand's HLO element type (``"bf16"``, ``"f8e4m3fn"``).
+      fp8: the 8-bit type the operand is (``"f8e4m3fn"``, ``"f8e5m2"``), or is dequantized
+        from: ``convert(fp8 value)`` (times a scale), possibly behind layout ops. None for
+        any other operand.
+      scaled: whether that dequantization multiplies by a broadcast scalar scale (False for an
+        operand that is fp8 itself: its scale is applied to the dot's output).
     """
 
     dtype: str
@@ -304,8 +306,12 @@ class HloOperand:
 class HloDot:
     """One ``dot`` of a function's HLO: its result type and its two operands.
 
-    ``fp8`` is True when both operands are scaled fp8 dequantizations: the pattern XLA rewrites
-    into an fp8 cuBLASLt GEMM on Hopper and Ada GPUs.
+    ``fp8`` is True when both operands are fp8 values: XLA compiles such a dot to an fp8 GEMM
+    on Hopper and Ada GPUs (cuBLASLt's or Triton's, with XLA's default flags or without
+    Triton GEMMs), as :mod:`mpjax.fp8` writes its matmuls. ``dequantized`` is True when both
+    are scaled fp8 dequantizations in a wider type (``convert(q) * scale``): XLA turns those
+    into fp8 GEMMs only when its Triton GEMMs are off; with its default flags the dot runs in
+    the wider type.
     """
 
     name: str
@@ -316,6 +322,10 @@ class HloDot:
 
     @property
     def fp8(self) -> bool:
+        return all(o.dtype.startswith("f8") for o in (self.lhs, self.rhs))
+
+    @property
+    def dequantized(self) -> bool:
         return all(o.fp8 is not None and o.scaled for o in (self.lhs, self.rhs))
 
 
@@ -324,7 +334,9 @@ class HloDotReport(tuple):
 
     def __str__(self) -> str:
         def side(o: HloOperand) -> str:
-            return o.dtype if o.fp8 is None else f"{o.fp8}{'*scale' if o.scaled else ''}"
+            if o.fp8 is None or o.fp8 == o.dtype:
+                return o.dtype
+            return f"{o.dtype}({o.fp8}{'*scale' if o.scaled else ''})"
 
         rows = [(d.computation, d.name, side(d.lhs), side(d.rhs), d.out_dtype) for d in self]
         if not rows:
@@ -368,6 +380,8 @@ def _operand(
 ) -> HloOperand:
     instructions = computations[computation]
     dtype = instructions[name].type
+    if dtype.startswith("f8"):
+        return HloOperand(dtype, dtype, False)
     seen = set()
     while name in instructions and name not in seen:
         seen.add(name)
@@ -411,11 +425,13 @@ def hlo_dots(fn: Callable[..., Any], /) -> Callable[..., HloDotReport]:
     curried like ``jax.make_jaxpr``: ``hlo_dots(fn)(*args, **kwargs)``.
 
     It reads the HLO JAX emits, before XLA optimizes it: the program XLA's GPU compiler starts
-    from. An operand that is ``convert(fp8 value) * broadcast(scale)`` (possibly behind
-    reshapes, transposes and other layout ops) is reported as scaled fp8; a dot whose two
-    operands are is what XLA turns into an fp8 cuBLASLt GEMM on Hopper and Ada GPUs
-    (:attr:`HloDot.fp8`). Use it to check that the matmuls of an fp8 policy
-    (:mod:`mpjax.fp8`) will run in fp8, forward and backward, on a machine without such a GPU.
+    from. A dot whose operands are both fp8 values (:attr:`HloDot.fp8`) is what XLA compiles
+    to an fp8 GEMM on Hopper and Ada GPUs; an operand that is ``convert(fp8 value) *
+    broadcast(scale)`` (possibly behind reshapes, transposes and other layout ops) is reported
+    as a scaled dequantization (:attr:`HloDot.dequantized`), a pattern XLA's default flags run
+    in the wider type. Use it to check that the matmuls of an fp8 policy (:mod:`mpjax.fp8`)
+    are written in fp8, forward and backward; :func:`mpjax.gpu_plan` shows what a GPU
+    compile makes of them.
 
     Returns:
       A function that takes example arguments of ``fn``, lowers ``jax.jit(fn)`` for them and
@@ -427,8 +443,8 @@ def hlo_dots(fn: Callable[..., Any], /) -> Callable[..., HloDotReport]:
     >>> [d.fp8 for d in hlo_dots(lambda x, w: x @ w)(x, w)]
     [False]
     >>> dots = hlo_dots(lambda x, w: fp8.dot_general(x, w, (((1,), (0,)), ((), ()))))(x, w)
-    >>> [(d.fp8, d.lhs.fp8, d.rhs.fp8) for d in dots]
-    [(True, 'f8e4m3fn', 'f8e4m3fn')]
+    >>> [(d.fp8, d.lhs.dtype, d.rhs.dtype, d.out_dtype) for d in dots]
+    [(True, 'f8e4m3fn', 'f8e4m3fn', 'f32')]
     """
 
     def report(*args: Any, **kwargs: Any) -> HloDotReport:
