@@ -21,6 +21,10 @@ CI runs it on the oldest and the newest). The differences handled here:
   to ``jax.extend.core``, and 0.10.2 renamed the shard_map param ``manual_axes`` to
   ``newly_manual_axes``.
 * jax 0.9.2 changed ``Primitive.get_bind_params`` to return params only.
+* Compiling for a GPU without one (:func:`cuda_topology`, :func:`deviceless_hlo`): the
+  CUDA plugin of jax 0.8 needs ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` to start without a GPU,
+  knows fewer fields of the GPU description, autotunes Triton GEMMs and cannot print a
+  deviceless executable's HLO.
 
 A param that is missing raises :class:`UnsupportedJaxError` naming it: an unknown JAX is never
 read by guesswork.
@@ -30,12 +34,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
+import importlib.util
+import os
+import re
+import sys
+import tempfile
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax._src import source_info_util  # the name stack of the trace in progress
+from jax.experimental import topologies
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as jex_primitives
 
@@ -343,3 +354,196 @@ def ref_like(template: Any, value: Any) -> Any:
     ``ref=True`` keeps a ref as its raw value, and must get one back.
     """
     return jax.new_ref(value) if is_ref(template) else value
+
+
+# --- Compiling for a GPU on a machine without one (mpjax.gpu_plan) -------------------------
+#
+# The CUDA plugin compiles for a GPU described by a GpuTargetConfigProto in text form, with no
+# GPU present ("deviceless"). What that takes differs between jaxlib versions; every difference
+# seen is handled below, by what the installed version does rather than by its number.
+
+_CUDA_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+_UNKNOWN_FIELD = re.compile(r'(\d+):\d+: Message type "[\w.]*?(\w+)" has no field named "(\w+)"')
+_NEEDS_AUTOTUNING = "autotune result cache hit for deviceless compilation"
+# What this process learned about the installed jaxlib's deviceless compiles (see
+# deviceless_hlo): whether Triton GEMMs need autotuning turned off, and whether the compiled
+# executable can print its HLO or the HLO must be read from an XLA dump.
+_deviceless: dict[str, bool] = {}
+
+
+def _skip_cuda_checks_off_cuda(platforms: str) -> None:
+    """The jax 0.8 CUDA plugin checks the local CUDA installation when JAX starts its
+    backends, and without a GPU that check fails and leaves the plugin unregistered, even when
+    ``JAX_PLATFORMS`` names no CUDA platform; later plugins skip the check then. Doing the same
+    here (it must happen before JAX starts its backends, so at import) keeps the plugin usable
+    for compile-only targets wherever the user asked for no CUDA runtime. Elsewhere nothing
+    changes: on a GPU machine, or with ``JAX_PLATFORMS`` unset, the check runs.
+
+    Args:
+      platforms: the value of JAX's ``jax_platforms`` option (``"cpu"``, ``"cuda,cpu"``, or
+        empty for JAX's default).
+    """
+    names = {p.strip() for p in platforms.split(",") if p.strip()}
+    if names and not names & {"cuda", "gpu"}:
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
+_skip_cuda_checks_off_cuda(getattr(jax.config, "jax_platforms", None) or "")
+
+
+def cuda_plugin_installed() -> bool:
+    """Whether a JAX CUDA plugin (``jax[cuda12]`` or ``jax[cuda13]``) is installed."""
+    for name in _CUDA_PLUGINS:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except ImportError:  # no jax_plugins package at all
+            return False
+    return False
+
+
+@contextlib.contextmanager
+def _stderr_to(log: Any) -> Any:
+    """Points file descriptor 2 at ``log`` while the block runs: XLA's C++ code logs there,
+    past ``sys.stderr``."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _drop_field(text: str, line: int, field: str) -> str:
+    """``text`` without the field that starts on ``line`` (1-based), its ``{...}`` block
+    included; without the first field of that name if the line holds another one."""
+    lines = text.split("\n")
+    starts = re.compile(rf"^\s*{re.escape(field)}\s*[:{{]")
+    index = line - 1
+    if not (0 <= index < len(lines) and starts.match(lines[index])):
+        index = next(i for i, s in enumerate(lines) if starts.match(s))
+    end, depth = index, 0
+    for end in range(index, len(lines)):
+        depth += lines[end].count("{") - lines[end].count("}")
+        if depth <= 0:
+            break
+    return "\n".join(lines[:index] + lines[end + 1 :])
+
+
+def _version_block(text: str, field: str) -> str | None:
+    """The string field ``field: "12.8.0"`` of ``text`` as a ``{major minor patch}`` block."""
+    match = re.search(rf'^\s*{field}:\s*"(\d+)\.(\d+)(?:\.(\d+))?"', text, re.MULTILINE)
+    if match is None:
+        return None
+    major, minor, patch = match[1], match[2], match[3] or "0"
+    return f"{field} {{\n  major: {major}\n  minor: {minor}\n  patch: {patch}\n}}\n"
+
+
+class CudaTopology(NamedTuple):
+    """A compile-only CUDA topology and the fields of the target description that the
+    installed jaxlib did not know (``"GpuDeviceInfoProto.scalar_unit_description"``)."""
+
+    topology: Any
+    dropped: tuple[str, ...]
+
+
+def cuda_topology(target_config: str) -> CudaTopology:
+    """A compile-only topology of one GPU described by ``target_config``, a
+    ``GpuTargetConfigProto`` in text form (the spec files of openxla/xla).
+
+    The proto grows with XLA and jaxlib parses it strictly, so a spec newer than the installed
+    jaxlib has fields it rejects: jaxlib 0.10.2 lacks ``collective_memory_granularity``, 0.8.1
+    about twenty fields of ``gpu_device_info``. The parser names one unknown field per try, in
+    XLA's log only (the exception does not), so each try runs with that log captured; the
+    field it names is dropped and the parse tried again. Unknown fields describe the GPU more
+    finely (cost-model rates, driver strings); dropping them leaves the compute capability and
+    memory sizes that choose kernels. One dropped field is moved instead: before
+    ``gpu_device_info.runtime_version`` (a string) the CUDA version sat at the top level as a
+    ``{major minor patch}`` message, and without it XLA takes the CUDA version for 0 and
+    refuses fp8 cuBLAS GEMMs ("FP8 Custom Calls require CUDA 12.0 or newer").
+
+    Raises:
+      NotImplementedError: JAX's own error when no CUDA plugin is registered (it is absent,
+        or it failed to start).
+      Exception: jaxlib's error when the text does not parse for another reason.
+    """
+    text = target_config
+    dropped: list[str] = []
+    for _ in range(200):  # a bound, far above the fields of any spec
+        with tempfile.TemporaryFile() as log:
+            with _stderr_to(log):
+                try:
+                    topology = topologies.get_topology_desc(
+                        platform="cuda", target_config=text, topology="1x1x1"
+                    )
+                except NotImplementedError:
+                    raise
+                except Exception as error:  # jaxlib's error types vary between versions
+                    failure = error
+                else:
+                    return CudaTopology(topology, tuple(dropped))
+            log.seek(0)
+            logged = log.read().decode(errors="replace")
+        match = _UNKNOWN_FIELD.search(logged)
+        if match is None:
+            sys.stderr.write(logged)
+            raise failure
+        line, message, field = int(match[1]), match[2], match[3]
+        moved = (
+            _version_block(text, field)
+            if (message, field) == ("GpuDeviceInfoProto", "runtime_version")
+            else None
+        )
+        text = _drop_field(text, line, field)
+        if moved is not None:
+            text += moved
+        dropped.append(f"{message}.{field}")
+    raise RuntimeError(f"the GPU target description kept failing to parse: {dropped}")
+
+
+def _dumped_hlo(directory: str) -> str:
+    """The optimized HLO an XLA dump in ``directory`` holds."""
+    paths = sorted(glob.glob(os.path.join(directory, "*gpu_after_optimizations.txt")))
+    if not paths:
+        raise RuntimeError(f"XLA wrote no optimized HLO to {directory}: {os.listdir(directory)}")
+    with open(paths[-1]) as f:
+        return f.read()
+
+
+def deviceless_hlo(lowered: Any, compiler_options: dict[str, Any]) -> str:
+    """Compiles ``lowered`` (lowered for a :func:`cuda_topology` mesh) with
+    ``compiler_options`` and returns the optimized HLO text.
+
+    Two differences of old jaxlibs (seen in 0.8.1, gone by 0.10.2) are handled by what the
+    compile does, and remembered for the process:
+
+    * Triton GEMMs are autotuned by default, which needs a GPU ("Expect autotune result cache
+      hit for deviceless compilation"): the compile is retried with
+      ``xla_gpu_autotune_level=0``, which takes each Triton GEMM's default tile, as later
+      versions do without a GPU.
+    * The executable cannot print its HLO (``as_text()`` returns None, "GetHloModules is not
+      supported"): the compile is repeated with an XLA dump to a temporary directory, and the
+      optimized module is read from there.
+    """
+    while True:
+        options = dict(compiler_options)
+        if _deviceless.get("untuned"):
+            options.setdefault("xla_gpu_autotune_level", 0)
+        with tempfile.TemporaryDirectory() as directory:
+            if _deviceless.get("dump"):
+                options.update(xla_dump_to=directory, xla_dump_hlo_as_text=True)
+            try:
+                compiled = lowered.compile(options)
+            except Exception as error:
+                if _NEEDS_AUTOTUNING in str(error) and not _deviceless.get("untuned"):
+                    _deviceless["untuned"] = True
+                    continue
+                raise
+            if _deviceless.get("dump"):
+                return _dumped_hlo(directory)
+            text = compiled.as_text()
+            if text:
+                return text
+            _deviceless["dump"] = True
