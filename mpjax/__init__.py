@@ -22,6 +22,15 @@ from mpjax.autocast import (
 from mpjax.deprecation import MpjaxDeprecationWarning
 from mpjax.describe import describe
 from mpjax.fp8 import Fp8Recipe
+from mpjax.gpu_plan import (
+    GpuAttention,
+    GpuCompilerUnavailableError,
+    GpuGemm,
+    GpuPlan,
+    GpuScatter,
+    gpu_plan,
+    gpu_plan_unavailable,
+)
 from mpjax.inspection import (
     HloDot,
     HloDotReport,
@@ -108,6 +117,11 @@ __all__ = [
     "DEFAULT_OP_CATEGORIES",
     "DynamicLossScale",
     "Fp8Recipe",
+    "GpuAttention",
+    "GpuCompilerUnavailableError",
+    "GpuGemm",
+    "GpuPlan",
+    "GpuScatter",
     "HloDot",
     "HloDotReport",
     "HloOperand",
@@ -148,6 +162,8 @@ __all__ = [
     "fp8_state",
     "full_precision",
     "get_policy",
+    "gpu_plan",
+    "gpu_plan_unavailable",
     "hlo_dots",
     "hlo_op_counts",
     "inspect_matmuls",
