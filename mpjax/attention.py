@@ -117,7 +117,9 @@ def dot_product_attention(
         are not, since the fused kernel replaces them.
 
     Returns:
-      ``[batch, q_length, num_heads, head_dim]`` in the compute dtype.
+      ``[batch, q_length, num_heads, head_dim]`` in ``dtype`` if given, else the inputs'
+      common dtype. (Under a policy the attention runs in the compute dtype, and the engine
+      casts its output as it does any operation's.)
 
     Raises:
       ValueError: for dropout in training mode, a ``precision``, a custom einsum, an unknown
@@ -161,9 +163,13 @@ def dot_product_attention(
             f"dot_product_attention(implementation=...) must be None (cuDNN on CUDA GPUs where "
             f"it applies, XLA elsewhere), 'cudnn' or 'xla'; got {implementation!r}."
         )
+    given = dtype if dtype is not None else _common_dtype(query, key, value)
+    # Under a policy the engine casts every operation's inputs when it evaluates the traced
+    # function; this one is traced in its compute dtype already, and hands back the dtype the
+    # model's code expects while it is traced (a convert pair XLA folds away).
     compute = traced_compute_dtype()
     if compute is None:
-        compute = dtype if dtype is not None else _common_dtype(query, key, value)
+        compute = given
     query, key, value = (jnp.asarray(x, compute) for x in (query, key, value))
     if bias is not None:
         bias = jnp.asarray(bias, compute)
@@ -183,6 +189,7 @@ def dot_product_attention(
             out = xla(query, key, value, bias, mask)
         else:
             out = lax.platform_dependent(query, key, value, bias, mask, cuda=cudnn, default=xla)
+    out = out.astype(given)
     return out[0] if unbatched else out
 
 

@@ -228,3 +228,123 @@ def test_bf16_gradient_outside_a_policy_compiles_under_standard_promotion():
         grad = _bf16_gradient(fused)
     want = _bf16_gradient(lambda q, k, v: _written_out(*(x.astype(jnp.float32) for x in (q, k, v))))
     np.testing.assert_allclose(np.asarray(grad, np.float32), want, atol=5e-2, rtol=5e-2)
+
+
+# --- cuDNN or XLA: chosen per platform when lowering --------------------------------------
+
+
+def _attention_conds(fn, *args):
+    """The platform-dependent conds in ``fn``'s jaxpr, as their branch platforms."""
+    found = []
+    for eqn, _ in mpjax.inspection.iter_equations(fn, *args):
+        platforms = eqn.params.get("branches_platforms") if eqn.primitive.name == "cond" else None
+        if platforms is not None:
+            found.append(platforms)
+    return found
+
+
+def _cudnn_available():
+    q = jax.ShapeDtypeStruct((1, 8, 2, 64), jnp.bfloat16)
+    return mpjax.attention.cudnn_refusal(q, q, q) is None
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_default_holds_cudnn_for_cuda_and_xla_elsewhere_when_cudnn_takes_the_inputs(dtype):
+    """With the CUDA plugin installed cuDNN's kernel is staged for CUDA next to XLA's path;
+    lowered for the CPU, only XLA's path is compiled, so the same function runs here."""
+    if not _cudnn_available():
+        pytest.skip("cuDNN is not installed (the CUDA plugin, mpjax[cuda12]): XLA only")
+    q, k, v = _qkv(dtype)
+    fn = functools.partial(mpjax.dot_product_attention, is_causal=True)
+    assert _attention_conds(fn, q, k, v) == [(("cuda",), None)]
+    assert _attention_conds(jax.grad(lambda q: fn(q, k, v).astype(jnp.float32).sum()), q)
+    out = jax.jit(fn)(q, k, v)
+    want = _reference(q, k, v, mask=CAUSAL)
+    tolerance = 8 * float(jnp.finfo(dtype).eps)  # inputs and output rounded to dtype
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=tolerance, rtol=tolerance)
+
+
+def test_inputs_cudnn_refuses_take_xla_on_every_platform():
+    q, k, v = _qkv(jnp.float32)
+    assert mpjax.attention.cudnn_refusal(q, k, v) == (
+        "cuDNN runs attention in bfloat16 or float16, not float32"
+    )
+    wide = jax.ShapeDtypeStruct((B, T, N, 136), jnp.bfloat16)
+    assert "head sizes of at most 128" in mpjax.attention.cudnn_refusal(wide, wide, wide)
+    odd = jax.ShapeDtypeStruct((B, 5, N, 64), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((B, N, 5, 5), jnp.bfloat16)
+    assert "even sequence lengths" in mpjax.attention.cudnn_refusal(odd, odd, odd, bias)
+    assert _attention_conds(mpjax.dot_product_attention, q, k, v) == []
+
+
+def test_implementation_can_be_forced_and_is_checked():
+    q, k, v = _qkv(jnp.bfloat16)
+    forced = functools.partial(mpjax.dot_product_attention, implementation="xla")
+    assert _attention_conds(forced, q, k, v) == []
+    with pytest.raises(ValueError, match="implementation=.*'cudnn' or 'xla'; got 'flash'"):
+        mpjax.dot_product_attention(q, k, v, implementation="flash")
+
+
+def test_float16_runs_on_cpu_forward_and_backward_within_float16_error():
+    """jax.nn's XLA path asks for f16 x f16 -> f32 logits, which XLA's CPU backend cannot
+    compile; mpjax's float16 path computes f16 logits of the scaled query and an f32 softmax."""
+    q, k, v = _qkv(jnp.float16)
+    fn = jax.jit(functools.partial(mpjax.dot_product_attention, is_causal=True))
+    out = fn(q, k, v)
+    assert out.dtype == jnp.float16
+    tolerance = 8 * float(jnp.finfo(jnp.float16).eps)
+    want = _reference(q, k, v, mask=CAUSAL)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=tolerance, rtol=tolerance)
+    grad = jax.jit(jax.grad(lambda q: fn(q, k, v).astype(jnp.float32).sum()))(q)
+    want_grad = jax.grad(lambda q: fn(q, k, v).astype(jnp.float32).sum())(q.astype(jnp.float32))
+    assert grad.dtype == jnp.float16
+    scale = float(jnp.abs(want_grad).max())
+    np.testing.assert_allclose(grad, want_grad, atol=16 * tolerance * scale, rtol=16 * tolerance)
+    report = mpjax.inspect_matmuls(jax.grad(lambda q: fn(q, k, v).astype(jnp.float32).sum()))(q)
+    assert set(report.operand_dtypes()) == {("float16", "float16")}, str(report)
+
+
+class _Projected(nn.Module):
+    """Dense projections that return float32 under a policy, then fused attention."""
+
+    @nn.compact
+    def __call__(self, x):
+        qkv = nn.Dense(3 * N * H)(x).reshape(*x.shape[:2], 3, N, H)
+        y = mpjax.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True)
+        return nn.Dense(N * H)(y.reshape(*x.shape[:2], N * H))
+
+
+def _attention_dtypes(fn, *args):
+    """The dtypes of the query that attention chooses its kernel for while ``fn`` is traced."""
+    seen = []
+    original = mpjax.attention.cudnn_refusal
+
+    def spy(query, *rest, **kwargs):
+        seen.append(np.dtype(query.dtype))
+        return original(query, *rest, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mpjax.attention, "cudnn_refusal", spy)
+        jax.make_jaxpr(lambda *a: fn(*a))(*args)  # a new function: traced, never cached
+    return set(seen)
+
+
+def test_under_a_policy_attention_is_traced_in_the_region_compute_dtype():
+    """The Dense layers return float32 (the policy's output dtype); the fused path is traced
+    in bfloat16, the compute dtype of its region, so cuDNN can take it on a GPU."""
+    x = jax.random.normal(jax.random.key(1), (B, T, N * H))
+    model = mpjax.linen.apply_policy(_Projected(), "mixed_bfloat16")
+    variables = model.init(jax.random.key(0), x)
+    assert _attention_dtypes(lambda v: model.apply(v, x), variables) == {BF16}
+    full = mpjax.linen.apply_policy(_Projected(), "float32")
+    assert _attention_dtypes(lambda v: full.apply(v, x), variables) == {np.dtype(jnp.float32)}
+    q, k, v = _qkv()
+    autocast = mpjax.autocast(mpjax.dot_product_attention, "mixed_float16")
+    assert _attention_dtypes(autocast, q, k, v) == {np.dtype(jnp.float16)}
+    assert _attention_dtypes(mpjax.dot_product_attention, q, k, v) == {np.dtype(jnp.float32)}
+
+    def in_full_precision(q, k, v):
+        with mpjax.full_precision():
+            return mpjax.dot_product_attention(q, k, v)
+
+    assert _attention_dtypes(mpjax.autocast(in_full_precision), q, k, v) == {np.dtype(jnp.float32)}

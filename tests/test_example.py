@@ -165,8 +165,10 @@ def _expected_param_dtype(path, policy, mode):
         ("mixed_bfloat16", "mpjax"),
         ("bfloat16", "mpjax"),
         ("mixed_float16", "mpjax"),
+        ("float16", "mpjax"),  # fused attention in float16 compiles on the CPU too
         ("mixed_bfloat16", "hand"),
         ("bfloat16", "hand"),
+        ("float16", "hand"),
         ("mixed_bfloat16", "autocast"),
         ("mixed_float16", "autocast"),
     ],
@@ -199,7 +201,7 @@ def test_train_steps_under_each_policy(policy_name, mode, corpus):
         x for x in jax.tree.leaves(state.opt_state, is_leaf=_is_loss_scaling) if _is_loss_scaling(x)
     ]
     info = mpjax.loss_scaling_info(state.opt_state)
-    if policy_name == "mixed_float16":
+    if policy.compute_dtype == jnp.float16:
         assert len(states) == 1 and isinstance(states[0].loss_scale, mpjax.DynamicLossScale)
         assert info.loss_scale.dtype == jnp.float32 and float(info.loss_scale) == 2.0**15
         assert int(info.skipped_steps) == 0 and float(metrics["loss_scale"]) == 2.0**15
@@ -208,7 +210,7 @@ def test_train_steps_under_each_policy(policy_name, mode, corpus):
     # An f32 master copy (and so f32 Adam moments) exactly where params are stored narrower.
     masters = [x for x in jax.tree.leaves(state.opt_state, is_leaf=_is_master) if _is_master(x)]
     moments = {a.dtype for a in jax.tree.leaves(state.opt_state) if a.ndim >= 1}
-    if policy_name == "bfloat16":
+    if policy_name in ("bfloat16", "float16"):
         assert len(masters) == 1
         assert {a.dtype for a in jax.tree.leaves(masters[0].master)} == {np.dtype(jnp.float32)}
         assert moments == {np.dtype(jnp.float32)}
