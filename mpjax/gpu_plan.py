@@ -83,9 +83,14 @@ class GpuGemm:
       name: the HLO instruction that launches it (a fusion or a custom call).
       computation: the HLO computation holding that instruction (the entry computation, or a
         loop body).
-      library: what runs it, one of :data:`LIBRARIES`.
+      library: what runs it: ``"cublaslt"`` (``__cublas$lt$matmul``), ``"cublaslt_fp8"``
+        (``__cublas$lt$matmul$f8``), ``"cublas"`` (legacy ``__cublas$gemm``), ``"triton"`` (a
+        Triton GEMM fusion), ``"cudnn"`` (a cuDNN GEMM fusion) or ``"xla"`` (a ``dot`` XLA
+        emits itself, alone or inside an ordinary fusion); :data:`LIBRARIES` lists them.
       lhs_dtype, rhs_dtype: the operand dtypes the GEMM reads.
-      out_dtype: the dtype it writes.
+      out_dtype: the dtype it writes. A GEMM that XLA splits along its contracted dimension
+        (split-K, common for weight gradients) writes float32 partial sums, which a following
+        fusion adds and converts: its operands then show the split as an extra dimension.
       flops: ``2 * prod(output dims) * prod(contracted dims)``, for one execution.
       executions: how many times one call of the function runs it: the product of the trip
         counts XLA knows for the loops around it (1 outside loops, and for a loop whose trip
@@ -318,7 +323,9 @@ class GpuPlan:
         ) or ["no GEMMs", ""]
         parts += _section(("attention", "target", "pass", "dtype", "FLOPs", "runs"), attention)
         parts += _section(("scatter", "computation", "dtype", "runs"), scatters)
-        parts.append(f"kernels: {self.fusions} fusions, {self.custom_calls} custom calls")
+        fusions = f"{self.fusions} fusion{'s' * (self.fusions != 1)}"
+        calls = f"{self.custom_calls} custom call{'s' * (self.custom_calls != 1)}"
+        parts.append(f"kernels: {fusions}, {calls}")
         total = self.total_flops
         if total:
             shares = ", ".join(
