@@ -397,7 +397,7 @@ def cuda_plugin_installed() -> bool:
         try:
             if importlib.util.find_spec(name) is not None:
                 return True
-        except ImportError:  # no jax_plugins package at all
+        except (ImportError, ValueError):  # no jax_plugins package, or a blocked module
             return False
     return False
 
