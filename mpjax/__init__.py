@@ -54,6 +54,7 @@ from mpjax.loss_scaling import (
     loss_scaling,
     loss_scaling_info,
     scale_loss,
+    scaled_value_and_grad,
 )
 from mpjax.low_precision_params import (
     PARAM_ROUNDINGS,
@@ -174,6 +175,7 @@ __all__ = [
     "memory_report",
     "norm_policy",
     "scale_loss",
+    "scaled_value_and_grad",
     "state_precision",
     "stochastic_round",
     "with_fp8_state",

@@ -17,6 +17,9 @@ import numpy as np
 
 from mpjax.policy import is_floating
 
+# Params and gradients narrower than this (8-bit floats) cannot be trained directly.
+MIN_TRAINED_BITS = 16
+
 
 def check_transformation(inner: Any, where: str) -> None:
     """Rejects an ``inner`` that is not an optax ``GradientTransformation``.
@@ -71,6 +74,96 @@ def check_state(state: Any, expected: type, where: str) -> None:
     )
 
 
+def is_box(x: Any) -> bool:
+    """Whether ``x`` is a box: a pytree node holding one value under ``.value``, as Flax NNX's
+    Variables do (``nnx.Param``, and the ``OptArray`` in which ``nnx.Optimizer`` keeps each
+    array of its state). The value is what counts; the box is bookkeeping.
+
+    >>> is_box(jnp.ones(2)), is_box({"value": jnp.ones(2)})
+    (False, False)
+    """
+    if x is None or isinstance(x, (jax.Array, np.ndarray, np.generic, dict, list, tuple)):
+        return False
+    children = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]
+    return len(children) == 1 and children[0][0] == (jax.tree_util.GetAttrKey("value"),)
+
+
+def _structure(tree: Any) -> Any:
+    """The tree structure of ``tree`` with boxes (:func:`is_box`) as leaves, so that params in
+    ``nnx.Param`` boxes and the plain arrays of their gradients compare equal."""
+    return jax.tree.structure(tree, is_leaf=is_box)
+
+
+def _check_param_leaf(leaf: Any, at: str, where: str) -> None:
+    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex)):
+        raise TypeError(
+            f"{where}: params must be arrays, got {leaf!r} of type {type(leaf).__name__} at "
+            f"{at}. Keep strings and other values out of the tree the optimizer sees (next to "
+            "the params, or outside the optimizer with optax.masked)."
+        )
+    dtype = np.dtype(jnp.result_type(leaf))
+    if is_floating(leaf) and jnp.finfo(dtype).bits < MIN_TRAINED_BITS:
+        raise TypeError(
+            f"{where}: {at} is {dtype}, which cannot be trained as a param: an update "
+            "rounds away in its few mantissa bits, and 8-bit floats need per-tensor scales. "
+            "Store params in float32, bfloat16 or float16, and run matmuls in fp8 through a "
+            "policy (mpjax.Fp8Recipe)."
+        )
+
+
+def check_params(params: Any, where: str) -> None:
+    """Rejects params that a transformation's ``init`` cannot build a state for.
+
+    Args:
+      params: the params tree ``init`` received.
+      where: the transformation's name, prefixed to every message.
+
+    Raises:
+      TypeError: for ``params=None``, a leaf that is not an array or a number (a string), or
+        an 8-bit float leaf; naming the path.
+
+    >>> check_params({"name": "mlp"}, "my_transform")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: my_transform: params must be arrays, got 'mlp' of type str at params['name']. ...
+    """
+    if params is None:
+        raise TypeError(f"{where}: init got params=None; pass the params tree to optimize.")
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        _check_param_leaf(leaf, f"params{jax.tree_util.keystr(path)}", where)
+
+
+class InitTrees:
+    """The params tree structures a transformation's ``init`` was given, to check the
+    gradients of an ``update`` that gets no params against: a mismatch would otherwise fail
+    deep inside the wrapped optimizer's ``tree_map``, with no word of what is wrong.
+
+    A transformation built once and initialized for several models accepts the gradients of
+    any of them; one never initialized in this process (a state restored without ``init``)
+    checks nothing.
+    """
+
+    def __init__(self) -> None:
+        self._seen: list[Any] = []
+
+    def add(self, params: Any) -> None:
+        """Records the structure of ``params``, as ``init`` received them."""
+        treedef = _structure(params)
+        if not any(treedef == seen for seen in self._seen):
+            self._seen.append(treedef)
+
+    def check(self, grads: Any, where: str) -> None:
+        """Raises ``ValueError`` unless ``grads`` has the structure of params ``init`` saw."""
+        if not self._seen:
+            return
+        treedef = _structure(grads)
+        if not any(treedef == seen for seen in self._seen):
+            raise ValueError(
+                f"{where}: the grads tree does not match the params tree init was given.\n"
+                f"  grads:  {treedef}\n  params: {self._seen[-1]}"
+            )
+
+
 def check_gradients(grads: Any, params: Any, where: str) -> None:
     """Rejects gradients the wrapper cannot handle.
 
@@ -108,6 +201,12 @@ def check_gradients(grads: Any, params: Any, where: str) -> None:
                 "with respect to the floating-point params only (integer leaves have no "
                 "gradient)."
             )
+        if jnp.finfo(dtype).bits < MIN_TRAINED_BITS:
+            raise TypeError(
+                f"{where}: gradients must be float16 or wider, got {dtype} at {at}: 8-bit "
+                "gradients come from 8-bit params, which cannot be trained. Store params in "
+                "float32, bfloat16 or float16."
+            )
     if params is None:
         return
     grads_tree, params_tree = jax.tree.structure(grads), jax.tree.structure(params)
@@ -120,6 +219,7 @@ def check_gradients(grads: Any, params: Any, where: str) -> None:
         jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(params), strict=True
     ):
         at = jax.tree_util.keystr(path)
+        _check_param_leaf(p, f"params{at}", where)
         if np.shape(g) != np.shape(p):
             raise ValueError(
                 f"{where}: grads{at} has shape {np.shape(g)} but params{at} has shape "
@@ -134,17 +234,27 @@ def check_gradients(grads: Any, params: Any, where: str) -> None:
 
 
 def check_update(
-    grads: Any, state: Any, params: Any, state_type: type, where: str, *, needs_params: bool
+    grads: Any,
+    state: Any,
+    params: Any,
+    state_type: type,
+    where: str,
+    *,
+    needs_params: bool,
+    init_trees: InitTrees | None = None,
 ) -> None:
     """Every check of an ``update(grads, state, params)`` call, in order: the params when the
-    transformation needs them, then :func:`check_state` and :func:`check_gradients`.
+    transformation needs them, then :func:`check_state` and :func:`check_gradients`, and
+    without params the gradients' structure against ``init_trees``.
 
     Raises:
-      ValueError: for ``params=None`` where ``needs_params``, and what
-        :func:`check_gradients` raises.
+      ValueError: for ``params=None`` where ``needs_params``, gradients shaped unlike the
+        params ``init`` was given, and what :func:`check_gradients` raises.
       TypeError: what :func:`check_state` and :func:`check_gradients` raise.
     """
     if needs_params and params is None:
         raise ValueError(f"{where} needs the params: call update(grads, opt_state, params).")
     check_state(state, state_type, where)
     check_gradients(grads, params, where)
+    if params is None and init_trees is not None:
+        init_trees.check(grads, where)

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mpjax.gradient_checks import check_transformation, check_update
-from mpjax.loss_scaling import loss_scaling_info
+from mpjax.gradient_checks import check_params, check_transformation, check_update
+from mpjax.loss_scaling import step_applied
 from mpjax.policy import is_low_precision
 from mpjax.rounding import (
     check_rounding,
@@ -127,10 +127,13 @@ def low_precision_params(
     """
     check_transformation(inner, "low_precision_params")
     rounding = check_rounding(rounding, PARAM_ROUNDINGS, "low_precision_params")
-    key0 = rounding_key(seed) if rounding == "stochastic" else optax.EmptyState()
+    # Checked whatever the rounding: a bad seed is a mistake even where it goes unused.
+    seed_key = rounding_key(seed)
+    key0 = seed_key if rounding == "stochastic" else optax.EmptyState()
     inner = optax.with_extra_args_support(inner)
 
     def init(params):
+        check_params(params, "low_precision_params")
         compensation = jax.tree.map(
             lambda p: (
                 jnp.zeros_like(p)
@@ -158,7 +161,7 @@ def low_precision_params(
         c_leaves = jax.tree.leaves(state.compensation, is_leaf=_is_masked)
         key, keys = state.key, list[jax.Array]()
         if rounding == "stochastic":
-            applied = loss_scaling_info(inner_state).applied
+            applied = step_applied(inner_state)
             key, keys = next_rounding_keys(key, sum(map(is_low_precision, p_leaves)), applied)
         key_iter = iter(keys)
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mpjax.gradient_checks import check_transformation, check_update
+from mpjax.gradient_checks import check_params, check_transformation, check_update
 from mpjax.policy import is_low_precision
 
 
@@ -90,6 +90,7 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
     inner = optax.with_extra_args_support(inner)
 
     def init(params):
+        check_params(params, "master_weights")
         master = jax.tree.map(
             lambda p: jnp.asarray(p, jnp.float32) if is_low_precision(p) else optax.MaskedNode(),
             params,

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from mpjax.gradient_checks import is_box
 from mpjax.policy import is_floating, short_dtype_name
 from mpjax.table import format_table, human_bytes
 
@@ -71,7 +72,17 @@ class MemoryReport:
         return self.total_bytes / max(self.param_count, 1)
 
     def part_bytes(self, part: str) -> int:
-        """The bytes of one part (``"mu"``...), over all its dtypes; 0 if there is none."""
+        """The bytes of one part (``"mu"``...), over all its dtypes; 0 if there is none.
+
+        Raises:
+          TypeError: if ``part`` is not a string.
+        """
+        if not isinstance(part, str):
+            raise TypeError(
+                f"part_bytes: part must be a part's name (a string such as 'mu'; the report "
+                f"has {sorted({r.part for r in self.rows})}), got {part!r} of type "
+                f"{type(part).__name__}."
+            )
         return sum(r.bytes for r in self.rows if r.part == part)
 
     def __str__(self) -> str:
@@ -108,6 +119,15 @@ def _nbytes(leaf: Any) -> int:
     return int(np.prod(np.shape(leaf), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
 
 
+def _leaves_with_paths(tree: Any) -> list[tuple[tuple, Any]]:
+    """The leaves of ``tree`` with their paths, a box's value (:func:`is_box`: an NNX
+    ``Variable``, such as the ``OptArray`` in which ``nnx.Optimizer`` keeps each array of its
+    state) at the path of the box, so that it counts under the field holding it (``mu``), not
+    the box's own ``value``."""
+    boxes_as_leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]
+    return [(path, leaf) for path, node in boxes_as_leaves for leaf in jax.tree.leaves(node)]
+
+
 def _part(path: tuple) -> str:
     names = [e.name for e in path if isinstance(e, jax.tree_util.GetAttrKey)]
     return names[-1] if names else "state"
@@ -133,15 +153,18 @@ def memory_report(params: Any, opt_state: Any) -> MemoryReport:
     whole, whatever each device holds. Gradients and activations are not counted.
 
     Args:
-      params: the params pytree (arrays or ``jax.ShapeDtypeStruct``).
-      opt_state: the optimizer state pytree, as ``tx.init(params)`` returns it.
+      params: the params pytree (arrays or ``jax.ShapeDtypeStruct``; NNX: ``nnx.state(model,
+        nnx.Param)``).
+      opt_state: the optimizer state pytree, as ``tx.init(params)`` returns it (NNX:
+        ``optimizer.opt_state``, whose leaves count under their fields, ``mu``, ``nu``...).
 
     Returns:
       A :class:`MemoryReport`.
 
     Raises:
       ValueError: if ``params`` holds no floating-point leaf.
-      TypeError: if a leaf of either tree is not an array (a Python number, a string).
+      TypeError: if either tree is None, or a leaf of either is not an array (a Python
+        number, a string).
 
     >>> import jax.numpy as jnp, optax
     >>> params = {"w": jnp.zeros((1000,), jnp.bfloat16)}
@@ -156,9 +179,15 @@ def memory_report(params: Any, opt_state: Any) -> MemoryReport:
     ------  -----  -------  -----------
     total          5.9 KiB         6.00
     """
+    for tree, what in ((params, "params"), (opt_state, "opt_state")):
+        if tree is None:
+            raise TypeError(
+                f"memory_report: {what} is None; pass the {what} tree (for no optimizer state, "
+                "an empty tuple)."
+            )
     pairs = []
     for tree, what in ((params, "params"), (opt_state, "opt_state")):
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        for path, leaf in _leaves_with_paths(tree):
             if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
                 raise TypeError(
                     f"memory_report: {what}{jax.tree_util.keystr(path)} is {leaf!r} of type "

@@ -63,6 +63,7 @@ from mpjax.autocast import (
 )
 from mpjax.deprecation import warn_deprecated
 from mpjax.describe import register_describer
+from mpjax.loss_scaling import check_argnums, make_scaled_value_and_grad
 from mpjax.policy import Policy, PolicyLike, is_floating
 from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
 from mpjax.rules import (
@@ -74,7 +75,15 @@ from mpjax.rules import (
     register_norm_rules,
 )
 
-__all__ = ["FP8_ATTRIBUTE", "Fp8State", "apply_policy", "describe", "init_fp8_state", "set_policy"]
+__all__ = [
+    "FP8_ATTRIBUTE",
+    "Fp8State",
+    "apply_policy",
+    "describe",
+    "init_fp8_state",
+    "scaled_value_and_grad",
+    "set_policy",
+]
 
 register_norm_rules("nnx", nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm)
 
@@ -375,6 +384,52 @@ def set_policy(model: nnx.Module, policy_or_rules: RulesLike) -> None:
     Counter({('bfloat16', 'bfloat16'): 1})
     """
     _set_policy(model, policy_or_rules, "set_policy")
+
+
+def scaled_value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | nnx.DiffState | tuple[int | nnx.DiffState, ...] = 0,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any]]:
+    """:func:`mpjax.scaled_value_and_grad` for NNX modules: ``nnx.value_and_grad`` of the loss
+    times the loss scale, the gradients an ``nnx.Optimizer`` over :func:`mpjax.loss_scaling`
+    expects.
+
+    The returned function takes the optimizer's state first (``optimizer.opt_state``, or the
+    ``nnx.Optimizer`` itself), then ``fun``'s arguments exactly, and returns the loss
+    unscaled with the gradients of the scaled loss (``nnx.Param`` state, as
+    ``nnx.value_and_grad`` gives them). Hand those to ``optimizer.update(model, grads)``
+    unchanged. Like ``nnx.value_and_grad``, it writes the modules' updated state (batch
+    statistics, RNG counters) back; it works under ``nnx.jit``.
+
+    Args:
+      fun: the loss function; it returns a floating-point scalar of at least 16 bits, or
+        ``(loss, aux)`` with ``has_aux``.
+      argnums: what to differentiate, as for ``nnx.value_and_grad`` (counted in ``fun``'s
+        arguments, after the optimizer state): an int, an ``nnx.DiffState``, or a tuple.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+    Returns:
+      A function ``(opt_state, *args, **kwargs) -> (loss, grads)``, or
+      ``((loss, aux), grads)`` with ``has_aux``.
+
+    Raises:
+      TypeError, ValueError: as :func:`mpjax.scaled_value_and_grad`.
+
+    >>> import jax.numpy as jnp, optax, mpjax
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> tx = mpjax.loss_scaling(optax.sgd(0.1), "static:1024")
+    >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    >>> loss_fn = lambda model, x: jnp.mean(model(x) ** 2)
+    >>> loss, grads = scaled_value_and_grad(loss_fn)(optimizer.opt_state, model, jnp.ones((4, 2)))
+    >>> _ = optimizer.update(model, grads)  # unscales, checks, then updates
+    >>> bool(mpjax.loss_scaling_info(optimizer.opt_state).applied)
+    True
+    """
+    where = "mpjax.nnx.scaled_value_and_grad"
+    check_argnums(argnums, where, also=(nnx.DiffState,), what=" or nnx.DiffState")
+    return make_scaled_value_and_grad(fun, argnums, has_aux, nnx.value_and_grad, where)
 
 
 def apply_policy(model: nnx.Module, policy_or_rules: RulesLike) -> nnx.Module:

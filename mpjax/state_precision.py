@@ -18,8 +18,8 @@ import jax
 import numpy as np
 import optax
 
-from mpjax.gradient_checks import check_transformation, check_update
-from mpjax.loss_scaling import loss_scaling_info
+from mpjax.gradient_checks import InitTrees, check_params, check_transformation, check_update
+from mpjax.loss_scaling import step_applied
 from mpjax.policy import is_floating, storage_dtype
 from mpjax.rounding import (
     ROUNDINGS,
@@ -137,8 +137,11 @@ def state_precision(
         }
     else:
         targets = storage_dtype(dtype, "state_precision dtype")
-    key0 = rounding_key(seed) if rounding == "stochastic" else optax.EmptyState()
+    # Checked whatever the rounding: a bad seed is a mistake even where it goes unused.
+    seed_key = rounding_key(seed)
+    key0 = seed_key if rounding == "stochastic" else optax.EmptyState()
     inner = optax.with_extra_args_support(inner)
+    init_trees = InitTrees()
 
     def target_of(path: tuple, leaf: Any) -> np.dtype | None:
         """The dtype to store ``leaf`` in, or None to keep the dtype ``inner`` gives it."""
@@ -177,6 +180,8 @@ def state_precision(
         )
 
     def init(params):
+        check_params(params, "state_precision")
+        init_trees.add(params)
         inner_state = inner.init(params)
         paths = jax.tree_util.tree_leaves_with_path(inner_state)
         floating_names = sorted(
@@ -203,14 +208,20 @@ def state_precision(
 
     def update(updates, state, params=None, **extra_args):
         check_update(
-            updates, state, params, StatePrecisionState, "state_precision", needs_params=False
+            updates,
+            state,
+            params,
+            StatePrecisionState,
+            "state_precision",
+            needs_params=False,
+            init_trees=init_trees,
         )
         new_updates, new_inner = inner.update(
             widen(updates), widen(state.inner_state), widen(params), **extra_args
         )
         new_updates = jax.tree.map(lambda u, g: u.astype(g.dtype), new_updates, updates)
         if rounding == "stochastic":
-            applied = loss_scaling_info(new_inner).applied
+            applied = step_applied(new_inner)
             key, keys = next_rounding_keys(state.key, chosen_count(new_inner), applied)
         else:
             key, keys = state.key, []

@@ -3,6 +3,7 @@ state: trajectories, skips, pytree behaviour, jit, sharding, checkpoints, MultiS
 and the deprecated aliases."""
 
 import functools
+import re
 import warnings
 
 import flax.serialization
@@ -113,7 +114,9 @@ def test_min_and_max_scale_clamp():
 
 
 def test_growth_that_would_overflow_float32_is_refused_and_counter_resets():
-    big = DynamicLossScale(2.0**127, counter=1, growth_interval=2)
+    big = DynamicLossScale(2.0**126, counter=1, growth_interval=1)
+    big = big.adjust(jnp.array(True))
+    assert float(big.loss_scale) == 2.0**127
     grown = big.adjust(jnp.array(True))
     assert float(grown.loss_scale) == 2.0**127 and int(grown.counter) == 0
 
@@ -577,7 +580,7 @@ def test_check_overflow_reports_the_scale_and_rejects_bad_use():
     for _ in range(12):
         _, state = tx.update({"w": jnp.full(1, jnp.inf)}, state, params)
     with pytest.raises(PersistentOverflowError, match=r"The last 12 .*loss scale is now 1\."):
-        check_overflow((optax.EmptyState(), {"nested": state}), 10)
+        check_overflow({"train": {"nested": state}}, 10)
     with pytest.raises(ValueError, match="max_consecutive must be an integer >= 1, got 0"):
         check_overflow(state, 0)
     with pytest.raises(TypeError, match="max_consecutive must be an integer"):
@@ -601,15 +604,19 @@ def test_readers_find_the_state_anywhere_and_scale_loss_keeps_the_loss_dtype():
     ls = loss_scaling(optax.sgd(1.0), "static:8")
     states = [
         ls.init(params),
-        optax.chain(optax.clip(1.0), ls).init(params),
-        optax.MultiSteps(ls, 2).init(params),
+        optax.chain(ls).init(params),
         loss_scaling(optax.MultiSteps(optax.sgd(1.0), 2), "static:8").init(params),
         mpjax.master_weights(ls).init({"w": jnp.ones(2, BF16)}),
-        {"opt": (optax.EmptyState(), ls.init(params))},
-        # Nested several levels: a chain holding MultiSteps of master weights of loss scaling.
-        optax.chain(optax.clip(1.0), optax.MultiSteps(mpjax.master_weights(ls), 2)).init(
-            {"w": jnp.ones(2, F16)}
-        ),
+        mpjax.low_precision_params(ls, "kahan").init({"w": jnp.ones(2, BF16)}),
+        {"opt": (ls.init(params), jnp.zeros(3))},  # a train state holding it
+        # Nested several levels: master weights of loss scaling of a chain with MultiSteps.
+        mpjax.master_weights(
+            loss_scaling(
+                optax.chain(optax.clip(1.0), optax.MultiSteps(optax.sgd(1.0), 2)), "static:8"
+            )
+        ).init({"w": jnp.ones(2, F16)}),
+        # After a stateless transformation: its updates are zeros on a skipped step.
+        optax.chain(ls, optax.scale(-1.0)).init(params),
     ]
     for state in states:
         info = loss_scaling_info(state)
@@ -1524,3 +1531,387 @@ def test_wrapping_anything_but_a_transformation_raises_type_error(inner):
     for wrapper in (loss_scaling, mpjax.master_weights):
         with pytest.raises(TypeError, match=f"{wrapper.__name__}: inner must be an optax"):
             wrapper(inner)
+
+
+# ---------------------------------------------------------------------------------------------
+# scaled_value_and_grad: the scale cannot be forgotten
+
+
+def _sq_loss(p, x):
+    return jnp.mean((x @ p["w"] + p["b"]) ** 2)
+
+
+def _sq_params():
+    return {"w": jnp.full((3, 2), 0.5, F32), "b": jnp.zeros(2, F32)}
+
+
+def test_scaled_value_and_grad_returns_the_loss_unscaled_and_the_gradients_scaled():
+    tx = loss_scaling(optax.sgd(0.1), "static:1024")
+    params, x = _sq_params(), jnp.ones((4, 3))
+    state = tx.init(params)
+    loss, grads = mpjax.scaled_value_and_grad(_sq_loss)(state, params, x)
+    true_loss, true_grads = jax.value_and_grad(_sq_loss)(params, x)
+    np.testing.assert_allclose(loss, true_loss, rtol=1e-6)
+    assert loss.dtype == F32
+    assert jax.tree.map(lambda g: g.dtype, grads) == jax.tree.map(lambda p: p.dtype, params)
+    jax.tree.map(lambda g, t: np.testing.assert_allclose(g, 1024 * t, rtol=1e-6), grads, true_grads)
+    # What update expects: the updates are those of the true gradients.
+    updates, state = tx.update(grads, state, params)
+    jax.tree.map(
+        lambda u, t: np.testing.assert_allclose(u, -0.1 * t, rtol=1e-6), updates, true_grads
+    )
+    assert bool(state.applied)
+
+
+def test_scaled_value_and_grad_without_loss_scaling_is_value_and_grad():
+    params, x = _sq_params(), jnp.ones((4, 3))
+    for state in (optax.adam(1.0).init(params), mpjax.master_weights(optax.sgd(1.0)).init(params)):
+        loss, grads = mpjax.scaled_value_and_grad(_sq_loss)(state, params, x)
+        true_loss, true_grads = jax.value_and_grad(_sq_loss)(params, x)
+        np.testing.assert_allclose(loss, true_loss, rtol=1e-6)
+        jax.tree.map(lambda g, t: np.testing.assert_allclose(g, t, rtol=1e-6), grads, true_grads)
+
+
+def test_scaled_value_and_grad_takes_has_aux_argnums_and_keywords():
+    tx = loss_scaling(optax.sgd(0.1), "static:8")
+    params, x = _sq_params(), jnp.ones((4, 3))
+    state = tx.init(params)
+
+    def loss_fn(p, x, *, offset):
+        loss = _sq_loss(p, x) + offset
+        return loss, {"offset_loss": loss}
+
+    (loss, aux), (gp, gx) = mpjax.scaled_value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+        state, params, x, offset=1.0
+    )
+    true_loss, (tp, tx_) = jax.value_and_grad(
+        lambda p, x: loss_fn(p, x, offset=1.0)[0], argnums=(0, 1)
+    )(params, x)
+    np.testing.assert_allclose(loss, true_loss, rtol=1e-6)
+    np.testing.assert_allclose(aux["offset_loss"], true_loss, rtol=1e-6)
+    np.testing.assert_allclose(gx, 8 * tx_, rtol=1e-6)
+    jax.tree.map(lambda g, t: np.testing.assert_allclose(g, 8 * t, rtol=1e-6), gp, tp)
+
+
+def test_scaled_value_and_grad_trains_under_jit_without_retracing_and_skips_overflow():
+    # loss_scaling wraps the rest: clipping sees the true gradients, Adam never a skipped step.
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    tx = loss_scaling(inner, DynamicLossScale(2.0**10, growth_interval=2))
+    params, x = _sq_params(), jnp.ones((4, 3))
+    state, reference, ref_state = tx.init(params), params, inner.init(params)
+    traces = []
+
+    @jax.jit
+    def step(params, state, x):
+        traces.append(1)
+        loss, grads = mpjax.scaled_value_and_grad(_sq_loss)(state, params, x)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    @jax.jit
+    def ref_step(params, state, x):
+        grads = jax.grad(_sq_loss)(params, x)
+        updates, state = inner.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    with standard_promotion():
+        for _ in range(4):
+            params, state, loss = step(params, state, x)
+            reference, ref_state = ref_step(reference, ref_state, x)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), params, reference)
+        assert float(state.scale) == 2.0**12 and len(traces) == 1
+        before = state
+        params_before = params
+        params, state, loss = step(params, state, x.at[0, 0].set(jnp.inf))  # overflows
+    assert len(traces) == 1 and not bool(state.applied) and int(state.skipped_steps) == 1
+    assert_trees_bitwise_equal(params, params_before)
+    assert_trees_bitwise_equal(state.inner_state, before.inner_state)  # Adam's count stays
+
+
+def test_scaled_value_and_grad_never_makes_an_inf_of_a_float16_loss():
+    # 5 * 2**15 is beyond float16's range: the scaled loss is computed in float32, so not even
+    # the (discarded) scaled value is inf, and jax_debug_infs stays quiet.
+    tx = loss_scaling(optax.sgd(1e-3), "dynamic")
+    params = {"w": jnp.ones(2, F16)}
+    state = tx.init(params)
+    with jax.debug_infs(True):
+        loss, grads = mpjax.scaled_value_and_grad(lambda p: jnp.sum(p["w"]) + 3)(state, params)
+    assert loss.dtype == F16 and float(loss) == 5.0
+    assert grads["w"].dtype == F16 and np.all(np.asarray(grads["w"], F32) == 2.0**15)
+    _, state = tx.update(grads, state, params)
+    assert bool(state.applied)
+
+
+def test_scaled_value_and_grad_with_flax_linen_params():
+    import flax.linen as nn
+
+    policy = mpjax.get_policy("mixed_float16")
+    model = mpjax.linen.apply_policy(nn.Dense(3), policy)
+    x = jnp.ones((4, 5))
+    params = model.init(jax.random.key(0), x)["params"]
+    tx = loss_scaling(optax.adam(1e-2), "dynamic" if policy.needs_loss_scaling else "none")
+    state = tx.init(params)
+
+    def loss_fn(params, x):
+        return jnp.mean(model.apply({"params": params}, x) ** 2)
+
+    @jax.jit
+    def step(params, state, x):
+        loss, grads = mpjax.scaled_value_and_grad(loss_fn)(state, params, x)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    with standard_promotion():
+        losses = []
+        for _ in range(5):
+            params, state, loss = step(params, state, x)
+            losses.append(float(loss))
+    assert losses[-1] < losses[0] and int(state.skipped_steps) == 0
+    assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {F32}
+
+
+def _bad_helper_calls():
+    tx = loss_scaling(optax.sgd(1.0))
+    params, x = _sq_params(), jnp.ones((4, 3))
+    state = tx.init(params)
+    svg = mpjax.scaled_value_and_grad
+    return {
+        "fun": (lambda: svg(_sq_loss(params, x)), TypeError, r"fun must be the loss function"),
+        "argnums": (lambda: svg(_sq_loss, argnums="0"), TypeError, r"argnums must be an int"),
+        "argnums_bool": (lambda: svg(_sq_loss, argnums=True), TypeError, r"argnums .*got True"),
+        "argnums_empty": (lambda: svg(_sq_loss, argnums=()), TypeError, r"argnums .*got \(\)"),
+        "has_aux": (lambda: svg(_sq_loss, has_aux="yes"), TypeError, r"has_aux must be a bool"),
+        "opt_state_none": (
+            lambda: svg(_sq_loss)(None, params, x),
+            TypeError,
+            r"opt_state must be the optimizer state .*got None",
+        ),
+        "opt_state_last": (
+            lambda: svg(lambda p, s, x: _sq_loss(p, x))(params, state, x),
+            TypeError,
+            r"the optimizer state goes first",
+        ),
+        "not_a_pair": (
+            lambda: svg(_sq_loss, has_aux=True)(state, params, x),
+            TypeError,
+            r"with has_aux=True fun must return a pair \(loss, aux\)",
+        ),
+        "not_scalar": (
+            lambda: svg(lambda p, x: x @ p["w"])(state, params, x),
+            TypeError,
+            r"fun must return a scalar loss, got shape \(4, 2\)",
+        ),
+        "integer_loss": (
+            lambda: svg(lambda p, x: jnp.int32(1))(state, params, x),
+            TypeError,
+            r"the loss fun returns must be a floating-point array",
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_helper_calls()))
+def test_scaled_value_and_grad_rejects_bad_input_naming_it(case):
+    call, error, message = _bad_helper_calls()[case]
+    with pytest.raises(error, match=f"scaled_value_and_grad.*{message}"):
+        call()
+
+
+# ---------------------------------------------------------------------------------------------
+# loss_scaling must wrap the rest of the optimizer: misplacements the state shows are refused
+
+
+def _misplaced():
+    params = {"w": jnp.ones(2)}
+    ls = loss_scaling(optax.sgd(1.0), "static:8")
+    return {
+        "after_clip": (
+            optax.chain(optax.clip_by_global_norm(1.0), ls).init(params),
+            r"after another transformation \(opt_state\[0\] is EmptyState\)",
+            "optax.chain(optax.clip_by_global_norm(1.0), mpjax.loss_scaling(",
+        ),
+        "before_adam": (
+            optax.chain(loss_scaling(optax.clip(1.0)), optax.adam(1.0)).init(params),
+            r"before a transformation that keeps state \(opt_state\[1\] is tuple\)",
+            "optax.chain(mpjax.loss_scaling(optax.clip_by_global_norm(1.0)), optax.adam(lr))",
+        ),
+        "nested_chain": (
+            optax.chain(optax.identity(), optax.chain(optax.clip(1.0), ls)).init(params),
+            r"\(opt_state\[1\]\[1\]\) sits inside an optax.chain, after another "
+            r"transformation \(opt_state\[0\] is EmptyState\)",
+            "optax.chain(optax.clip_by_global_norm(1.0), mpjax.loss_scaling(",
+        ),
+        "inside_multisteps": (
+            optax.MultiSteps(ls, 2).init(params),
+            r"inside optax.MultiSteps",
+            "optax.MultiSteps(mpjax.loss_scaling(inner), k)",
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_misplaced()))
+def test_a_loss_scaling_that_does_not_wrap_the_rest_is_refused_showing_the_fix(case):
+    state, why, wrong = _misplaced()[case]
+    params = {"w": jnp.ones(2)}
+    readers = {
+        "scale_loss": lambda s: scale_loss(jnp.float32(1.0), s),
+        "loss_scaling_info": loss_scaling_info,
+        "check_overflow": check_overflow,
+        "check_loss_scaling": mpjax.check_loss_scaling,
+        "scaled_value_and_grad": lambda s: mpjax.scaled_value_and_grad(quadratic_sum)(s, params),
+    }
+    for name, read in readers.items():
+        with pytest.raises(ValueError, match=f"{name}: mpjax.loss_scaling must wrap") as info:
+            read(state)
+        message = str(info.value)
+        assert re.search(why, message), message
+        assert f"\n  wrong: {wrong}" in message, message
+        assert "\n  right: mpjax.loss_scaling(" in message, message
+    # Under jit too: the check reads the state's structure, not its values.
+    with pytest.raises(ValueError, match="must wrap the whole optimizer"):
+        jax.jit(lambda s: scale_loss(jnp.float32(1.0), s))(state)
+
+
+def quadratic_sum(p):
+    return jnp.sum(p["w"] ** 2)
+
+
+def test_the_adam_count_bug_the_check_prevents():
+    # Why chain(loss_scaling(clip), adam) is refused: Adam's count moves on a skipped step.
+    params = {"w": jnp.ones(2)}
+    tx = optax.chain(loss_scaling(optax.clip(1.0), "static:8"), optax.adam(1.0))
+    state = tx.init(params)
+    with standard_promotion():
+        _, state = tx.update({"w": jnp.full(2, jnp.inf)}, state, params)
+    assert not bool(state[0].applied) and int(state[1][0].count) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The readers refuse what is not an optimizer state
+
+
+@pytest.mark.parametrize(
+    "opt_state, error, message",
+    [
+        (None, TypeError, r"opt_state must be the optimizer state .*got None of type NoneType"),
+        (3, TypeError, r"opt_state must be the optimizer state .*got 3 of type int"),
+        (jnp.ones(2), TypeError, r"opt_state must be the optimizer state .*ArrayImpl"),
+        ("adam", TypeError, r"opt_state must be the optimizer state .*got 'adam' of type str"),
+        (
+            {"w": jnp.ones(2), "b": jnp.zeros(1)},
+            TypeError,
+            r"opt_state holds no optax state .*only 2 arrays or values: params, gradients",
+        ),
+        (
+            flax.serialization.to_state_dict(loss_scaling(optax.sgd(1.0)).init({"w": jnp.ones(2)})),
+            TypeError,
+            r"opt_state holds the fields of a LossScalingState in a mapping",
+        ),
+    ],
+    ids=["none", "int", "array", "str", "params", "state_dict"],
+)
+def test_readers_reject_what_is_not_an_optimizer_state(opt_state, error, message):
+    readers = {
+        "scale_loss": lambda s: scale_loss(jnp.float32(1.0), s),
+        "loss_scaling_info": loss_scaling_info,
+        "check_overflow": lambda s: check_overflow(s, 3),
+        "check_loss_scaling": mpjax.check_loss_scaling,
+        "scaled_value_and_grad": lambda s: mpjax.scaled_value_and_grad(quadratic_sum)(
+            s, {"w": jnp.ones(2)}
+        ),
+    }
+    for name, read in readers.items():
+        with pytest.raises(error, match=f"{name}: {message}"):
+            read(opt_state)
+
+
+def test_scale_loss_rejects_an_8_bit_loss():
+    state = loss_scaling(optax.sgd(1.0)).init(jnp.ones(1))
+    with pytest.raises(TypeError, match=r"scale_loss: loss is float8_e4m3fn, which cannot hold"):
+        scale_loss(jnp.ones((), jnp.float8_e4m3fn), state)
+
+
+def test_check_overflow_has_a_default_limit():
+    tx = loss_scaling(optax.sgd(1.0), "static:8")
+    params = {"w": jnp.ones(1)}
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for _ in range(24):
+        _, state = update({"w": jnp.full(1, jnp.inf)}, state, params)
+    check_overflow(state)  # 24 in a row: within the default
+    _, state = update({"w": jnp.full(1, jnp.inf)}, state, params)
+    with pytest.raises(PersistentOverflowError, match=r"The last 25 .*limit: 25"):
+        check_overflow(state)
+
+
+def test_a_growth_factor_under_which_the_scale_never_grows_is_refused():
+    with pytest.raises(
+        ValueError, match=r"growth_factor 3e\+38 times the initial loss_scale 32768"
+    ):
+        DynamicLossScale(growth_factor=3e38)
+    with pytest.raises(ValueError, match="growth_factor .*could never grow"):
+        DynamicLossScale(2.0**100, growth_factor=2.0**30)
+    # With a cap the growth lands on max_scale, so the same factor works.
+    ls = DynamicLossScale(growth_factor=3e38, max_scale=1e30, growth_interval=1)
+    assert float(ls.adjust(True).loss_scale) == np.float32(1e30)
+
+
+# ---------------------------------------------------------------------------------------------
+# Params and gradients the four transformations cannot train
+
+
+WRAPPERS = {
+    "loss_scaling": lambda: loss_scaling(optax.sgd(1.0)),
+    "master_weights": lambda: mpjax.master_weights(optax.sgd(1.0)),
+    "state_precision": lambda: mpjax.state_precision(optax.sgd(1.0, momentum=0.9), "bf16"),
+    "low_precision_params": lambda: mpjax.low_precision_params(optax.sgd(1.0), "kahan"),
+}
+
+
+@pytest.mark.parametrize("name", list(WRAPPERS))
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (None, r"init got params=None"),
+        (
+            {"w": jnp.ones(2), "name": "mlp"},
+            r"params must be arrays, got 'mlp' of type str at params\['name'\]",
+        ),
+        (
+            {"w": jnp.ones(2, jnp.float8_e4m3fn)},
+            r"params\['w'\] is float8_e4m3fn, which cannot be trained as a param",
+        ),
+    ],
+    ids=["none", "string", "fp8"],
+)
+def test_init_rejects_params_it_cannot_train_naming_the_path(name, params, message):
+    with pytest.raises(TypeError, match=f"{name}: {message}"):
+        WRAPPERS[name]().init(params)
+
+
+@pytest.mark.parametrize("name", list(WRAPPERS))
+def test_update_rejects_a_string_param_and_8_bit_gradients(name):
+    tx = WRAPPERS[name]()
+    params = {"w": jnp.ones(2), "s": jnp.ones(())}
+    state = tx.init(params)
+    grads = {"w": jnp.ones(2), "s": jnp.ones(())}
+    with pytest.raises(TypeError, match=rf"{name}: params must be arrays, got 'x' .*params\['s'\]"):
+        tx.update(grads, state, {**params, "s": "x"})
+    fp8 = {**grads, "w": jnp.ones(2, jnp.float8_e5m2)}
+    with pytest.raises(TypeError, match=rf"{name}: gradients must be float16 or wider, got "):
+        tx.update(fp8, state, params)
+
+
+@pytest.mark.parametrize("name", ["loss_scaling", "state_precision"])
+def test_update_without_params_checks_the_gradients_against_the_params_init_saw(name):
+    tx = WRAPPERS[name]()
+    state = tx.init({"w": jnp.ones(2)})
+    for grads in ({"v": jnp.ones(2)}, [jnp.ones(2)], {"w": jnp.ones(2), "b": jnp.ones(1)}):
+        with pytest.raises(
+            ValueError, match=f"{name}: the grads tree does not match the params tree init"
+        ):
+            tx.update(grads, state)
+    tx.update({"w": jnp.ones(2)}, state)
+    # One transformation initialized for two models takes the gradients of either.
+    other = tx.init({"a": {"b": jnp.ones(3)}})
+    tx.update({"a": {"b": jnp.ones(3)}}, other)
+    tx.update({"w": jnp.ones(2)}, state)

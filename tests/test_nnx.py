@@ -465,6 +465,91 @@ def test_bf16_param_storage():
     assert grads["conv"]["kernel"][...].dtype == BF16 and grads["bn"]["scale"][...].dtype == F32
 
 
+# --- loss scaling with nnx.Optimizer ---------------------------------------------------------
+
+
+def test_scaled_value_and_grad_trains_with_an_nnx_optimizer_and_skips_overflow():
+    model = block("mixed_float16")
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    tx = mpjax.loss_scaling(inner, mpjax.DynamicLossScale(2.0**10, growth_interval=2))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    x, traces = x_seq(), []
+
+    @nnx.jit
+    def step(model, opt, x):
+        traces.append(1)
+        loss_value, grads = mpnnx.scaled_value_and_grad(loss)(opt.opt_state, model, x)
+        adam_update(opt, model, grads)
+        return loss_value
+
+    # The gradients are those of the loss times the scale, as loss_scaling expects.
+    value, grads = mpnnx.scaled_value_and_grad(loss)(opt.opt_state, model, x)
+    ref_value, ref_grads = nnx.value_and_grad(loss)(model, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    jax.tree.map(
+        lambda g, r: np.testing.assert_allclose(g, 2.0**10 * r, rtol=2e-2, atol=1e-3),
+        grads,
+        ref_grads,
+    )
+    losses = [float(step(model, opt, x)) for _ in range(4)]
+    info = mpjax.loss_scaling_info(opt.opt_state)
+    assert losses[-1] < losses[0] and len(traces) == 1
+    assert (float(info.loss_scale), bool(info.applied), int(info.skipped_steps)) == (4096, True, 0)
+    params, inner_state = nnx.state(model, nnx.Param), opt.opt_state.inner_state
+    params, inner_state = jax.tree.map(jnp.copy, (params, inner_state))
+    step(model, opt, x.at[0, 0, 0].set(jnp.inf))  # the forward pass overflows: skipped
+    info = mpjax.loss_scaling_info(opt.opt_state)
+    assert (float(info.loss_scale), bool(info.applied), int(info.skipped_steps)) == (2048, False, 1)
+    assert len(traces) == 1
+    for a, b in zip(
+        jax.tree.leaves((params, inner_state)),
+        jax.tree.leaves((nnx.state(model, nnx.Param), opt.opt_state.inner_state)),
+    ):
+        np.testing.assert_array_equal(a, b)  # params and Adam's count and moments unchanged
+
+
+def test_readers_of_an_nnx_optimizer_state_give_plain_arrays_and_field_names():
+    model = block()
+    opt = nnx.Optimizer(model, mpjax.loss_scaling(optax.adam(1e-3)), wrt=nnx.Param)
+    for state in (opt.opt_state, opt):  # the optimizer's state, or the optimizer itself
+        info = mpjax.loss_scaling_info(state)
+        for value in info:
+            assert isinstance(value, jax.Array) and not isinstance(value, nnx.Variable)
+        assert info.loss_scale.dtype == F32 and float(info.loss_scale) == 2.0**15
+        mpjax.check_overflow(state)
+    report = mpjax.memory_report(nnx.state(model, nnx.Param), opt.opt_state)
+    parts = {row.part for row in report.rows}
+    assert {"params", "mu", "nu", "count", "loss_scale"} <= parts and "value" not in parts
+    assert report.part_bytes("mu") == report.part_bytes("nu") == report.param_bytes
+
+
+def test_the_nnx_state_of_an_optimizer_is_refused_naming_what_to_pass():
+    model = block()
+    opt = nnx.Optimizer(model, mpjax.loss_scaling(optax.adam(1e-3)), wrt=nnx.Param)
+    with pytest.raises(
+        TypeError,
+        match=r"scale_loss: opt_state\['opt_state'\] holds the fields of a Loss.*"
+        r"optimizer\.opt_state",
+    ):
+        mpjax.scale_loss(jnp.float32(1.0), nnx.state(opt))
+
+
+def test_nnx_scaled_value_and_grad_rejects_bad_input_naming_it():
+    model, x = block(), x_seq()
+    opt = nnx.Optimizer(model, mpjax.loss_scaling(optax.sgd(0.1)), wrt=nnx.Param)
+    name = "mpjax.nnx.scaled_value_and_grad"
+    with pytest.raises(TypeError, match=f"{name}.*fun must be the loss function"):
+        mpnnx.scaled_value_and_grad(loss(model, x))
+    with pytest.raises(TypeError, match=f"{name}: argnums must be an int or nnx.DiffState"):
+        mpnnx.scaled_value_and_grad(loss, argnums="model")
+    with pytest.raises(TypeError, match=f"{name}: the loss-scaling state is among .*goes first"):
+        mpnnx.scaled_value_and_grad(lambda m, o, x: loss(m, x))(model, opt, x)
+    # nnx.DiffState works as for nnx.value_and_grad.
+    wrt = nnx.DiffState(0, nnx.Param)
+    _, grads = mpnnx.scaled_value_and_grad(loss, argnums=wrt)(opt.opt_state, model, x)
+    assert jax.tree.structure(grads) == jax.tree.structure(nnx.grad(loss)(model, x))
+
+
 # --- rules, the report, the compiled cost, bad input -------------------------------------------
 
 
