@@ -305,7 +305,24 @@ class Policy:
     @classmethod
     def from_jmp(cls, policy: JmpStylePolicy) -> Policy:
         """Converts a ``jmp.Policy`` (or any object with the three dtype attributes) to an
-        mpjax :class:`Policy`; jmp itself is not needed."""
+        mpjax :class:`Policy`; jmp itself is not needed.
+
+        Raises:
+          TypeError: if ``policy`` lacks ``param_dtype``, ``compute_dtype`` or
+            ``output_dtype``.
+          ValueError: if one of them is not a valid dtype for its role.
+
+        >>> class JmpLike:
+        ...     param_dtype, compute_dtype, output_dtype = jnp.float32, jnp.bfloat16, jnp.float32
+        >>> Policy.from_jmp(JmpLike())
+        Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=float32)
+        """
+        if not isinstance(policy, JmpStylePolicy):
+            raise TypeError(
+                "Policy.from_jmp(policy): policy must be a jmp.Policy or an object with "
+                "param_dtype, compute_dtype and output_dtype attributes (use get_policy for "
+                f"strings and dtypes); got {policy!r} of type {type(policy).__name__}."
+            )
         return cls(policy.param_dtype, policy.compute_dtype, policy.output_dtype)
 
     def to_jmp(self) -> Any:
@@ -491,6 +508,6 @@ def get_policy(spec: PolicyLike) -> Policy:
         dtype = _to_dtype(spec, "policy dtype")
         return Policy(dtype, dtype, dtype)
     raise TypeError(
-        f"Cannot make a policy from {spec!r} of type {type(spec).__name__}. Pass a Policy, a "
-        "jmp.Policy, a dtype, or a string such as 'mixed_bfloat16' or 'p=f32,c=bf16,o=f32'."
+        f"Cannot make a policy from spec={spec!r} of type {type(spec).__name__}. Pass a Policy, "
+        "a jmp.Policy, a dtype, or a string such as 'mixed_bfloat16' or 'p=f32,c=bf16,o=f32'."
     )

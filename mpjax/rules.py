@@ -31,6 +31,18 @@ RuleKey = Union[str, "re.Pattern[str]", type]
 RuleValue = PolicyLike | Callable[[Policy], Policy] | None
 
 
+def _policy_argument(value: Any, argument: str) -> Policy:
+    """``get_policy(value)``, its ``TypeError`` naming the caller's ``argument``."""
+    try:
+        return get_policy(cast(PolicyLike, value))
+    except TypeError:
+        raise TypeError(
+            f"{argument} must be a policy: a Policy, a jmp.Policy, a dtype, or a string such as "
+            f"'mixed_bfloat16' or 'p=f32,c=bf16,o=f32'; got {value!r} of type "
+            f"{type(value).__name__}."
+        ) from None
+
+
 def _key_text(key: RuleKey) -> str:
     if isinstance(key, type):
         return f"{key.__module__}.{key.__qualname__}"
@@ -105,7 +117,18 @@ class Rule:
         if not callable(self.policy) or isinstance(self.policy, type):
             if self.policy is not None:
                 # Validate eagerly so a typo fails where the rule is written.
-                object.__setattr__(self, "policy", get_policy(self.policy))
+                where = f"Rule policy for {_key_text(self.key)!r}"
+                object.__setattr__(self, "policy", _policy_argument(self.policy, where))
+        if not isinstance(self.name, str):
+            raise TypeError(
+                f"Rule name for {_key_text(self.key)!r} must be a str (how reports refer to the "
+                f"rule), got {self.name!r} of type {type(self.name).__name__}."
+            )
+        if not isinstance(self.builtin, bool):
+            raise TypeError(
+                f"Rule builtin for {_key_text(self.key)!r} must be a bool, got "
+                f"{self.builtin!r} of type {type(self.builtin).__name__}."
+            )
         if not self.name:
             object.__setattr__(self, "name", _key_text(self.key))
 
@@ -142,8 +165,23 @@ class Resolution:
         return self.rule.name if self.rule is not None else "default"
 
 
-def norm_policy(default: Policy) -> Policy:
-    """Normalization layers: f32 params and statistics, output in the compute dtype."""
+def norm_policy(default: PolicyLike) -> Policy:
+    """Normalization layers: f32 params and statistics, output in the compute dtype.
+
+    The policy function of the built-in norm rules: ``Rules({MyNorm: mpjax.norm_policy})``
+    gives a norm of your own the same treatment.
+
+    Args:
+      default: the default policy the rule receives (anything :func:`mpjax.get_policy`
+        accepts).
+
+    Raises:
+      TypeError: if ``default`` is not a policy.
+
+    >>> norm_policy("mixed_bfloat16")
+    Policy(param_dtype=float32, compute_dtype=float32, output_dtype=bfloat16)
+    """
+    default = _policy_argument(default, "norm_policy(default): default")
     f32 = np.dtype(jnp.float32)
     return Policy(f32, f32, default.compute_dtype)
 
@@ -244,6 +282,11 @@ class Rules:
                 "(key, policy) / (key, policy, attributes) entries, e.g. "
                 f"Rules({{'head': 'float32'}}); got {rules!r} of type {type(rules).__name__}."
             )
+        if not isinstance(builtins, bool):
+            raise TypeError(
+                f"Rules(builtins=...) must be a bool, got {builtins!r} of type "
+                f"{type(builtins).__name__}."
+            )
         entries = rules.items() if isinstance(rules, Mapping) else rules
         user = tuple(_as_rule(e) for e in entries)
         keys = [r.key for r in user]
@@ -251,7 +294,7 @@ class Rules:
         if duplicates:
             raise ValueError(f"Duplicate rule keys: {', '.join(duplicates)}. Give each key once.")
         object.__setattr__(self, "rules", user + (builtin_rules() if builtins else ()))
-        object.__setattr__(self, "default", get_policy(default))
+        object.__setattr__(self, "default", _policy_argument(default, "Rules(default=...)"))
 
     @classmethod
     def _from(cls, rules: tuple[Rule, ...], default: Policy) -> Rules:
@@ -267,7 +310,22 @@ class Rules:
           path: the module's path, as a ``/``-joined string or a sequence of names (the root
             module's path is ``""``).
           module_type: the module's class, or the module itself.
+
+        Raises:
+          TypeError: for a ``path`` that is neither, or a ``module_type`` of None.
         """
+        if not isinstance(path, str) and not (
+            isinstance(path, Sequence) and all(isinstance(p, (str, int)) for p in path)
+        ):
+            raise TypeError(
+                "resolve(path, ...): path must be a '/'-joined str ('block_0/mlp', '' for the "
+                f"root) or a sequence of names; got {path!r} of type {type(path).__name__}."
+            )
+        if module_type is None:
+            raise TypeError(
+                "resolve(..., module_type): module_type must be the module's class or the "
+                "module itself, got None."
+            )
         path = path if isinstance(path, str) else "/".join(str(p) for p in path)
         module_type = module_type if isinstance(module_type, type) else type(module_type)
         for rule in self.rules:
@@ -289,7 +347,12 @@ class Rules:
 
         A new rule goes first (highest priority) unless ``first=False``, which puts it after the
         user's rules but before the built-in ones.
+
+        Raises:
+          TypeError: for a ``first`` that is not a bool, and what :class:`Rule` raises.
         """
+        if not isinstance(first, bool):
+            raise TypeError(f"with_rule(first=...) must be a bool, got {first!r}.")
         rule = Rule(key, policy, attributes)
         index = self._index(key)
         if index is not None:
@@ -319,7 +382,7 @@ class Rules:
 
     def with_default(self, policy: PolicyLike) -> Rules:
         """Returns new rules with another default policy."""
-        return Rules._from(self.rules, get_policy(policy))
+        return Rules._from(self.rules, _policy_argument(policy, "with_default(policy)"))
 
     def _index(self, key: RuleKey) -> int | None:
         for i, rule in enumerate(self.rules):
@@ -329,8 +392,28 @@ class Rules:
 
     def problems(self, modules: Iterable[tuple[str, type]]) -> list[str]:
         """Reports the user's rules that never match, or that match a module a rule before them
-        already claims (so they never apply there), over the given ``(path, class)`` pairs."""
+        already claims (so they never apply there), over the given ``(path, class)`` pairs.
+
+        Raises:
+          TypeError: if ``modules`` is not an iterable of ``(path, class)`` pairs.
+        """
+        if isinstance(modules, (str, bytes)) or not isinstance(modules, Iterable):
+            raise TypeError(
+                "problems(modules): modules must be an iterable of (path, class) pairs, got "
+                f"{modules!r} of type {type(modules).__name__}."
+            )
         modules = list(modules)
+        for entry in modules:
+            if not (
+                isinstance(entry, tuple)
+                and len(entry) == 2
+                and isinstance(entry[0], str)
+                and isinstance(entry[1], type)
+            ):
+                raise TypeError(
+                    "problems(modules): each entry must be a (path, class) pair such as "
+                    f"('block_0/mlp', nn.Dense), got {entry!r}."
+                )
         found = []
         for i, rule in enumerate(self.rules):
             if rule.builtin:

@@ -319,8 +319,18 @@ def test_constructor_rejects_non_dtypes_with_type_error():
 
 @pytest.mark.parametrize("value", [3, None, ["p=f32"], {"p": "f32"}])
 def test_get_policy_rejects_other_types(value):
-    with pytest.raises(TypeError, match="Cannot make a policy from .*Pass a Policy, a jmp.Policy"):
+    with pytest.raises(
+        TypeError, match=r"Cannot make a policy from spec=.* of type .*Pass a Policy, a jmp.Policy"
+    ):
         get_policy(value)
+
+
+@pytest.mark.parametrize("value", [3, None, "p=f32,c=bf16,o=f32", {"param_dtype": "f32"}])
+def test_from_jmp_rejects_what_is_not_a_jmp_style_policy_naming_the_argument(value):
+    with pytest.raises(
+        TypeError, match=r"Policy.from_jmp\(policy\): policy must be a jmp.Policy .*got "
+    ):
+        Policy.from_jmp(value)
 
 
 def test_get_policy_rejects_non_floating_dtype_objects():

@@ -322,3 +322,33 @@ def test_describe_says_which_import_describes_flax_modules(monkeypatch):
 def test_malformed_rules_fail_where_they_are_written(make, message):
     with pytest.raises(TypeError, match=message):
         make()
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: mpjax.norm_policy(None), TypeError, r"norm_policy\(default\): default must be"),
+        (lambda: mpjax.norm_policy(3), TypeError, r"default must be a policy.*got 3 of type int"),
+        (lambda: Rules(default=None), TypeError, r"Rules\(default=...\) must be a policy.*None"),
+        (lambda: Rules({"a": 3}), TypeError, r"Rule policy for 'a' must be a policy.*got 3"),
+        (lambda: Rules(builtins="yes"), TypeError, r"Rules\(builtins=...\) must be a bool"),
+        (lambda: Rule("a", name=3), TypeError, r"Rule name for 'a' must be a str.*got 3"),
+        (lambda: Rule("a", builtin="no"), TypeError, r"Rule builtin for 'a' must be a bool"),
+        (lambda: Rules().resolve(None, nn.Dense), TypeError, r"resolve\(path, ...\): path must"),
+        (lambda: Rules().resolve(3, nn.Dense), TypeError, r"path must be .*got 3 of type int"),
+        (lambda: Rules().resolve("a", None), TypeError, r"module_type must be .*got None"),
+        (lambda: Rules().with_rule("a", first="x"), TypeError, r"with_rule\(first=...\)"),
+        (lambda: Rules().with_default(None), TypeError, r"with_default\(policy\) must be"),
+        (lambda: Rules().problems(3), TypeError, r"problems\(modules\): modules must be"),
+        (lambda: Rules().problems([3]), TypeError, r"each entry must be a \(path, class\) pair"),
+    ],
+)
+def test_bad_arguments_raise_errors_naming_the_argument(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_norm_policy_takes_any_policy_spelling():
+    expected = Policy(F32, F32, jnp.bfloat16)
+    assert mpjax.norm_policy("mixed_bfloat16") == mpjax.norm_policy(mpjax.MIXED_BFLOAT16)
+    assert mpjax.norm_policy("mixed_bfloat16") == expected
