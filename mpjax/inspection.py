@@ -257,10 +257,25 @@ def hlo_op_counts(
     The form ``hlo_op_counts(fn, *args, **kwargs)``, with the example arguments after ``fn``,
     still returns the counts directly for one release, with a ``DeprecationWarning``.
 
+    Raises:
+      TypeError: for a ``fn`` that is not callable or a ``compiled`` that is not a bool, here
+        rather than when the returned function is called.
+
     >>> import jax.numpy as jnp
     >>> hlo_op_counts(jnp.sin, compiled=False)(jnp.ones(3))["sine"]
     1
     """
+    if not callable(fn):
+        raise TypeError(
+            f"hlo_op_counts(fn): fn must be the function to lower, got {fn!r} of type "
+            f"{type(fn).__name__}. Pass the function itself: hlo_op_counts(f)(x), not "
+            "hlo_op_counts(f(x))."
+        )
+    if not isinstance(compiled, (bool, np.bool_)):
+        raise TypeError(
+            f"hlo_op_counts(..., compiled=...) must be a bool (True: the optimized HLO, False: "
+            f"the HLO JAX emits), got {compiled!r} of type {type(compiled).__name__}."
+        )
     if args or kwargs:
         _warn_uncurried("hlo_op_counts", "compiled")
         return _hlo_op_counts(fn, compiled, args, kwargs)

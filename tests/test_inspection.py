@@ -142,6 +142,25 @@ def test_hlo_op_counts_counts_converts():
     assert mpjax.hlo_op_counts(lambda x, w: x @ w)(x, w)["dot"] >= 1
 
 
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: mpjax.hlo_op_counts(3), r"hlo_op_counts\(fn\): fn must be the function .*got 3"),
+        (
+            lambda: mpjax.hlo_op_counts(jnp.sin(jnp.ones(2))),
+            r"fn must be the function to lower, got Array.*hlo_op_counts\(f\)\(x\)",
+        ),
+        (
+            lambda: mpjax.hlo_op_counts(jnp.sin, compiled="yes"),
+            r"hlo_op_counts\(..., compiled=...\) must be a bool .*got 'yes' of type str",
+        ),
+    ],
+)
+def test_hlo_op_counts_checks_its_arguments_when_called_not_when_lowering(call, message):
+    with pytest.raises(TypeError, match=message):
+        call()
+
+
 def test_every_keyword_reaches_the_function_through_the_curried_call():
     def fn(x, w, *, primitives, compiled):  # keywords named like the options
         return (x @ w) * primitives * compiled
