@@ -40,6 +40,28 @@ def _is_typed_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def _check_key(key: Any) -> None:
+    """Refuses a ``key`` that is not one PRNG key, typed or as raw key data."""
+    if _is_typed_key(key):
+        if key.shape != ():
+            raise ValueError(
+                f"stochastic_round: key must be one PRNG key, got an array of keys of shape "
+                f"{key.shape}; pass one of them."
+            )
+        return
+    if isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32:
+        if key.ndim != 1:
+            raise ValueError(
+                "stochastic_round: key must be one PRNG key; raw key data has one dimension "
+                f"(jax.random.PRNGKey(0) has shape (2,)), got shape {key.shape}."
+            )
+        return
+    raise TypeError(
+        "stochastic_round: key must be a PRNG key (jax.random.key(0)) or raw key data "
+        f"(jax.random.PRNGKey(0)), got {key!r} of type {type(key).__name__}."
+    )
+
+
 def _typed_key(key: jax.Array) -> jax.Array:
     """A typed PRNG key from a typed key or raw key data (``jax.random.PRNGKey(0)``)."""
     return key if _is_typed_key(key) else jax.random.wrap_key_data(key)
@@ -69,8 +91,9 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
       An array of ``x``'s shape in ``dtype``.
 
     Raises:
-      TypeError: if ``x`` is not a floating-point array.
-      ValueError: for a ``dtype`` that is not floating or narrower than 16 bits.
+      TypeError: if ``x`` is not a floating-point array, or ``key`` is not a PRNG key.
+      ValueError: for a ``dtype`` that is not floating or narrower than 16 bits, or several
+        keys where one goes.
 
     >>> x = jnp.full(10_000, 1.0 - 1e-4, jnp.float32)
     >>> x.astype(jnp.bfloat16).mean(dtype=jnp.float32)  # rounding to nearest loses the -1e-4
@@ -87,6 +110,7 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
             f"stochastic_round: x must be a floating-point array, got {x!r} of type "
             f"{type(x).__name__}."
         )
+    _check_key(key)
     x = jnp.asarray(x)
     if jnp.finfo(dtype).bits >= jnp.finfo(x.dtype).bits:
         return x.astype(dtype)

@@ -483,3 +483,6 @@ def test_bad_input():
         tx.update(grads, optax.sgd(1.0).init(params), params)
     with pytest.raises(TypeError, match="seed must be an integer or a PRNG key"):
         low_precision_params(optax.sgd(1.0), seed="0")
+    for rounding in ("kahan", "nearest"):  # wrong even where the rounding ignores it
+        with pytest.raises(TypeError, match="seed must be an integer or a PRNG key.* float"):
+            low_precision_params(optax.sgd(1.0), rounding, seed=1.5)

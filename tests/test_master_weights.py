@@ -241,3 +241,17 @@ def test_bad_input():
         match=r"master_weights: gradients must be floating-point, got int32 at grads\['b'\]",
     ):
         tx.update({"w": grads["w"], "b": jnp.ones(1, jnp.int32)}, state, params)
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"w": jnp.ones(2, jnp.float8_e4m3fn)}, r"params\['w'\] is float8_e4m3fn, which cannot"),
+        ({"w": jnp.ones(2, jnp.float8_e5m2)}, r"params\['w'\] is float8_e5m2, which cannot"),
+        ({"w": jnp.ones(2, BF16), "act": "gelu"}, r"params must be arrays, got 'gelu' of type"),
+        (None, r"init got params=None"),
+    ],
+)
+def test_init_refuses_params_it_cannot_keep_a_master_of(params, message):
+    with pytest.raises(TypeError, match=f"master_weights: {message}"):
+        master_weights(optax.sgd(1.0)).init(params)

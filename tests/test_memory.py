@@ -150,3 +150,14 @@ def test_bad_input():
         TypeError, match=r"memory_report: opt_state\[0\]\['hyper'\]\['eps'\] is 1e-08 of type float"
     ):
         memory_report({"w": jnp.ones(2)}, ({"hyper": {"eps": 1e-8}},))
+
+
+def test_none_trees_and_a_part_that_is_not_a_name_are_refused_naming_them():
+    params = {"w": jnp.ones(2)}
+    with pytest.raises(TypeError, match=r"memory_report: params is None; pass the params tree"):
+        memory_report(None, ())
+    with pytest.raises(TypeError, match=r"memory_report: opt_state is None; .*an empty tuple"):
+        memory_report(params, None)
+    report = memory_report(params, optax.adam(1e-3).init(params))
+    with pytest.raises(TypeError, match=r"part_bytes: part must be a part's name .*got None"):
+        report.part_bytes(None)

@@ -316,3 +316,26 @@ def test_bad_input():
             rounding_key(seed)
     with pytest.raises(TypeError, match="seed must be an integer or a PRNG key"):
         rounding_key(jnp.zeros(2, jnp.int32))  # not uint32 key data
+
+
+@pytest.mark.parametrize(
+    "key, error, message",
+    [
+        (None, TypeError, r"key must be a PRNG key \(jax.random.key\(0\)\) .*got None"),
+        (3, TypeError, r"key must be a PRNG key .*got 3 of type int"),
+        ("k", TypeError, r"key must be a PRNG key .*got 'k' of type str"),
+        (jnp.ones(2, F32), TypeError, r"key must be a PRNG key .*of type ArrayImpl"),
+        (jax.random.split(jax.random.key(0), 3), ValueError, r"key must be one .*shape \(3,\)"),
+        (jnp.zeros((3, 2), jnp.uint32), ValueError, r"key must be one PRNG key; raw .*\(3, 2\)"),
+    ],
+)
+def test_stochastic_round_rejects_a_bad_key_naming_it(key, error, message):
+    with pytest.raises(error, match=f"stochastic_round: {message}"):
+        stochastic_round(jnp.ones(3, F32), BF16, key)
+
+
+def test_stochastic_round_takes_typed_keys_and_raw_key_data_alike():
+    x = jnp.full(64, 1.0 - 1e-4, F32)
+    typed = stochastic_round(x, BF16, jax.random.key(3))
+    raw = stochastic_round(x, BF16, jax.random.key_data(jax.random.key(3)))
+    assert_bitwise_equal(typed, raw)

@@ -453,6 +453,8 @@ def test_bad_input():
         state_precision(adam, None)
     with pytest.raises(TypeError, match="seed must be an integer or a PRNG key"):
         state_precision(adam, "bf16", rounding="stochastic", seed=0.5)
+    with pytest.raises(TypeError, match="seed must be an integer or a PRNG key.*'a' of type str"):
+        state_precision(adam, "bf16", seed="a")  # wrong even where rounding to nearest ignores it
     tx = state_precision(adam, "bf16")
     with pytest.raises(
         TypeError,
