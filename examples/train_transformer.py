@@ -386,8 +386,8 @@ def build_model(
     if mode == "hand":
         if policy.fp8 is not None:
             raise ValueError(
-                f"--policy {policy} runs matmuls in fp8, which dtypes written by hand cannot "
-                "express: use --mode mpjax or --mode autocast."
+                f"policy {policy} runs matmuls in fp8, which dtypes written by hand cannot "
+                "express: use mode 'mpjax' or 'autocast'."
             )
         return GPT(config, dtype=policy.compute_dtype, param_dtype=policy.param_dtype)
     if mode == "autocast":
@@ -856,6 +856,11 @@ def validate(cfg: TrainConfig) -> None:
             f"--policy {cfg.policy}: this script's train step carries no delayed-scaling fp8 "
             "state; use current scaling (mixed_bfloat16_fp8, or fp8=current), or see the "
             "README's fp8 section for a train step that carries the state."
+        )
+    if policy.fp8 is not None and cfg.mode == "hand":
+        raise ValueError(
+            f"--policy {cfg.policy} runs matmuls in fp8, which dtypes written by hand cannot "
+            "express: use --mode mpjax or --mode autocast."
         )
     resolve_loss_scale(cfg.loss_scale, policy)
     if cfg.param_rounding not in mpjax.PARAM_ROUNDINGS:
@@ -1464,7 +1469,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{summary['train_time_s']:.1f} s training + {summary['compile_time_s']:.1f} s compile"
         + (f", {summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else "")
         + f"\nfinal val loss {val:.4f} nats/byte ({val / ln2:.3f} bits/byte); unigram baseline "
-        f"{base:.4f} nats/byte ({base / ln2:.3f} bits/byte): {base - val:+.4f} nats better"
+        f"{base:.4f} nats/byte ({base / ln2:.3f} bits/byte): {abs(base - val):.4f} nats "
+        f"{'better' if val <= base else 'worse'}"
         f"\nskipped steps {summary['skipped_steps']}, final loss scale {summary['final_loss_scale']}"
         f"\nlog: {cfg.out_dir() / 'log.jsonl'}, summary: {cfg.out_dir() / 'summary.json'}"
     )

@@ -842,5 +842,32 @@ def test_fp8_run_trains_and_resumes_bit_identically(text_file, tmp_path):
 
 
 def test_hand_mode_refuses_an_fp8_policy():
-    with pytest.raises(ValueError, match="use --mode mpjax or --mode autocast"):
+    with pytest.raises(ValueError, match="use mode 'mpjax' or 'autocast'"):
         tt.build_model(SMALL, mpjax.get_policy("mixed_bfloat16_fp8"), "hand")
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16_fp8", "p=f32, c=bf16, o=f32, fp8=current"])
+def test_the_hand_mode_flag_error_echoes_the_policy_as_typed(policy, capsys):
+    with pytest.raises(SystemExit):
+        tt.parse_args(["--policy", policy, "--mode", "hand"])
+    err = capsys.readouterr().err
+    assert f"--policy {policy} runs matmuls in fp8" in err and "--mode mpjax" in err, err
+
+
+@pytest.mark.parametrize("val, verdict", [(1.7, "1.5000 nats better"), (3.63, "0.4300 nats worse")])
+def test_the_summary_says_better_or_worse_than_the_baseline(val, verdict, monkeypatch, capsys):
+    summary = {
+        "final_val_loss": val,
+        "unigram_baseline": 3.2,
+        "steps": 5,
+        "tokens": 640,
+        "train_time_s": 1.0,
+        "compile_time_s": 1.0,
+        "tokens_per_s": 640.0,
+        "skipped_steps": 0,
+        "final_loss_scale": 1.0,
+    }
+    monkeypatch.setattr(tt, "train", lambda cfg: summary)
+    tt.main(["--steps", "5", "--warmup-steps", "1"])
+    out = capsys.readouterr().out
+    assert f"unigram baseline 3.2000 nats/byte (4.617 bits/byte): {verdict}\n" in out, out
