@@ -26,6 +26,8 @@ LAYERS = (
         "jax_compat",
         "table",
         "inspection",
+        "hlo_text",
+        "gpu_plan",
         "gradient_checks",
         "loss_scaling",
         "master_weights",
