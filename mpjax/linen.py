@@ -274,8 +274,14 @@ class _PolicyMixin(_MixinBase):
     def apply(self, variables, *args, **kwargs):
         if self._mpjax_active():
             return super().apply(variables, *args, **kwargs)
+        if not isinstance(variables, Mapping):
+            raise TypeError(
+                f"{type(self).__name__}.apply(variables, ...): variables must be the dict of "
+                "collections init returns ({'params': ...}), got "
+                f"{variables!r} of type {type(variables).__name__}."
+            )
         apply = super().apply
-        fp8 = variables.get(FP8_COLLECTION) if isinstance(variables, Mapping) else None
+        fp8 = variables.get(FP8_COLLECTION)
         if fp8 is not None:
             variables = {k: v for k, v in variables.items() if k != FP8_COLLECTION}
         return self._mpjax_run(lambda v, a, k: apply(v, *a, **k), variables, args, kwargs, fp8=fp8)

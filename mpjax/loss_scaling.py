@@ -255,6 +255,25 @@ class _LossScaleBase:
         return dataclasses.replace(cast(Any, self), **changes)
 
 
+def _finite_flag(grads_finite: Any) -> jax.Array:
+    """Checks the ``grads_finite`` an ``adjust`` received: one boolean, a Python or NumPy bool
+    or a bool scalar array (traced or not). Returns it as a bool array."""
+    if isinstance(grads_finite, (bool, np.bool_)):
+        return jnp.asarray(grads_finite)
+    if isinstance(grads_finite, (jax.Array, np.ndarray)) and grads_finite.dtype == np.bool_:
+        if grads_finite.shape != ():
+            raise ValueError(
+                "adjust(grads_finite): grads_finite must be one bool for the whole step (reduce "
+                f"with jnp.all), got a bool array of shape {grads_finite.shape}."
+            )
+        return jnp.asarray(grads_finite)
+    raise TypeError(
+        "adjust(grads_finite): grads_finite must be a bool or a bool scalar array (whether "
+        f"every gradient was finite), got {grads_finite!r} of type "
+        f"{type(grads_finite).__name__}."
+    )
+
+
 @functools.partial(_register, data_fields=())
 @dataclasses.dataclass(frozen=True, init=False)
 class NoOpLossScale(_LossScaleBase):
@@ -278,8 +297,9 @@ class NoOpLossScale(_LossScaleBase):
         return jnp.zeros((), jnp.int32)
 
     def adjust(self, grads_finite: jax.Array) -> NoOpLossScale:
-        """Returns ``self``: a no-op scale never changes."""
-        del grads_finite
+        """Returns ``self``: a no-op scale never changes (``grads_finite`` is checked as by
+        :meth:`DynamicLossScale.adjust`)."""
+        _finite_flag(grads_finite)
         return self
 
 
@@ -315,8 +335,9 @@ class StaticLossScale(_LossScaleBase):
         return jnp.zeros((), jnp.int32)
 
     def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
-        """Returns ``self``: a static scale never changes."""
-        del grads_finite
+        """Returns ``self``: a static scale never changes (``grads_finite`` is checked as by
+        :meth:`DynamicLossScale.adjust`)."""
+        _finite_flag(grads_finite)
         return self
 
 
@@ -473,8 +494,12 @@ class DynamicLossScale(_LossScaleBase):
 
         Returns:
           A new :class:`DynamicLossScale`; ``loss_scale`` stays float32, ``counter`` int32.
+
+        Raises:
+          TypeError: for a ``grads_finite`` that is not a bool (a float, None, a string).
+          ValueError: for a bool array that is not a scalar.
         """
-        finite = jnp.asarray(grads_finite, jnp.bool_)
+        finite = _finite_flag(grads_finite)
         scale, counter = self.loss_scale, self.counter + 1
         grow = finite & (counter >= self.growth_interval)
         grown = scale * self.growth_factor

@@ -227,7 +227,8 @@ def init_fp8_state(model: nnx.Module, *args, **kwargs) -> None:
 
     Raises:
       TypeError: if ``model`` is not an ``nnx.Module`` instance.
-      ValueError: if no policy was set on ``model``.
+      ValueError: if no policy was set on ``model``, or its policy and rules run no matmul in
+        fp8 with delayed scaling (there would be no state to carry).
     """
     _check_model(model, "init_fp8_state")
     plan = getattr(type(model), "_mpjax_plan", None)
@@ -235,6 +236,13 @@ def init_fp8_state(model: nnx.Module, *args, **kwargs) -> None:
         raise ValueError(
             "init_fp8_state(model, ...) needs a policy set on the model first: "
             "mpjax.nnx.set_policy(model, policy_or_rules)."
+        )
+    if plan.rules is not None and not plan.rules.scales_fp8_delayed():
+        raise ValueError(
+            f"init_fp8_state(model, ...): the model's policy ({plan.rules.default}) and rules "
+            "run no matmul in fp8 with delayed scaling, so there is no state to create. Set "
+            "a delayed recipe first, e.g. set_policy(model, "
+            "'p=f32,c=bf16,o=f32,fp8=delayed;history=16')."
         )
     run, state, leaves, _ = _split_call(model, args, kwargs)
     fp8 = fp8_state_in_regions(run, plan.policy, state, leaves)

@@ -186,11 +186,14 @@ def rounding_key(seed: int | jax.Array) -> jax.Array:
 
     Raises:
       TypeError: for anything else (a float, a string, a bool).
+      ValueError: for an integer outside the int64 range.
 
     >>> rounding_key(0)
     Array([0, 0], dtype=uint32)
     """
     if isinstance(seed, (int, np.integer)) and not isinstance(seed, (bool, np.bool_)):
+        if not -(2**63) <= int(seed) < 2**63:
+            raise ValueError(f"seed must be a 64-bit signed integer, got {seed!r}.")
         return jax.random.key_data(jax.random.key(int(seed)))
     if _is_typed_key(seed):
         return jax.random.key_data(seed)

@@ -722,6 +722,13 @@ def test_bad_input_raises_clear_errors():
         mpjax.describe(nn.Dense, rules="f32")
 
 
+@pytest.mark.parametrize("variables", [None, 3, [{"params": {}}]])
+def test_apply_of_a_wrapped_model_names_variables_that_are_not_a_dict(variables):
+    model = mpl.apply_policy(nn.Dense(2), "mixed_bfloat16")
+    with pytest.raises(TypeError, match=r"Dense.apply\(variables, ...\): variables must be the"):
+        model.apply(variables, jnp.ones((1, 3)))
+
+
 def test_readme_flax_linen_example_runs_and_prints_its_table(capsys):
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme.split("\n## Flax\n", 1)[1].split("\n### NNX", 1)[0].split("\n## ", 1)[0]

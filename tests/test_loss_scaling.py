@@ -1915,3 +1915,22 @@ def test_update_without_params_checks_the_gradients_against_the_params_init_saw(
     other = tx.init({"a": {"b": jnp.ones(3)}})
     tx.update({"a": {"b": jnp.ones(3)}}, other)
     tx.update({"w": jnp.ones(2)}, state)
+
+
+@pytest.mark.parametrize("ls", [DynamicLossScale(), StaticLossScale(4.0), NoOpLossScale()])
+@pytest.mark.parametrize(
+    "flag, error, message",
+    [
+        (None, TypeError, r"must be a bool .*got None"),
+        ("yes", TypeError, r"must be a bool .*got 'yes' of type str"),
+        (1.5, TypeError, r"got 1.5 of type float"),
+        (jnp.float32(1.0), TypeError, r"of type ArrayImpl"),
+        (jnp.array([True, False]), ValueError, r"one bool for the whole step .*shape \(2,\)"),
+    ],
+)
+def test_adjust_takes_one_bool_and_names_anything_else(ls, flag, error, message):
+    with pytest.raises(error, match=f"adjust\\(grads_finite\\): grads_finite .*{message}"):
+        ls.adjust(flag)
+    for ok in (True, np.bool_(False), jnp.array(True)):
+        ls.adjust(ok)
+    jax.jit(lambda ls, f: ls.adjust(f))(ls, jnp.array(False))  # a traced bool

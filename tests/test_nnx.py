@@ -719,3 +719,13 @@ def test_readme_nnx_example_runs_and_prints_its_table(capsys):
         warnings.simplefilter("error", DeprecationWarning)  # the README uses the current API
         exec(compile(code, "README.md (NNX)", "exec"), {})  # optax's adam: standard promotion
     assert capsys.readouterr().out == printed
+
+
+def test_init_fp8_state_refuses_a_policy_without_delayed_fp8():
+    model = block("mixed_bfloat16_fp8")  # current scaling: no state to carry
+    with pytest.raises(
+        ValueError,
+        match=r"init_fp8_state\(model, ...\): the model's policy .*"
+        r"run no matmul in fp8 with delayed scaling",
+    ):
+        mpnnx.init_fp8_state(model, x_seq())

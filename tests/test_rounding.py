@@ -339,3 +339,9 @@ def test_stochastic_round_takes_typed_keys_and_raw_key_data_alike():
     typed = stochastic_round(x, BF16, jax.random.key(3))
     raw = stochastic_round(x, BF16, jax.random.key_data(jax.random.key(3)))
     assert_bitwise_equal(typed, raw)
+
+
+def test_a_seed_beyond_int64_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"seed must be a 64-bit signed integer, got 1180591"):
+        rounding_key(2**70)
+    assert rounding_key(2**63 - 1).dtype == np.uint32 and rounding_key(-(2**63)).shape == (2,)
