@@ -134,9 +134,9 @@ def check_params(params: Any, where: str) -> None:
 
 
 class InitTrees:
-    """The params tree structures a transformation's ``init`` was given, to check the
-    gradients of an ``update`` that gets no params against: a mismatch would otherwise fail
-    deep inside the wrapped optimizer's ``tree_map``, with no word of what is wrong.
+    """The params trees (structure and shapes) a transformation's ``init`` was given, to check
+    the gradients of an ``update`` that gets no params against: a mismatch would otherwise fail
+    deep inside the wrapped optimizer's ``tree_map``, or broadcast silently.
 
     A transformation built once and initialized for several models accepts the gradients of
     any of them; one never initialized in this process (a state restored without ``init``)
@@ -144,24 +144,41 @@ class InitTrees:
     """
 
     def __init__(self) -> None:
-        self._seen: list[Any] = []
+        self._seen: list[tuple[Any, tuple[tuple[int, ...], ...]]] = []
+
+    @staticmethod
+    def _signature(tree: Any) -> tuple[Any, tuple[tuple[int, ...], ...]]:
+        return _structure(tree), tuple(np.shape(leaf) for leaf in jax.tree.leaves(tree))
 
     def add(self, params: Any) -> None:
-        """Records the structure of ``params``, as ``init`` received them."""
-        treedef = _structure(params)
-        if not any(treedef == seen for seen in self._seen):
-            self._seen.append(treedef)
+        """Records the structure and shapes of ``params``, as ``init`` received them."""
+        signature = self._signature(params)
+        if signature not in self._seen:
+            self._seen.append(signature)
 
     def check(self, grads: Any, where: str) -> None:
-        """Raises ``ValueError`` unless ``grads`` has the structure of params ``init`` saw."""
+        """Raises ``ValueError`` unless ``grads`` has the structure and shapes of params
+        ``init`` saw."""
         if not self._seen:
             return
-        treedef = _structure(grads)
-        if not any(treedef == seen for seen in self._seen):
+        treedef, shapes = self._signature(grads)
+        same_tree = [seen_shapes for seen_tree, seen_shapes in self._seen if seen_tree == treedef]
+        if not same_tree:
             raise ValueError(
                 f"{where}: the grads tree does not match the params tree init was given.\n"
-                f"  grads:  {treedef}\n  params: {self._seen[-1]}"
+                f"  grads:  {treedef}\n  params: {self._seen[-1][0]}"
             )
+        if shapes in same_tree:
+            return
+        expected = same_tree[-1]
+        paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(grads)]
+        for path, got, want in zip(paths, shapes, expected):
+            if got != want:
+                at = jax.tree_util.keystr(path)
+                raise ValueError(
+                    f"{where}: grads{at} has shape {got} but the param init was given there "
+                    f"has shape {want}; each gradient must have its param's shape."
+                )
 
 
 def check_gradients(grads: Any, params: Any, where: str) -> None:

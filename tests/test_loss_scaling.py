@@ -1910,6 +1910,10 @@ def test_update_without_params_checks_the_gradients_against_the_params_init_saw(
             ValueError, match=f"{name}: the grads tree does not match the params tree init"
         ):
             tx.update(grads, state)
+    with pytest.raises(
+        ValueError, match=rf"{name}: grads\['w'\] has shape \(3,\) but the param init was given"
+    ):
+        tx.update({"w": jnp.ones(3)}, state)
     tx.update({"w": jnp.ones(2)}, state)
     # One transformation initialized for two models takes the gradients of either.
     other = tx.init({"a": {"b": jnp.ones(3)}})
