@@ -10,7 +10,7 @@ register, and imports only the casting engine and the report types.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from mpjax.autocast import describe_autocast, is_autocast
@@ -133,8 +133,9 @@ def describe(
       or :class:`mpjax.AutocastReport`).
 
     Raises:
-      TypeError: if ``target`` is not something described (the message lists what is), or an
-        option does not apply to its kind (``variables`` for an NNX module).
+      TypeError: if ``target`` is not something described (the message lists what is), an
+        option does not apply to its kind (``variables`` for an NNX module), ``method`` is
+        neither a name nor a function, or ``variables`` is not a dict.
       ValueError: if the target cannot be described with these options (an unwrapped linen
         module without ``rules``, a wrapped one with them).
 
@@ -172,6 +173,16 @@ def describe(
             raise TypeError(
                 f"describe() got {', '.join(f'`{name}`' for name in wrong)}, which does not "
                 f"apply to {describer.kind} ({type(target).__name__}); {takes}."
+            )
+        if method is not None and not (isinstance(method, str) or callable(method)):
+            raise TypeError(
+                "describe(method=...) must be a method name (str) or a function, as for "
+                f"Module.apply; got {method!r} of type {type(method).__name__}."
+            )
+        if variables is not None and not isinstance(variables, Mapping):
+            raise TypeError(
+                "describe(variables=...) must be the dict of collections init returns "
+                f"({{'params': ...}}); got {variables!r} of type {type(variables).__name__}."
             )
         return describer.build(target, **{name: given[name] for name in describer.options})
     text = repr(target)

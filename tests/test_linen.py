@@ -720,6 +720,10 @@ def test_bad_input_raises_clear_errors():
         mpjax.describe(mpl.apply_policy(nn.Dense(2), "bf16"), rules="f32")
     with pytest.raises(TypeError, match=r"got the class Dense\. Pass an instance"):
         mpjax.describe(nn.Dense, rules="f32")
+    with pytest.raises(TypeError, match=r"describe\(method=...\) must be a method name .*got 3"):
+        mpjax.describe(nn.Dense(2), rules="f32", method=3)
+    with pytest.raises(TypeError, match=r"describe\(variables=...\) must be the dict .*got 3"):
+        mpjax.describe(nn.Dense(2), rules="f32", variables=3)
 
 
 @pytest.mark.parametrize("variables", [None, 3, [{"params": {}}]])
