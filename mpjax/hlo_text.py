@@ -165,32 +165,9 @@ class HloModule:
         return self.computations[self.entry]
 
 
-def _split(text: str, sep: str = ",") -> list[str]:
-    """``text`` split at ``sep`` where no bracket is open and no string literal runs."""
-    parts, depth, start, quoted, escaped = [], 0, 0, False, False
-    for i, ch in enumerate(text):
-        if quoted:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                quoted = False
-        elif ch == '"':
-            quoted = True
-        elif ch in _OPEN:
-            depth += 1
-        elif ch in _CLOSE:
-            depth -= 1
-        elif ch == sep and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return parts
-
-
-def _closing(text: str, start: int) -> int:
-    """The index of the bracket closing the one at ``text[start]``, strings skipped."""
+def _unquoted(text: str, start: int = 0):
+    """``(index, character, bracket depth after it)`` for each character of ``text`` from
+    ``start`` that is not inside a string literal."""
     depth, quoted, escaped = 0, False, False
     for i in range(start, len(text)):
         ch = text[i]
@@ -201,14 +178,33 @@ def _closing(text: str, start: int) -> int:
                 escaped = True
             elif ch == '"':
                 quoted = False
-        elif ch == '"':
+            continue
+        if ch == '"':
             quoted = True
-        elif ch in _OPEN:
+            continue
+        if ch in _OPEN:
             depth += 1
         elif ch in _CLOSE:
             depth -= 1
-            if depth == 0:
-                return i
+        yield i, ch, depth
+
+
+def _split(text: str, sep: str = ",") -> list[str]:
+    """``text`` split at ``sep`` where no bracket is open and no string literal runs."""
+    parts, start = [], 0
+    for i, ch, depth in _unquoted(text):
+        if ch == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def _closing(text: str, start: int) -> int:
+    """The index of the bracket closing the one at ``text[start]``, strings skipped."""
+    for i, ch, depth in _unquoted(text, start):
+        if ch in _CLOSE and depth == 0:
+            return i
     raise ValueError(f"unbalanced brackets in HLO: {text[start : start + 80]!r}")
 
 
