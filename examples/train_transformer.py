@@ -8,11 +8,16 @@ The default run trains the `tiny` model on the Python standard library's own `.p
     python examples/train_transformer.py --preset small --policy mixed_bfloat16 --batch-size 32  # GPU
     python examples/train_transformer.py --data path/to/text_or_folder --out runs/mine
     python examples/train_transformer.py --out runs/mine --resume   # continue where it stopped
+    python examples/train_transformer.py --out runs/mine --overwrite  # delete that run, start afresh
 
 One jitted train step does the forward and backward passes (over `--grad-accum` micro-batches),
 the optimizer update and, with several devices, data parallelism over a `jax.sharding.Mesh`.
 Every logged step goes to `<out>/log.jsonl`, the run's summary to `<out>/summary.json`, and
 checkpoints (params, optimizer state, data-sampler state and step) to `<out>/checkpoints`.
+A run never mixes with another: a fresh run refuses a folder that holds one (pass `--resume` to
+continue it or `--overwrite` to delete those three), and `--resume` refuses a folder without a
+checkpoint. It resumes from the newest checkpoint that restores, saying which ones it skipped
+as corrupt, on any number of devices: arrays are resliced onto the new mesh.
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ import argparse
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
 import pathlib
+import shutil
 import sys
 import sysconfig
 import time
+import traceback
 from typing import Any, NamedTuple
 
 import jax
@@ -138,6 +146,7 @@ class TrainConfig:
     process_id: int = 0
     out: str | None = None
     resume: bool = False
+    overwrite: bool = False
     sample_bytes: int = SAMPLE_BYTES
     sample_prompt: str = SAMPLE_PROMPT
     temperature: float = TEMPERATURE
@@ -180,9 +189,10 @@ class TrainConfig:
 
 
 # Fields that decide the trajectory: a resumed run takes them from its checkpoint, and a flag
-# given with another value is refused. The others (devices, logging, checkpoint and evaluation
-# intervals, remat) may change on resume: they change the reduction order or the output, not
-# the run. --steps may grow: the run continues past its end (see TrainConfig.schedule_length).
+# given with another value is refused. The others (devices and --fsdp, logging, checkpoint and
+# evaluation intervals, remat) may change on resume: they change the reduction order or the
+# output, not the run. --steps may grow: the run continues past its end (see
+# TrainConfig.schedule_length).
 _TRAJECTORY_FIELDS = (
     "preset",
     "mode",
@@ -668,7 +678,13 @@ def _checkpoint_manager(directory: pathlib.Path):
     import orbax.checkpoint as ocp  # Deferred: only runs that checkpoint need orbax.
 
     return ocp.CheckpointManager(
-        directory.resolve(), options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+        directory.resolve(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
+        # Named handlers let item_metadata read a checkpoint's tree without its arrays.
+        item_handlers={
+            "state": ocp.StandardCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+        },
     )
 
 
@@ -696,6 +712,7 @@ def save_checkpoint(manager, state: TrainState, rng: np.random.Generator, cfg: T
 _INVOCATION_FIELDS = (
     "out",
     "resume",
+    "overwrite",
     "progress",
     "coordinator",
     "num_processes",
@@ -704,14 +721,81 @@ _INVOCATION_FIELDS = (
 )
 
 
-def read_checkpoint_meta(manager) -> dict | None:
-    """Reads the latest checkpoint's metadata (step, sampler state, settings), or None."""
+class CorruptCheckpoint(ValueError):
+    """A checkpoint whose files do not read: missing, truncated or overwritten."""
+
+
+def _step_dir(manager, step: int) -> pathlib.Path:
+    return pathlib.Path(manager.directory) / str(step)
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost error's first line: orbax wraps tensorstore's errors, which name the array
+    and the file, in messages that spell out the whole tensorstore spec."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    lines = str(error).strip().splitlines()
+    text = lines[0][:400] if lines else ""
+    if type(error) in (ValueError, Exception) and text:  # tensorstore's: the message says it all
+        return text
+    return f"{type(error).__name__}: {text}"
+
+
+def _is_restore_echo(error: BaseException | None) -> bool:
+    """Whether ``error`` is orbax's own, or a read finishing after orbax's event loop closed."""
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return True
+    while error is not None:
+        frames = traceback.extract_tb(error.__traceback__)
+        if any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in frames):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _drop_restore_echoes() -> None:
+    """Keeps the echoes of a failed restore off the terminal, for the rest of the process.
+
+    When one array of a checkpoint does not read, orbax raises at once while its other reads
+    are still in flight; as they finish they report the failure again, as tracebacks through
+    ``sys.unraisablehook`` and the ``asyncio`` logger, some of them at interpreter exit. The
+    error this script raises names the file and the cause already, so those copies are
+    dropped: unraisable errors from orbax's code or its closed event loop, and asyncio's
+    errors (exceptions nobody retrieved), since this script runs no asyncio of its own.
+    """
+    previous = sys.unraisablehook
+    if not getattr(previous, "drops_restore_echoes", False):
+
+        def hook(report):
+            if not _is_restore_echo(report.exc_value):
+                previous(report)
+
+        hook.drops_restore_echoes = True
+        sys.unraisablehook = hook
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+
+
+def read_checkpoint_meta(manager, step: int | None = None) -> dict | None:
+    """Reads a checkpoint's metadata (step, sampler state, settings): the latest one's by
+    default, or None when there is none.
+
+    Raises:
+      CorruptCheckpoint: naming the file that does not read, and why.
+    """
     import orbax.checkpoint as ocp
 
-    step = manager.latest_step()
+    step = manager.latest_step() if step is None else step
     if step is None:
         return None
-    return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    where = _step_dir(manager, step) / "meta"
+    try:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as e:  # orbax raises what the file system or the JSON parser raised
+        raise CorruptCheckpoint(f"{where}: {_root_cause(e)}") from e
+    missing = {"step", "rng_state", "config"} - set(meta if isinstance(meta, dict) else ())
+    if missing:
+        raise CorruptCheckpoint(f"{where}: lacks {', '.join(sorted(missing))}")
+    return meta
 
 
 def _explicit(cfg: TrainConfig) -> set[str]:
@@ -761,19 +845,63 @@ def resumed_config(cfg: TrainConfig, meta: dict, where: pathlib.Path) -> TrainCo
             f"({'; '.join(conflicts)}). Leave those flags out to continue the run as it was "
             "(--resume --out is enough), or train into another --out."
         )
-    return dataclasses.replace(cfg, **changes, steps=steps)
+    # The flags given, kept: later checks tell the checkpoint's settings from the user's.
+    return dataclasses.replace(cfg, **changes, steps=steps, explicit=tuple(sorted(explicit)))
+
+
+def _leaf_name(path: tuple) -> str:
+    """A leaf's name as orbax writes it: the keys, attributes and indices of its path joined by
+    dots, ``opt_state.1.0.mu.wte.embedding``."""
+    return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _misfits(saved: Any, like: TrainState) -> list[str]:
+    """How the arrays a checkpoint holds (orbax's tree metadata) differ, by name, shape and
+    dtype, from those of the state these settings build."""
+    have = {a.name: a for a in jax.tree.leaves(saved)}
+    want = {_leaf_name(p): a for p, a in jax.tree_util.tree_leaves_with_path(like)}
+    problems = [f"{name} is not in the checkpoint" for name in want if name not in have]
+    for name in sorted(have.keys() - want.keys()):
+        problems.append(f"the checkpoint holds {name}, which these settings do not build")
+    for name, a in want.items():
+        b = have.get(name)
+        if b is not None and (tuple(b.shape) != a.shape or str(b.dtype) != str(a.dtype)):
+            problems.append(
+                f"{name}: the checkpoint holds {b.dtype}{list(b.shape)}, these settings build "
+                f"{a.dtype}{list(a.shape)}"
+            )
+    return problems
 
 
 def restore_state(manager, step: int, like: TrainState) -> TrainState:
-    """Restores the train state saved at ``step`` with ``like``'s structure, dtypes, shardings,
-    and checks what it restored: the same shapes and dtypes, a loss-scaling state within the
-    bounds of the optimizer built now.
+    """Restores the train state saved at ``step`` onto ``like``'s shardings: orbax reslices each
+    array for the mesh of now, whatever devices saved it.
+
+    First checks that the checkpoint holds the arrays ``like`` has, by name, shape and dtype,
+    so that a checkpoint of other settings is told apart from a damaged one; after restoring,
+    checks the loss-scaling state against the bounds of the optimizer built now.
 
     Raises:
+      CorruptCheckpoint: naming the file or folder that does not read, and why.
       ValueError: for a checkpoint that does not fit the state these settings build.
     """
     import orbax.checkpoint as ocp
 
+    _drop_restore_echoes()
+    where = _step_dir(manager, step)
+    try:
+        saved = manager.item_metadata(step)["state"]
+    except Exception as e:  # orbax raises what the file system or the JSON parser raised
+        raise CorruptCheckpoint(f"{where / 'state'}: {_root_cause(e)}") from e
+    if saved is None:  # newer orbax reads a missing tree metadata file as no metadata
+        raise CorruptCheckpoint(f"{where / 'state' / '_METADATA'} is missing")
+    misfits = _misfits(saved, like)
+    if misfits:
+        more = f"; and {len(misfits) - 3} more" if len(misfits) > 3 else ""
+        raise ValueError(
+            f"--resume: the checkpoint of step {step} in {manager.directory} does not fit the "
+            f"model and optimizer these settings build: {'; '.join(misfits[:3])}{more}."
+        )
     target = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), like
     )
@@ -781,23 +909,86 @@ def restore_state(manager, step: int, like: TrainState) -> TrainState:
         restored = manager.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
         )
-        state = TrainState(*restored["state"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(
-            f"--resume: the checkpoint of step {step} in {manager.directory} does not fit the "
-            f"model and optimizer these settings build ({type(e).__name__}: {e})."
-        ) from e
-    for (path, got), want in zip(
-        jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(like), strict=True
-    ):
-        if got.shape != want.shape or got.dtype != want.dtype:
-            raise ValueError(
-                f"--resume: the checkpoint holds {got.dtype}{list(got.shape)} at "
-                f"{jax.tree_util.keystr(path)}, where these settings build "
-                f"{want.dtype}{list(want.shape)}."
-            )
+    # The tree fits, so what fails now is reading the arrays' files; tensorstore's errors
+    # arrive wrapped in a bare Exception.
+    except Exception as e:
+        raise CorruptCheckpoint(f"{where / 'state'}: {_root_cause(e)}") from e
+    state = TrainState(*restored["state"])
     mpjax.check_loss_scaling(state.opt_state)
     return state
+
+
+def _unrestorable(manager, failed: list[tuple[int, CorruptCheckpoint]]) -> ValueError:
+    reasons = "".join(f"\n  step {step}: {error}" for step, error in failed)
+    return ValueError(
+        f"--resume: no checkpoint in {manager.directory} restores:{reasons}\n"
+        "Start afresh with --overwrite (it deletes them), or train into another --out."
+    )
+
+
+def newest_checkpoint_meta(manager) -> tuple[dict, list[tuple[int, CorruptCheckpoint]]]:
+    """The metadata of the newest checkpoint whose metadata reads, and the newer checkpoints
+    whose metadata did not (step and error).
+
+    Raises:
+      ValueError: listing each checkpoint and why, when no metadata reads.
+    """
+    failed = []
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            return read_checkpoint_meta(manager, step), failed
+        except CorruptCheckpoint as e:
+            failed.append((step, e))
+    raise _unrestorable(manager, failed)
+
+
+def restore_newest(
+    manager, like: TrainState, meta: dict, failed: list[tuple[int, CorruptCheckpoint]]
+) -> tuple[TrainState, dict]:
+    """Restores the newest checkpoint that reads whole, from ``meta``'s down, and returns it
+    with its metadata. Says which newer ones it skipped and why (``failed``: those skipped
+    already), and moves those aside (``<step>.corrupt``), so that the resumed run can save its
+    own checkpoints of those steps while their files stay for a look.
+
+    Raises:
+      ValueError: listing each checkpoint and why, when none restores; or when one does not
+        fit these settings (see :func:`restore_state`).
+    """
+    failed = list(failed)
+    for step in sorted(manager.all_steps(), reverse=True):
+        if step > meta["step"]:
+            continue
+        try:
+            meta = meta if step == meta["step"] else read_checkpoint_meta(manager, step)
+            state = restore_state(manager, step, like)
+        except CorruptCheckpoint as e:
+            failed.append((step, e))
+            continue
+        if failed:
+            _set_aside(manager, failed, step)
+        return state, meta
+    raise _unrestorable(manager, failed)
+
+
+def _set_aside(manager, failed: list[tuple[int, CorruptCheckpoint]], resumed: int) -> None:
+    """Says which checkpoints were corrupt and why, and renames each ``<step>.corrupt``."""
+    moved = []
+    for step, _ in failed:
+        path = _step_dir(manager, step)
+        target, n = path.with_name(f"{step}.corrupt"), 1
+        while target.exists():
+            n += 1
+            target = path.with_name(f"{step}.corrupt{n}")
+        moved.append(target)
+    for (step, error), target in zip(failed, moved):
+        print(f"--resume: the checkpoint of step {step} is corrupt ({error}); moved to {target}")
+    if jax.process_index() == 0:
+        for (step, _), target in zip(failed, moved):
+            _step_dir(manager, step).rename(target)
+    if jax.process_count() > 1:  # every process lists the checkpoints only once they moved
+        multihost_utils.sync_global_devices("set corrupt checkpoints aside")
+    manager.reload()
+    print(f"--resume: resuming from step {resumed}, the newest checkpoint that restores")
 
 
 # ----------------------------------------------------------------------------- training
@@ -886,6 +1077,10 @@ def validate(cfg: TrainConfig) -> None:
         value = getattr(cfg, name)
         if value is not None:
             mpjax.policy.storage_dtype(value, f"--{name.replace('_', '-')}")
+    if cfg.resume and cfg.overwrite:
+        raise ValueError(
+            "--resume continues the run in --out and --overwrite deletes it: pass one of them."
+        )
     if cfg.num_processes > 1 and not cfg.coordinator:
         raise ValueError(
             f"--num-processes {cfg.num_processes} needs --coordinator host:port (process 0's)."
@@ -912,6 +1107,93 @@ def _keep_log_until(path: pathlib.Path, step: int) -> None:
     path.write_text("".join(row + "\n" for row in lines))
 
 
+# What a run writes into --out, and all that --overwrite deletes.
+_RUN_FILES = ("checkpoints", "log.jsonl", "summary.json")
+
+
+def _checkpoint_steps(directory: pathlib.Path) -> list[int]:
+    """The steps of the checkpoints in ``directory``: orbax names each one's folder by its step
+    (and a save in progress otherwise)."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def _run_files(out_dir: pathlib.Path) -> list[str]:
+    """Which of a run's files ``out_dir`` holds; an empty checkpoint folder counts for none."""
+    found = []
+    for name in _RUN_FILES:
+        path = out_dir / name
+        if path.is_file() or (path.is_dir() and any(path.iterdir())):
+            found.append(name)
+    return found
+
+
+def prepare_out(cfg: TrainConfig, out_dir: pathlib.Path) -> None:
+    """Keeps runs apart: ``--resume`` needs a checkpoint in ``out_dir``, and a fresh run a
+    folder without a run, unless ``--overwrite`` deletes that run's files (checkpoints, log and
+    summary; nothing else in the folder).
+
+    Raises:
+      ValueError: naming the folder, what it holds, and the flags that would go on.
+    """
+    found = _run_files(out_dir) if out_dir.is_dir() else []
+    checkpoints = _checkpoint_steps(out_dir / "checkpoints")
+    if cfg.resume:
+        if not checkpoints:
+            held = f" (it holds {', '.join(found)})" if found else ""
+            raise ValueError(
+                f"--resume: {out_dir / 'checkpoints'} holds no checkpoint to continue from"
+                f"{held}. To start a run there, leave --resume out"
+                + (" and pass --overwrite." if found else ".")
+            )
+        return
+    if found and not cfg.overwrite:
+        remedy = (
+            "pass --resume to continue it, or --overwrite to delete it and start afresh"
+            if checkpoints
+            else "it has no checkpoint to resume from: pass --overwrite to delete it and start "
+            "afresh"
+        )
+        raise ValueError(
+            f"--out {out_dir} already holds a run ({', '.join(found)}): {remedy}, or choose "
+            "another --out."
+        )
+    if found and jax.process_index() == 0:
+        print(f"--overwrite: deleting the run in {out_dir} ({', '.join(found)})")
+        for name in found:
+            path = out_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    if cfg.overwrite and jax.process_count() > 1:  # no process writes before the folder is clear
+        multihost_utils.sync_global_devices("--overwrite")
+
+
+def resumed_layout(cfg: TrainConfig, available: int) -> TrainConfig:
+    """The checkpoint's ``--num-devices`` and ``--fsdp`` where they fit the ``available``
+    devices here; where they do not, all devices, and the largest slicing that divides both the
+    checkpoint's ``--fsdp`` and the devices. A resumed run may change devices: that changes the
+    reduction order, not the run. Flags given on the command line are kept as given."""
+    explicit = _explicit(cfg)
+    if "num_devices" not in explicit and cfg.num_devices > available:
+        print(
+            f"--resume: the checkpoint's --num-devices {cfg.num_devices} is more than the "
+            f"{available} here: using them all (pass --num-devices to choose)"
+        )
+        cfg = dataclasses.replace(cfg, num_devices=0)
+    n = cfg.num_devices or available
+    if "fsdp" not in explicit and n % cfg.fsdp:
+        fsdp = math.gcd(cfg.fsdp, n)
+        print(
+            f"--resume: the checkpoint's --fsdp {cfg.fsdp} does not divide the {n} devices "
+            f"used here: slicing params over {fsdp} instead (pass --fsdp to choose)"
+        )
+        cfg = dataclasses.replace(cfg, fsdp=fsdp)
+    return cfg
+
+
 def train(cfg: TrainConfig) -> dict:
     """Runs (or resumes) training; returns the summary that is also written to summary.json.
 
@@ -923,29 +1205,22 @@ def train(cfg: TrainConfig) -> dict:
     out_dir = cfg.out_dir()
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} is a file; give a folder for the run.")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log_path = out_dir / "log.jsonl"
-
     # Checkpoints first: a resumed run takes its settings from its checkpoint, and a fresh run
     # must not mix with an old one.
+    prepare_out(cfg, out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / "log.jsonl"
     manager = None
     if cfg.ckpt_interval > 0 or cfg.resume:
         manager = _checkpoint_manager(out_dir / "checkpoints")
-    resume_meta = None
+    resume_meta, failed = None, []
     if cfg.resume:
-        resume_meta = read_checkpoint_meta(manager)
-        if resume_meta is None:
-            print(f"--resume: no checkpoint in {out_dir / 'checkpoints'}, starting from step 0")
-        else:
-            cfg = resumed_config(cfg, resume_meta, out_dir)
-            validate(cfg)
-            if resume_meta["step"] >= cfg.steps:
-                return _finished_run(out_dir, resume_meta["step"])
-    elif manager is not None and manager.latest_step() is not None:
-        raise ValueError(
-            f"{out_dir} already has checkpoints: pass --resume to continue that run, or "
-            "choose another --out."
-        )
+        resume_meta, failed = newest_checkpoint_meta(manager)
+        cfg = resumed_config(cfg, resume_meta, out_dir)
+        validate(cfg)
+        if resume_meta["step"] >= cfg.steps:
+            return _finished_run(out_dir, resume_meta["step"])
+        cfg = resumed_layout(cfg, len(jax.devices()))
 
     policy = mpjax.get_policy(cfg.policy)
     mcfg = cfg.model_config()
@@ -953,9 +1228,12 @@ def train(cfg: TrainConfig) -> dict:
 
     devices = _devices(cfg.num_devices)
     if cfg.batch_size % len(devices):
+        remedy = ""
+        if cfg.resume and "batch_size" not in _explicit(cfg):  # the checkpoint's, not the user's
+            remedy = "; it is the run's own: pass --num-devices N, N dividing it"
         raise ValueError(
             f"--batch-size {cfg.batch_size} must be a multiple of the number of devices "
-            f"({len(devices)}), since each device takes an equal share."
+            f"({len(devices)}), since each device takes an equal share{remedy}."
         )
     mesh = sharding.make_mesh(devices, cfg.fsdp)
     replicated = NamedSharding(mesh, P())
@@ -980,11 +1258,8 @@ def train(cfg: TrainConfig) -> dict:
     state = init_state(model, tx, cfg.seed, seq_len, mesh)
     state_shardings = jax.tree.map(lambda a: a.sharding, state)
     n_params = sum(p.size for p in jax.tree.leaves(state.params))
-    if resume_meta is None:
-        if writes_files:
-            log_path.unlink(missing_ok=True)
-    else:
-        state = restore_state(manager, resume_meta["step"], state)
+    if resume_meta is not None:
+        state, resume_meta = restore_newest(manager, state, resume_meta, failed)
         rng.bit_generator.state = json.loads(resume_meta["rng_state"])
         if writes_files:
             _keep_log_until(log_path, int(state.step))
@@ -1369,7 +1644,15 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--resume",
         action="store_true",
-        help="continue the run in --out from its latest checkpoint, with its own settings",
+        help="continue the run in --out from its newest checkpoint that restores (skipping "
+        "corrupt ones), with its own settings, on any number of devices; an error if --out "
+        "holds no checkpoint",
+    )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run in --out (its checkpoints, log.jsonl and summary.json, nothing "
+        "else) and start afresh; without it, a fresh run refuses a folder that holds a run",
     )
     g.add_argument(
         "--eval-interval",

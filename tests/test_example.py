@@ -5,6 +5,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -769,6 +770,163 @@ def test_resume_refuses_flags_that_change_the_run_naming_each(text_file, tmp_pat
     # Flags that do not change the run may change.
     tt.main(["--resume", "--out", str(out), "--steps", "3", "--log-interval", "3"])
     assert [r["step"] for r in _log(out)] == [1, 2, 3]
+
+
+def test_resume_needs_a_checkpoint_and_names_the_folder(tmp_path, capsys):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as info:
+        tt.main(["--resume", "--out", str(out)])
+    assert str(info.value.code) == (
+        f"error: --resume: {out / 'checkpoints'} holds no checkpoint to continue from. To start "
+        "a run there, leave --resume out."
+    )
+    assert not out.exists()
+    # A run that saved no checkpoint (--ckpt-interval 0) cannot continue either: start it over.
+    out.mkdir()
+    (out / "log.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(SystemExit, match=r"\(it holds log.jsonl\)\. .* and pass --overwrite\."):
+        tt.main(["--resume", "--out", str(out)])
+    with pytest.raises(SystemExit):
+        tt.main(["--resume", "--overwrite", "--out", str(out)])
+    assert (
+        "--resume continues the run in --out and --overwrite deletes it" in capsys.readouterr().err
+    )
+
+
+def test_a_fresh_run_refuses_a_folder_with_a_run_and_overwrite_deletes_only_its_files(
+    text_file, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    (out / "checkpoints" / "2").mkdir(parents=True)
+    (out / "checkpoints" / "2" / "state").write_text("an earlier run's")
+    (out / "log.jsonl").write_text('{"step": 2, "loss": 9.0}\n')
+    (out / "summary.json").write_text("{}")
+    (out / "notes.txt").write_text("the user's own")
+    argv = _argv(text_file, out, "--steps", "2", "--ckpt-interval", "0")
+    with pytest.raises(SystemExit) as info:
+        tt.main(argv)
+    assert str(info.value.code) == (
+        f"error: --out {out} already holds a run (checkpoints, log.jsonl, summary.json): pass "
+        "--resume to continue it, or --overwrite to delete it and start afresh, or choose "
+        "another --out."
+    )
+    capsys.readouterr()
+    tt.main([*argv, "--overwrite"])
+    assert f"--overwrite: deleting the run in {out}" in capsys.readouterr().out
+    assert (out / "notes.txt").read_text() == "the user's own"
+    assert not (out / "checkpoints").exists()  # --ckpt-interval 0 saved none of its own
+    assert [r["step"] for r in _log(out)] == [1, 2]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    # Now the folder holds a run without checkpoints: --overwrite is the way on.
+    with pytest.raises(SystemExit, match="no checkpoint to resume from: pass --overwrite"):
+        tt.main(argv)
+
+
+@pytest.fixture(scope="module")
+def interrupted_run(text_file, tmp_path_factory):
+    """A float32 run that saved checkpoints at steps 2 and 4, and its logged steps."""
+    cfg = _cfg(text_file, tmp_path_factory.mktemp("interrupted"), steps=4, ckpt_interval=2)
+    return cfg, tt.train(cfg)["history"]
+
+
+def _array_file(step_dir):
+    """The largest of the files that hold a checkpoint's arrays (orbax's OCDBT data files)."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def _overwrite_with_garbage(step_dir):
+    path = _array_file(step_dir)
+    path.write_bytes(np.random.default_rng(0).bytes(path.stat().st_size))
+
+
+def _truncate(step_dir):
+    path = _array_file(step_dir)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+# Ways a checkpoint gets damaged (a full disk, a copy cut short, a stray write), and what the
+# error names: the file or folder, and the cause.
+DAMAGE = {
+    "garbage": (_overwrite_with_garbage, r"state: \w+: Error reading \"\S+\" in OCDBT"),
+    "truncated": (_truncate, r"state: \w+: Error reading \"\S+\" in OCDBT"),
+    "no tree metadata": (lambda d: (d / "state" / "_METADATA").unlink(), r"state.*_METADATA"),
+    "no settings": (lambda d: (d / "meta" / "metadata").unlink(), r"meta: FileNotFoundError"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_resume_falls_back_from_a_corrupt_checkpoint_naming_the_file(
+    damage, interrupted_run, tmp_path, capfd
+):
+    cfg, history = interrupted_run
+    out = tmp_path / "run"
+    shutil.copytree(cfg.out_dir(), out)
+    checkpoints = out / "checkpoints"
+    corrupt, cause = DAMAGE[damage]
+    corrupt(checkpoints / "4")
+    # --steps 6 extends the run, so its newest checkpoint must restore.
+    resumed = tt.train(dataclasses.replace(cfg, out=str(out), resume=True, steps=6))
+    printed, err = capfd.readouterr()
+    where = re.escape(f"{checkpoints / '4'}{os.sep}")
+    assert re.search(rf"the checkpoint of step 4 is corrupt \({where}{cause}", printed), printed
+    assert "does not fit" not in printed
+    assert "--resume: resuming from step 2, the newest checkpoint that restores" in printed
+    assert "Traceback" not in err and "Event loop is closed" not in err, err
+    # The same computation on the same devices from step 2's checkpoint: bit for bit.
+    assert [r["step"] for r in resumed["history"]] == [3, 4, 5, 6]
+    assert [r["loss"] for r in resumed["history"][:2]] == [r["loss"] for r in history[2:]]
+    # The corrupt checkpoint is kept for a look; the run saved its own step 4 again.
+    assert (checkpoints / "4.corrupt").is_dir()
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["4", "6"]
+
+
+def test_resume_lists_each_checkpoint_and_why_when_none_restores(interrupted_run, tmp_path):
+    cfg, _ = interrupted_run
+    out = tmp_path / "run"
+    shutil.copytree(cfg.out_dir(), out)
+    _overwrite_with_garbage(out / "checkpoints" / "4")
+    (out / "checkpoints" / "2" / "meta" / "metadata").write_text("{not json")
+    # In a process of its own, so that what orbax prints as it exits is seen too.
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_transformer.py")]
+        + ["--resume", "--out", str(out), "--steps", "6"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0] == f"error: --resume: no checkpoint in {out / 'checkpoints'} restores:"
+    assert lines[1].startswith(f"  step 4: {out / 'checkpoints' / '4' / 'state'}: ")
+    assert "Error reading" in lines[1]
+    assert lines[2] == f"  step 2: {out / 'checkpoints' / '2' / 'meta'}: JSONDecodeError: " + (
+        "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
+    )
+    # Nothing more: orbax's echoes of the failed reads (tracebacks) are kept off the terminal.
+    assert lines[3:] == [
+        "Start afresh with --overwrite (it deletes them), or train into another --out."
+    ], result.stderr
+    assert "Traceback" not in result.stdout
+
+
+def test_a_checkpoint_of_other_settings_does_not_fit_and_is_not_called_corrupt(interrupted_run):
+    cfg, _ = interrupted_run
+    untied = dataclasses.replace(cfg, untied=True)  # one more matrix: the output head
+    policy = mpjax.get_policy(untied.policy)
+    model = tt.build_model(untied.model_config(), policy, untied.mode)
+    like = tt.init_state(model, tt.make_optimizer(untied, policy), 0, untied.seq_len)
+    manager = tt._checkpoint_manager(cfg.out_dir() / "checkpoints")
+    with pytest.raises(ValueError) as info:
+        tt.restore_state(manager, 4, like)
+    assert not isinstance(info.value, tt.CorruptCheckpoint)
+    assert str(info.value) == (
+        f"--resume: the checkpoint of step 4 in {cfg.out_dir() / 'checkpoints'} does not fit "
+        "the model and optimizer these settings build: params.head.kernel is not in the "
+        "checkpoint; opt_state.1.0.mu.head.kernel is not in the checkpoint; "
+        "opt_state.1.0.nu.head.kernel is not in the checkpoint."
+    )
 
 
 def test_warmup_default_scales_to_short_runs(capsys):
