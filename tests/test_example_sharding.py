@@ -227,3 +227,83 @@ def test_two_processes_train_like_one_checkpoint_and_resume(corpus_file, tmp_pat
     resumed = _losses(tmp_path / "two")
     assert sorted(resumed) == [1, 2, 3, 4]
     np.testing.assert_allclose([resumed[s] for s in (3, 4)], [got[s] for s in (3, 4)], rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- resuming elsewhere
+
+
+def _reordered_rtol(batch: int, seq: int, d_model: int, vocab: int = 256) -> float:
+    """How far a loss may move when only the order of its f32 sums changes (other devices): a
+    sum of n terms of one sign, added in another order, moves by at most about n * eps of its
+    size. The loss sums over batch x seq tokens, each computed through sums over d_model (in
+    each of a block's four matmuls) and over the vocabulary (the log-sum-exp)."""
+    return (batch * seq + 4 * d_model + vocab) * float(np.finfo(np.float32).eps)
+
+
+# The flags of _flags (d_model 64, batch 8 x seq 16) in float32, each param sliced over 8 devices.
+EIGHT_WAY = ("--policy", "float32", "--num-devices", "8", "--fsdp", "8", "--sample-bytes", "0")
+RTOL = _reordered_rtol(batch=8, seq=16, d_model=64)
+
+
+def test_an_fsdp_run_resumes_on_fewer_devices_resliced(corpus_file, tmp_path, capsys):
+    """Resumed on 2 of the 8 devices that saved it, a run slices its params over 2 (the
+    checkpoint's --fsdp 8 cannot) and goes on from the same state: the losses after the
+    checkpoint are the straight run's up to the order of the sums."""
+    out = tmp_path / "run"
+    tt.main(_flags(corpus_file, out, *EIGHT_WAY))
+    straight = _losses(out)
+    shutil.rmtree(out / "checkpoints" / "4")
+    capsys.readouterr()
+    tt.main(["--resume", "--out", str(out), "--num-devices", "2"])
+    printed = capsys.readouterr().out
+    assert (
+        "--resume: the checkpoint's --fsdp 8 does not divide the 2 devices used here: slicing "
+        "params over 2 instead (pass --fsdp to choose)"
+    ) in printed
+    assert "devices: 2 x cpu (1 replica x 2 fsdp)" in printed and "resuming at step 2" in printed
+    resumed = _losses(out)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    np.testing.assert_allclose(
+        [resumed[s] for s in (3, 4)], [straight[s] for s in (3, 4)], rtol=RTOL, atol=0
+    )
+
+
+@pytest.fixture(scope="module")
+def eight_device_run(corpus_file, tmp_path_factory):
+    """A run on a machine with 8 devices (a process of its own), each param sliced over all 8;
+    its folder and its losses."""
+    out = tmp_path_factory.mktemp("eight") / "run"
+    run = _launch(_flags(corpus_file, out, *EIGHT_WAY), devices=8)
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-3000:]
+    return out, _losses(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [4, 1])
+def test_an_fsdp_run_resumes_on_a_machine_with_fewer_devices(eight_device_run, tmp_path, devices):
+    """`--resume --out` alone, on a machine with fewer devices than the checkpoint's
+    --num-devices and --fsdp: the run takes the devices there are, reslices its params onto
+    them, and says so; no error about flags the user did not pass."""
+    saved, straight = eight_device_run
+    out = tmp_path / "run"
+    shutil.copytree(saved, out)
+    shutil.rmtree(out / "checkpoints" / "4")  # the run stopped after step 2's checkpoint
+    run = _launch(["--resume", "--out", str(out), "--no-progress"], devices=devices)
+    printed, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-3000:]
+    assert "Traceback" not in err
+    assert (
+        f"--resume: the checkpoint's --num-devices 8 is more than the {devices} here: using "
+        "them all (pass --num-devices to choose)"
+    ) in printed
+    assert (
+        f"--resume: the checkpoint's --fsdp 8 does not divide the {devices} devices used here: "
+        f"slicing params over {devices} instead (pass --fsdp to choose)"
+    ) in printed
+    assert f"devices: {devices} x cpu (1 replica x {devices} fsdp)" in printed
+    resumed = _losses(out)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    np.testing.assert_allclose(
+        [resumed[s] for s in (3, 4)], [straight[s] for s in (3, 4)], rtol=RTOL, atol=0
+    )
