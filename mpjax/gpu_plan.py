@@ -63,6 +63,10 @@ _LIMITS = (
     "Limits: a deviceless compile (no GPU): no autotuning, so Triton GEMM tiles are untuned "
     "and a real GPU may choose cuBLAS or Triton differently per GEMM; nothing ran, so no timings."
 )
+_LIMITS_AUTOTUNED = (
+    "Limits: read from a compile on the GPU itself (autotuned, as it runs); the plan has no "
+    "timings."
+)
 # Instructions whose called computations run as part of the caller's own sequence of kernels;
 # every other called computation (a fusion's body, a reducer) runs inside one kernel.
 _CONTROL_FLOW = frozenset({"while", "conditional", "call", "async-start"})
@@ -213,6 +217,9 @@ class GpuPlan:
       custom_calls: the number of ``custom-call`` instructions there (cuBLAS GEMMs, cuDNN
         attention and other library calls), counted the same way.
       hlo_text: the optimized HLO the plan was read from.
+      autotuned: whether that HLO came from a compile on the GPU itself
+        (:meth:`from_hlo_text`), where XLA autotunes each GEMM, rather than from a deviceless
+        compile (:func:`gpu_plan`).
     """
 
     target: str
@@ -225,6 +232,41 @@ class GpuPlan:
     fusions: int
     custom_calls: int
     hlo_text: str = dataclasses.field(default="", repr=False, compare=False)
+    autotuned: bool = False
+
+    @classmethod
+    def from_hlo_text(cls, hlo_text: str, *, device: str, target: str = "") -> GpuPlan:
+        """The plan of an optimized GPU HLO module given as text: on a GPU, that of a compiled
+        step, ``jax.jit(step).lower(*args).compile().as_text()``, which XLA autotuned for that
+        GPU (what :func:`gpu_plan` cannot see without one).
+
+        Args:
+          hlo_text: the optimized HLO module's text.
+          device: the GPU it was compiled for (``jax.devices()[0].device_kind``).
+          target: a short name for it, if any.
+
+        Raises:
+          TypeError: if ``hlo_text`` is not a string.
+          ValueError: if it holds no HLO module.
+        """
+        if not isinstance(hlo_text, str):
+            raise TypeError(
+                f"GpuPlan.from_hlo_text takes the HLO module's text, got {type(hlo_text).__name__}."
+            )
+        if "HloModule" not in hlo_text:
+            raise ValueError(
+                "GpuPlan.from_hlo_text takes an optimized HLO module's text (it starts with "
+                f"'HloModule'), got {hlo_text[:60]!r}."
+            )
+        return cls(
+            target=target,
+            device=device,
+            jax_version=jax.__version__,
+            options=(),
+            hlo_text=hlo_text,
+            autotuned=True,
+            **_read(parse_module(hlo_text)),
+        )
 
     def _matmuls(self) -> Iterator[tuple[np.dtype, np.dtype, int]]:
         for g in self.gemms:
@@ -332,8 +374,13 @@ class GpuPlan:
                 f"{key} {flops / total:.1%}" for key, flops in self.flops_by_dtype().items()
             )
             parts.append(f"matmul FLOPs: {_flops_text(total)} ({shares})")
-        parts.append(_LIMITS)
+        parts.append(self.limits)
         return "\n".join(parts)
+
+    @property
+    def limits(self) -> str:
+        """What the plan cannot tell, as the table's last line says it."""
+        return _LIMITS_AUTOTUNED if self.autotuned else _LIMITS
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-serialisable data: the fields (dtypes as names, the HLO text
@@ -350,7 +397,8 @@ class GpuPlan:
             "fusions": self.fusions,
             "custom_calls": self.custom_calls,
             "flops_by_dtype": self.flops_by_dtype(),
-            "limits": _LIMITS,
+            "autotuned": self.autotuned,
+            "limits": self.limits,
         }
 
 

@@ -233,6 +233,32 @@ def test_the_plan_is_a_value_with_a_table_and_a_json_form():
         plan.fusions = 0
 
 
+@needs_compiler
+def test_a_plan_reads_the_hlo_of_a_compile_on_the_gpu_itself():
+    """On a GPU the benchmark reads the plan of the step it compiled (autotuned); the same
+    HLO gives the same rows, and the plan says it was autotuned instead of deviceless."""
+    deviceless = mpjax.gpu_plan(fp8_dot, triton_gemm=False)(
+        sds((M, K), jnp.float8_e4m3fn), sds((K, N), jnp.float8_e4m3fn)
+    )
+    plan = mpjax.GpuPlan.from_hlo_text(deviceless.hlo_text, device="NVIDIA H100 80GB HBM3")
+    assert plan.autotuned and not deviceless.autotuned
+    assert (plan.gemms, plan.attention, plan.scatters) == (
+        deviceless.gemms,
+        deviceless.attention,
+        deviceless.scatters,
+    )
+    assert (plan.fusions, plan.custom_calls) == (deviceless.fusions, deviceless.custom_calls)
+    assert "autotuned" in str(plan) and "deviceless" not in str(plan)
+    assert plan.to_dict()["autotuned"] is True
+
+
+def test_a_plan_from_hlo_text_needs_hlo_text():
+    with pytest.raises(TypeError, match="HLO module's text, got bytes"):
+        mpjax.GpuPlan.from_hlo_text(b"HloModule m", device="x")
+    with pytest.raises(ValueError, match="starts with 'HloModule'"):
+        mpjax.GpuPlan.from_hlo_text("module @jit_f {}", device="x")
+
+
 # --- Errors -----------------------------------------------------------------------------------
 
 
