@@ -20,8 +20,12 @@ the model's parameters and ``optimizer.state`` after the timed steps), by part.
 
 The fp8 rows (``fp8_mpjax``, ``fp8_autocast``) run the blocks' dense matmuls under
 ``mixed_bfloat16_fp8``: e4m3 operands forward and e5m2 gradients backward with current
-scaling, which Hopper and Ada GPUs run as cuBLASLt fp8 GEMMs; compare them with the bf16 rows
-of the same run (``--variants`` with ``FP8_KEYS``). On CPU fp8 is emulated: slower, not faster.
+scaling, GEMMs on the fp8 values, which Hopper and Ada GPUs run as fp8 GEMMs (Triton's or
+cuBLASLt's); compare them with the bf16 rows of the same run (``--variants`` with ``FP8_KEYS``).
+On CPU fp8 is emulated: slower, not faster.
+
+Each JAX row also records its GPU plan (``--plan``): read from the compiled step on a GPU, or
+compiled for an H100 without one (``--plan h100``, or ``--plan-only`` for the plans alone).
 
     python benchmarks/benchmark_train_step.py --preset medium \
         --variants bf16_mpjax fp8_mpjax bf16_autocast fp8_autocast torch_bf16_sdpa   # H100
@@ -289,6 +293,10 @@ class Setup:
     warmup: int
     scan_layers: bool
     remat: str
+    # Which GPU plan each JAX row records: "auto" (on a GPU, the plan of the compiled step;
+    # elsewhere none), a target ("h100", "a100", "h200": compiled for it without one, through
+    # mpjax.gpu_plan), or "none".
+    plan: str = "auto"
 
     def train_config(self, variant: Variant):
         import train_transformer as tt
@@ -413,6 +421,42 @@ def torch_memory(model, optimizer) -> mpjax.MemoryReport:
     return mpjax.MemoryReport(count, rows)
 
 
+PLAN_CHOICES = ("auto", "none", "h100", "a100", "h200")
+PLAN_DTYPES = ("bfloat16", "float16", "fp8", "float32")
+
+
+def plan_fields(plan: mpjax.GpuPlan) -> dict:
+    """A row's ``plan``: where its GPU plan comes from, the share of matmul FLOPs (GEMMs and
+    fused attention) on each operand dtype, its GEMMs (fp8 among them), cuDNN attention calls,
+    the dtypes its scatters accumulate in, and kernel counts. Counts are per step (loop trip
+    counts included)."""
+    fp8 = sum(g.executions for g in plan.gemms if g.lhs_dtype.itemsize == g.rhs_dtype.itemsize == 1)
+    return {
+        "source": "autotuned" if plan.autotuned else f"deviceless {plan.target}",
+        "device": plan.device,
+        "flop_share": {d: plan.flop_share(d) for d in PLAN_DTYPES},
+        "matmul_flops": plan.total_flops,
+        "gemms": sum(g.executions for g in plan.gemms),
+        "fp8_gemms": fp8,
+        "gemm_libraries": sorted({g.library for g in plan.gemms}),
+        "attention_forward": sum(a.executions for a in plan.attention if not a.backward),
+        "attention_backward": sum(a.executions for a in plan.attention if a.backward),
+        "scatter_dtypes": sorted({s.dtype.name for s in plan.scatters}),
+        "fusions": plan.fusions,
+        "custom_calls": plan.custom_calls,
+    }
+
+
+def deviceless_plan(step, target: str, *args) -> dict | str:
+    """The plan of ``step`` compiled for ``target`` without a GPU, or why there is none."""
+    import mpjax
+
+    reason = mpjax.gpu_plan_unavailable(target)
+    if reason is not None:
+        return reason
+    return plan_fields(mpjax.gpu_plan(step, target)(*args))
+
+
 def build_jax_variant(variant: Variant, setup: Setup):
     """What one JAX variant trains, as the training script builds it: ``(cfg, policy, model,
     tx, state)``, the initial ``TrainState`` on the first device."""
@@ -452,12 +496,20 @@ def run_jax_variant(variant: Variant, setup: Setup) -> dict:
         )
     )
 
+    train_step = tt.make_train_step(model, tx)
     with jax.default_matmul_precision(variant.matmul_precision):
         t0 = time.perf_counter()
-        compiled = (
-            jax.jit(tt.make_train_step(model, tx), donate_argnums=0).lower(state, x, y).compile()
-        )
+        compiled = jax.jit(train_step, donate_argnums=0).lower(state, x, y).compile()
         compile_s = time.perf_counter() - t0
+        # Before the step donates the state: the plan reads its shapes.
+        if setup.plan == "auto" and device.platform == "gpu":
+            plan = plan_fields(
+                mpjax.GpuPlan.from_hlo_text(compiled.as_text(), device=device.device_kind)
+            )
+        elif setup.plan in ("auto", "none"):
+            plan = None
+        else:
+            plan = deviceless_plan(train_step, setup.plan, state, x, y)
 
     def step() -> float:
         nonlocal state
@@ -487,7 +539,29 @@ def run_jax_variant(variant: Variant, setup: Setup) -> dict:
         stats.get("peak_bytes_in_use"),
         tt.describe_optimizer(cfg, policy),
         memory,
-    )
+    ) | {"plan": plan}
+
+
+def plan_jax_variant(variant: Variant, setup: Setup) -> dict:
+    """One JAX variant's GPU plan alone, compiled for ``setup.plan`` without running a step
+    (the state is abstract): the row of a ``--plan-only`` run."""
+    import jax
+    import jax.numpy as jnp
+    import train_transformer as tt
+
+    import mpjax
+
+    cfg = setup.train_config(variant)
+    tt.validate(cfg)
+    policy = mpjax.get_policy(cfg.policy)
+    mcfg = cfg.model_config()
+    model = tt.build_model(mcfg, policy, variant.mode)
+    tx = tt.make_optimizer(cfg, policy)
+    state = jax.eval_shape(lambda: tt.init_state(model, tx, 0, mcfg.block_size))
+    tokens = jax.ShapeDtypeStruct((1, setup.batch_size, mcfg.block_size), jnp.int32)
+    with jax.default_matmul_precision(variant.matmul_precision):
+        plan = deviceless_plan(tt.make_train_step(model, tx), setup.plan, state, tokens, tokens)
+    return {"framework": variant.framework, "policy": str(policy), "plan": plan}
 
 
 def run_torch_variant(variant: Variant, setup: Setup) -> dict:
@@ -545,7 +619,7 @@ def run_torch_variant(variant: Variant, setup: Setup) -> dict:
         peak,
         optimizer,
         torch_memory(step_fn.model, step_fn.optimizer),
-    )
+    ) | {"plan": None}  # XLA's plan: PyTorch rows have none
 
 
 def torch_available() -> bool:
@@ -576,7 +650,39 @@ def _fmt_per_param(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def plan_table(report: dict) -> list[str]:
+    """The rows' GPU plans as a markdown table (none if no row has one)."""
+    rows = []
+    for v in VARIANTS:
+        plan = report["results"].get(v.key, {}).get("plan")
+        if plan is None:
+            continue
+        if isinstance(plan, str):
+            rows.append(f"| {v.name} | no plan: {plan} | | | | | | | |")
+            continue
+        shares = " | ".join(f"{100 * plan['flop_share'][d]:.1f}%" for d in PLAN_DTYPES)
+        rows.append(
+            f"| {v.name} | {plan['source']} | {shares} | {plan['gemms']} ({plan['fp8_gemms']}) | "
+            f"{plan['attention_forward']} / {plan['attention_backward']} | "
+            f"{', '.join(plan['scatter_dtypes']) or '-'} | {plan['fusions']} |"
+        )
+    if not rows:
+        return []
+    return [
+        "",
+        "GPU plan of each row's step (`mpjax.gpu_plan`): the share of matmul FLOPs (GEMMs and "
+        "cuDNN attention) on each operand dtype, GEMMs per step (fp8 ones), cuDNN fused "
+        "attention calls forward / backward, the dtypes scatters accumulate in, and fusions.",
+        "",
+        "| variant | plan | bf16 | f16 | fp8 | f32 | GEMMs (fp8) | cuDNN attention fwd / bwd | scatters | fusions |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        *rows,
+    ]
+
+
 def markdown_table(report: dict) -> str:
+    if report["config"].get("plan_only"):
+        return "\n".join(plan_table(report)[1:]) + "\n"
     results = report["results"]
     # The ratio uses the fastest step: on a shared host, background load inflates medians
     # unevenly between variants, while the minimum is what the step costs uncontended.
@@ -612,6 +718,7 @@ def markdown_table(report: dict) -> str:
             f"{vs_peer} | {_fmt_per_param(r.get('bytes_per_param'))} | "
             f"{_fmt_bytes(r['compiled_memory_bytes'])} | {_fmt_bytes(r['peak_bytes_in_use'])} |"
         )
+    lines += plan_table(report)
     lines += [
         "",
         "bytes/param: the params and the optimizer state per parameter (JAX: "
@@ -657,18 +764,41 @@ def main(argv: list[str] | None = None) -> None:
         default="none",
         help="JAX rows: rematerialize each block in the backward pass",
     )
+    p.add_argument(
+        "--plan",
+        choices=PLAN_CHOICES,
+        default="auto",
+        help="the GPU plan each JAX row records (mpjax.GpuPlan: FLOP shares by operand dtype, "
+        "fp8 GEMMs, cuDNN attention, scatter dtypes): auto reads the compiled step's on a GPU "
+        "and records none elsewhere; h100/a100/h200 compiles for that GPU without one (needs "
+        'pip install "mpjax[cuda12]"); none records none',
+    )
+    p.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="only the JAX rows' GPU plans (for --plan, an H100 with auto), compiled without a "
+        "GPU and without running a step: the table of what each row runs on Tensor Cores",
+    )
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--worker", choices=keys, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.plan_only and args.plan == "none":
+        p.error("--plan-only records plans: give --plan a GPU (or leave it at auto, an H100)")
+    plan = "h100" if args.plan_only and args.plan == "auto" else args.plan
     batch_size = args.batch_size or BATCH_SIZES[args.preset]
     if batch_size <= 0 or args.steps <= 0 or args.warmup < 0:
         p.error("--batch-size and --steps must be positive and --warmup non-negative")
     scan = args.preset == "medium" if args.scan_layers is None else args.scan_layers
-    setup = Setup(args.preset, batch_size, args.seq_len, args.steps, args.warmup, scan, args.remat)
+    setup = Setup(
+        args.preset, batch_size, args.seq_len, args.steps, args.warmup, scan, args.remat, plan
+    )
 
     if args.worker:
         variant = next(v for v in VARIANTS if v.key == args.worker)
-        run = run_torch_variant if variant.framework == "torch" else run_jax_variant
+        if args.plan_only:
+            run = plan_jax_variant
+        else:
+            run = run_torch_variant if variant.framework == "torch" else run_jax_variant
         print("RESULT " + json.dumps(run(variant, setup)))
         return
 
@@ -697,6 +827,8 @@ def main(argv: list[str] | None = None) -> None:
             "warmup": args.warmup,
             "scan_layers": scan,
             "remat": args.remat,
+            "plan": plan,
+            "plan_only": args.plan_only,
             "flops_formula": "tokens * (6 * N + 12 * n_layer * d_model * seq_len)",
         },
         "variants": {v.key: dataclasses.asdict(v) for v in VARIANTS if v.key in args.variants},
@@ -706,6 +838,8 @@ def main(argv: list[str] | None = None) -> None:
         if v.key not in args.variants:
             continue
         print(f"[{v.key}] {v.name} ...", flush=True)
+        if v.framework == "torch" and args.plan_only:
+            continue  # XLA's plan: PyTorch rows have none
         if v.framework == "torch" and not torch_available():
             report["results"][v.key] = {"skipped": TORCH_MISSING}
             print(f"  skipped: {TORCH_MISSING}")
@@ -716,6 +850,8 @@ def main(argv: list[str] | None = None) -> None:
             *("--worker", v.key, "--preset", args.preset, "--batch-size", str(batch_size)),
             *("--steps", str(args.steps), "--warmup", str(args.warmup), "--remat", args.remat),
             "--scan-layers" if scan else "--no-scan-layers",
+            *("--plan", plan),
+            *(["--plan-only"] if args.plan_only else []),
         ]
         if args.seq_len:
             cmd += ["--seq-len", str(args.seq_len)]
@@ -736,7 +872,7 @@ def main(argv: list[str] | None = None) -> None:
     table = markdown_table(report)
     out_dir = pathlib.Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"{device.platform}_{args.preset}"
+    stem = out_dir / f"{device.platform}_{args.preset}{'_plan' if args.plan_only else ''}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     stem.with_suffix(".md").write_text(table)
     print("\n" + table)

@@ -53,6 +53,7 @@ ROW_KEYS = {
     "state_bytes_per_param",
     "memory_parts",
     "final_loss",
+    "plan",
 }
 # An untrained model guesses bytes about uniformly: ln(256) nats, give or take its init.
 FIRST_LOSS = math.log(256)
@@ -80,6 +81,54 @@ def test_jax_rows_have_every_column_and_the_run_records_its_setup(tmp_path):
     assert report["results"]["bf16_mpjax"]["attention"] == "fused"
     table = (tmp_path / "cpu_tiny.md").read_text()
     assert "vs PyTorch bf16 SDPA (min)" in table and "| bytes/param |" in table
+    # On a CPU a row records a GPU plan only when asked for one (--plan h100).
+    assert report["config"]["plan"] == "auto"
+    assert all(report["results"][k]["plan"] is None for k in ("bf16_mpjax", "bf16_hand_naive"))
+    assert "GPU plan" not in table
+
+
+# ------------------------------------------------------------------------------ GPU plans
+
+NO_GPU_PLAN = mpjax.gpu_plan_unavailable()
+
+
+@pytest.mark.skipif(NO_GPU_PLAN is not None, reason=f"gpu_plan cannot run: {NO_GPU_PLAN}")
+def test_plan_only_records_what_each_row_runs_on_an_h100(tmp_path):
+    """``--plan-only`` compiles each JAX row for an H100 without running it: bf16 rows put
+    every matmul FLOP on bf16, the fp8 row three fp8 GEMMs per dense layer, cuDNN attention
+    forward and backward in both."""
+    argv = ["--plan-only", "--out-dir", str(tmp_path), "--variants", "bf16_mpjax", "fp8_mpjax"]
+    bench.main([*argv, "torch_bf16_sdpa"])
+    report = json.loads((tmp_path / "cpu_tiny_plan.json").read_text())
+    assert set(report["results"]) == {"bf16_mpjax", "fp8_mpjax"}  # PyTorch rows have no plan
+    n_layer = tt.TrainConfig().model_config().n_layer
+    bf16, fp8 = (report["results"][k]["plan"] for k in ("bf16_mpjax", "fp8_mpjax"))
+    assert bf16["source"] == fp8["source"] == "deviceless h100"
+    assert bf16["flop_share"]["bfloat16"] == 1.0 and bf16["fp8_gemms"] == 0
+    assert fp8["fp8_gemms"] == 3 * 4 * n_layer and fp8["flop_share"]["fp8"] >= 0.8
+    for plan in (bf16, fp8):
+        assert plan["attention_forward"] >= n_layer and plan["attention_backward"] == n_layer
+        assert plan["scatter_dtypes"] == ["float32"]
+    table = (tmp_path / "cpu_tiny_plan.md").read_text()
+    assert "| mixed_bfloat16_fp8, mpjax.linen.apply_policy | deviceless h100 |" in table
+
+
+def test_plan_table_shows_each_plan_and_why_a_row_has_none():
+    plan = {
+        "source": "autotuned",
+        "flop_share": {"bfloat16": 0.25, "float16": 0.0, "fp8": 0.75, "float32": 0.0},
+        "gemms": 51,
+        "fp8_gemms": 48,
+        "attention_forward": 4,
+        "attention_backward": 4,
+        "scatter_dtypes": ["float32"],
+        "fusions": 300,
+    }
+    report = {"results": {"fp8_mpjax": {"plan": plan}, "bf16_mpjax": {"plan": "no plugin"}}}
+    lines = bench.plan_table(report)
+    assert "| 25.0% | 0.0% | 75.0% | 0.0% | 51 (48) | 4 / 4 | float32 | 300 |" in lines[-1]
+    assert lines[-2].endswith("| no plan: no plugin | | | | | | | |")
+    assert bench.plan_table({"results": {"f32": {"plan": None}}}) == []
 
 
 # ------------------------------------------------------------------- optimizer precision
@@ -322,7 +371,7 @@ def test_torch_rows_of_the_runner(tmp_path):
 
 def test_fp8_rows_build_a_step_whose_dense_matmuls_are_fp8():
     """The fp8 rows race the bf16 rows of the same run, and their train step really has fp8
-    dots (scaled e4m3/e5m2 operands) for XLA to turn into fp8 GEMMs."""
+    dots (e4m3/e5m2 operands) for XLA to compile to fp8 GEMMs."""
     keys = [v.key for v in bench.VARIANTS]
     assert set(bench.FP8_KEYS) <= set(keys)
     for key in ("fp8_mpjax", "fp8_autocast"):
