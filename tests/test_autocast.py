@@ -739,3 +739,30 @@ def test_primitives_of_common_models_and_their_gradients_are_all_categorized():
     with warnings.catch_warnings():
         warnings.simplefilter("error", mpjax.AutocastWarning)
         jax.make_jaxpr(jax.grad(mpjax.autocast(f, "mixed_float16")))(w, x)
+
+
+def test_a_platform_dependent_cond_stays_platform_dependent():
+    """lax.platform_dependent (cuDNN attention's choice) is resolved when lowering: the engine
+    re-makes it as one, with each branch autocast, so a CPU compile never lowers the branch
+    for CUDA."""
+
+    def gpu_only(x, w):
+        return jnp.tanh(x @ w)  # stands for a kernel only a GPU can lower
+
+    def elsewhere(x, w):
+        return x @ w
+
+    def fn(x, w):
+        return lax.platform_dependent(x, w, cuda=gpu_only, default=elsewhere)
+
+    x, w = jnp.ones((2, 4)), jnp.full((4, 3), 0.5)
+    f = mpjax.autocast(fn, "mixed_bfloat16")
+    conds = [
+        jax_compat.cond_platforms(e)
+        for e, _ in iter_equations(f, x, w)
+        if e.primitive.name == "cond"
+    ]
+    assert conds == [(("cuda",), None)]
+    report = mpjax.inspect_matmuls(f)(x, w)
+    assert len(report) == 2 and set(report.operand_dtypes()) == {("bfloat16", "bfloat16")}
+    np.testing.assert_array_equal(jax.jit(f)(x, w), np.full((2, 3), 2.0, np.float32))

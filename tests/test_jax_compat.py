@@ -104,6 +104,34 @@ def test_cond_branches_take_the_operands_after_the_index():
     np.testing.assert_array_equal(_evaluate(branches[1], jnp.ones(3))[0], 3 * jnp.ones(3))
 
 
+def test_cond_platforms_are_those_of_a_platform_dependent_cond_only():
+    def per_platform(x):
+        return lax.platform_dependent(x, cuda=jnp.cos, tpu=jnp.cos, default=jnp.sin)
+
+    eqn = _eqn(per_platform, W, primitive="cond")
+    assert jax_compat.cond_platforms(eqn) == (("cuda", "tpu"), None)
+    plain = _eqn(lambda x: lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x), W, primitive="cond")
+    assert jax_compat.cond_platforms(plain) is None
+
+
+def test_current_scope_names_are_the_scopes_of_the_trace_in_progress():
+    seen = {}
+
+    def fn(x):
+        seen["top"] = jax_compat.current_scope_names()
+        with jax.named_scope("outer"), jax.named_scope("inner"):
+            seen["inner"] = jax_compat.current_scope_names()
+            jax.jit(nested)(x)  # a nested trace starts a fresh name stack
+            return jnp.sin(x)
+
+    def nested(y):
+        seen["jit"] = jax_compat.current_scope_names()
+        return y
+
+    jax.make_jaxpr(jax.grad(fn))(1.0)
+    assert seen == {"top": (), "inner": ("outer", "inner"), "jit": ()}
+
+
 @pytest.mark.parametrize("inline", [False, True])
 def test_jit_params_recreate_the_same_jit(inline):
     def named(x, y):
