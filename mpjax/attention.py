@@ -124,6 +124,7 @@ def dot_product_attention(
     Raises:
       ValueError: for dropout in training mode, a ``precision``, a custom einsum, an unknown
         keyword or ``implementation``, or inputs whose rank is not 3 or 4.
+      TypeError: for a query, key or value that is not an array.
 
     >>> q = k = v = jnp.ones((2, 5, 4, 8), jnp.bfloat16)
     >>> dot_product_attention(q, k, v, is_causal=True).dtype
@@ -152,6 +153,12 @@ def dot_product_attention(
             f"dot_product_attention takes no `precision` (got {precision!r}): the fused kernel "
             "sets its own."
         )
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(
+                f"dot_product_attention takes arrays for query, key and value; got {name}="
+                f"{x!r} of type {type(x).__name__}."
+            )
     if query.ndim not in (3, 4):
         raise ValueError(
             "dot_product_attention takes query, key and value of rank 4 "

@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mpjax import jax_compat
 from mpjax.hlo_text import HloComputation, HloInstruction, HloModule, HloShape, parse_module
+from mpjax.inspection import check_function
 from mpjax.table import format_table
 
 __all__ = [
@@ -750,10 +751,7 @@ def gpu_plan(
     >>> plan.flop_share(jnp.bfloat16)  # doctest: +SKIP
     1.0
     """
-    if not callable(fn):
-        raise TypeError(
-            f"gpu_plan: fn must be a function JAX can jit, got {fn!r} of type {type(fn).__name__}."
-        )
+    check_function("gpu_plan", fn)
     target = _check_target(target)
     if triton_gemm is not None and not isinstance(triton_gemm, bool):
         raise TypeError(f"gpu_plan: triton_gemm must be None, True or False, got {triton_gemm!r}.")

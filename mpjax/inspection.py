@@ -92,6 +92,23 @@ class MatmulReport(tuple):
         return collections.Counter((m.lhs_dtype.name, m.rhs_dtype.name) for m in self)
 
 
+def check_function(caller: str, fn: Any) -> None:
+    """Raises a ``TypeError`` naming ``caller`` unless ``fn`` is callable: the inspection
+    functions are curried, ``caller(fn)(*args)``, and a common slip passes ``fn(x)``.
+
+    >>> check_function("inspect_matmuls", 3)
+    Traceback (most recent call last):
+    ...
+    TypeError: inspect_matmuls(fn): fn must be the function to inspect, got 3 of type int. Pass the function itself: inspect_matmuls(f)(x), not inspect_matmuls(f(x)).
+    """
+    if not callable(fn):
+        raise TypeError(
+            f"{caller}(fn): fn must be the function to inspect, got {fn!r} of type "
+            f"{type(fn).__name__}. Pass the function itself: {caller}(f)(x), not "
+            f"{caller}(f(x))."
+        )
+
+
 def _iter_eqns(jaxpr: Any, context: tuple[str, ...]) -> Iterator[tuple[Any, tuple[str, ...]]]:
     for eqn in jaxpr.eqns:
         yield eqn, context
@@ -191,6 +208,15 @@ def inspect_matmuls(
     >>> [(m.lhs_dtype.name, m.rhs_dtype.name, m.out_dtype.name) for m in report]
     [('bfloat16', 'bfloat16', 'bfloat16')]
     """
+    check_function("inspect_matmuls", fn)
+    if not isinstance(primitives, (frozenset, set, tuple, list)) or not all(
+        isinstance(name, str) for name in primitives
+    ):
+        raise TypeError(
+            "inspect_matmuls(..., primitives=...) takes a set of primitive names (for example "
+            f"mpjax.inspection.MATMUL_PRIMITIVES), got {primitives!r}."
+        )
+    primitives = frozenset(primitives)
     if args or kwargs:
         _warn_uncurried("inspect_matmuls", "primitives")
         return _matmuls(fn, primitives, args, kwargs)
@@ -265,12 +291,7 @@ def hlo_op_counts(
     >>> hlo_op_counts(jnp.sin, compiled=False)(jnp.ones(3))["sine"]
     1
     """
-    if not callable(fn):
-        raise TypeError(
-            f"hlo_op_counts(fn): fn must be the function to lower, got {fn!r} of type "
-            f"{type(fn).__name__}. Pass the function itself: hlo_op_counts(f)(x), not "
-            "hlo_op_counts(f(x))."
-        )
+    check_function("hlo_op_counts", fn)
     if not isinstance(compiled, (bool, np.bool_)):
         raise TypeError(
             f"hlo_op_counts(..., compiled=...) must be a bool (True: the optimized HLO, False: "
@@ -461,6 +482,8 @@ def hlo_dots(fn: Callable[..., Any], /) -> Callable[..., HloDotReport]:
     >>> [(d.fp8, d.lhs.dtype, d.rhs.dtype, d.out_dtype) for d in dots]
     [(True, 'f8e4m3fn', 'f8e4m3fn', 'f32')]
     """
+
+    check_function("hlo_dots", fn)
 
     def report(*args: Any, **kwargs: Any) -> HloDotReport:
         return _hlo_dots(fn, args, kwargs)

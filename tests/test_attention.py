@@ -283,6 +283,8 @@ def test_implementation_can_be_forced_and_is_checked():
     assert _attention_conds(forced, q, k, v) == []
     with pytest.raises(ValueError, match="implementation=.*'cudnn' or 'xla'; got 'flash'"):
         mpjax.dot_product_attention(q, k, v, implementation="flash")
+    with pytest.raises(TypeError, match="arrays for query, key and value; got key=None"):
+        mpjax.dot_product_attention(q, None, v)
 
 
 def test_float16_runs_on_cpu_forward_and_backward_within_float16_error():

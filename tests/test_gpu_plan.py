@@ -270,7 +270,9 @@ def test_an_unknown_target_is_a_value_error_naming_the_valid_ones():
 
 
 def test_bad_arguments_are_type_errors_naming_them():
-    with pytest.raises(TypeError, match="fn must be a function JAX can jit, got 3 of type int"):
+    with pytest.raises(
+        TypeError, match=r"gpu_plan\(fn\): fn must be the function to inspect, got 3 of type int"
+    ):
         mpjax.gpu_plan(3)
     with pytest.raises(TypeError, match="triton_gemm must be None, True or False"):
         mpjax.gpu_plan(jnp.matmul, triton_gemm="off")

@@ -148,7 +148,13 @@ def test_hlo_op_counts_counts_converts():
         (lambda: mpjax.hlo_op_counts(3), r"hlo_op_counts\(fn\): fn must be the function .*got 3"),
         (
             lambda: mpjax.hlo_op_counts(jnp.sin(jnp.ones(2))),
-            r"fn must be the function to lower, got Array.*hlo_op_counts\(f\)\(x\)",
+            r"fn must be the function to inspect, got Array.*hlo_op_counts\(f\)\(x\)",
+        ),
+        (lambda: mpjax.inspect_matmuls(3), r"inspect_matmuls\(fn\): fn must be .*got 3"),
+        (lambda: mpjax.hlo_dots(None), r"hlo_dots\(fn\): fn must be .*got None"),
+        (
+            lambda: mpjax.inspect_matmuls(jnp.sin, primitives=None),
+            r"primitives=...\) takes a set of primitive names.*got None",
         ),
         (
             lambda: mpjax.hlo_op_counts(jnp.sin, compiled="yes"),
@@ -156,7 +162,7 @@ def test_hlo_op_counts_counts_converts():
         ),
     ],
 )
-def test_hlo_op_counts_checks_its_arguments_when_called_not_when_lowering(call, message):
+def test_inspection_checks_its_arguments_when_called_not_when_lowering(call, message):
     with pytest.raises(TypeError, match=message):
         call()
 
