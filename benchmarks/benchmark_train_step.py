@@ -457,9 +457,10 @@ def deviceless_plan(step, target: str, *args) -> dict | str:
     return plan_fields(mpjax.gpu_plan(step, target)(*args))
 
 
-def build_jax_variant(variant: Variant, setup: Setup):
+def build_jax_variant(variant: Variant, setup: Setup, abstract: bool = False):
     """What one JAX variant trains, as the training script builds it: ``(cfg, policy, model,
-    tx, state)``, the initial ``TrainState`` on the first device."""
+    tx, state)``, the initial ``TrainState`` on the first device (or, if ``abstract``, its
+    shapes and dtypes only)."""
     import jax
     import train_transformer as tt
 
@@ -471,7 +472,10 @@ def build_jax_variant(variant: Variant, setup: Setup):
     mcfg = cfg.model_config()
     model = tt.build_model(mcfg, policy, variant.mode)
     tx = tt.make_optimizer(cfg, policy)
-    state = jax.device_put(tt.init_state(model, tx, 0, mcfg.block_size), jax.devices()[0])
+    if abstract:
+        state = jax.eval_shape(lambda: tt.init_state(model, tx, 0, mcfg.block_size))
+    else:
+        state = jax.device_put(tt.init_state(model, tx, 0, mcfg.block_size), jax.devices()[0])
     return cfg, policy, model, tx, state
 
 
@@ -549,15 +553,8 @@ def plan_jax_variant(variant: Variant, setup: Setup) -> dict:
     import jax.numpy as jnp
     import train_transformer as tt
 
-    import mpjax
-
-    cfg = setup.train_config(variant)
-    tt.validate(cfg)
-    policy = mpjax.get_policy(cfg.policy)
+    cfg, policy, model, tx, state = build_jax_variant(variant, setup, abstract=True)
     mcfg = cfg.model_config()
-    model = tt.build_model(mcfg, policy, variant.mode)
-    tx = tt.make_optimizer(cfg, policy)
-    state = jax.eval_shape(lambda: tt.init_state(model, tx, 0, mcfg.block_size))
     tokens = jax.ShapeDtypeStruct((1, setup.batch_size, mcfg.block_size), jnp.int32)
     with jax.default_matmul_precision(variant.matmul_precision):
         plan = deviceless_plan(tt.make_train_step(model, tx), setup.plan, state, tokens, tokens)
