@@ -1199,7 +1199,8 @@ def train(cfg: TrainConfig) -> dict:
 
     Raises:
       TrainingStopped: on persistent overflow or a non-finite loss that no loss scale covers.
-      ValueError: for bad settings.
+      ValueError: for bad settings; an --out that holds a run (without --resume or
+        --overwrite) or no checkpoint (with --resume); checkpoints that none restores.
     """
     validate(cfg)
     out_dir = cfg.out_dir()
