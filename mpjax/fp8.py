@@ -15,7 +15,9 @@ compiler turns such a dot into an fp8 GEMM on Hopper (and Ada) GPUs whatever its
 a Triton GEMM with fp8 operands under its default flags, a cuBLASLt fp8 GEMM
 (``__cublas$lt$matmul$f8``) with Triton GEMMs off. (The other form, a dot of dequantized
 operands ``convert(q) * scale``, becomes an fp8 GEMM only with Triton GEMMs off: with XLA's
-defaults the dot runs in bf16 and the dequantizations in separate kernels.) Elsewhere, on a
+defaults the dot runs in bf16 and the dequantizations in separate kernels. Before jax 0.10.2
+XLA's Triton GEMMs refuse a dot on two different fp8 types, so there the two backward GEMMs,
+e5m2 x e4m3, take that form, with the same numbers: :func:`mpjax.jax_compat.mixed_fp8_dots`.) Elsewhere, on a
 CPU for example, XLA runs the same arithmetic in wider types, so CPU results equal what the
 GPU computes up to the order of the f32 sums. :func:`mpjax.hlo_dots` shows the fp8 dots of a
 function; :func:`mpjax.gpu_plan` shows the GEMMs an H100 compile makes of them.
@@ -54,6 +56,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from mpjax import jax_compat
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 """The forward format: 4 exponent and 3 mantissa bits, finite range ±448."""
@@ -284,9 +288,24 @@ def _transpose_lhs(lhs_ndim, rhs_ndim, dimension_numbers, swap_ans=False):
     return dims, permutation
 
 
+def _dequantized_matmul(a: _Quantized, b: _Quantized, dimension_numbers, precision, compute):
+    """The same GEMM on the fp8 values dequantized into the compute dtype (exactly: the scales
+    are representable there), for an XLA that cannot take two different fp8 types in a dot
+    (:func:`mpjax.jax_compat.mixed_fp8_dots`). XLA makes it an fp8 GEMM only with its Triton
+    GEMMs off; with its default flags it runs in the compute dtype."""
+    return lax.dot_general(
+        dequantize(a.q, compute, a.scale),
+        dequantize(b.q, compute, b.scale),
+        dimension_numbers,
+        precision=precision,
+        preferred_element_type=compute,
+    )
+
+
 def _gradient_matmul(g, y, lhs_ndim, dimension_numbers, precision, compute, swap_ans=False):
     dims, permutation = _transpose_lhs(lhs_ndim, y.q.ndim, dimension_numbers, swap_ans)
-    return lax.transpose(_matmul(g, y, dims, precision, compute), permutation)
+    matmul = _matmul if jax_compat.mixed_fp8_dots() else _dequantized_matmul
+    return lax.transpose(matmul(g, y, dims, precision, compute), permutation)
 
 
 def _forward(lhs, rhs, scales, dimension_numbers, precision):
@@ -368,10 +387,11 @@ def dot_general(
         cuBLASLt fp8 GEMMs accept.
 
     >>> import jax.numpy as jnp
-    >>> x, w = jnp.ones((2, 8), jnp.bfloat16), jnp.full((8, 3), 0.5, jnp.bfloat16)
+    >>> # amaxes of 7 and 3.5 give scales of 1/64 and 1/128 (7 / 448, 3.5 / 448): exact
+    >>> x, w = jnp.full((2, 8), 7.0, jnp.bfloat16), jnp.full((8, 3), 3.5, jnp.bfloat16)
     >>> dot_general(x, w, (((1,), (0,)), ((), ())))
-    Array([[4, 4, 4],
-           [4, 4, 4]], dtype=bfloat16)
+    Array([[196, 196, 196],
+           [196, 196, 196]], dtype=bfloat16)
     """
     recipe = fp8_recipe(recipe)
     lhs, rhs = _in_compute_dtype(lhs, rhs)

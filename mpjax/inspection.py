@@ -342,12 +342,12 @@ class HloOperand:
 class HloDot:
     """One ``dot`` of a function's HLO: its result type and its two operands.
 
-    ``fp8`` is True when both operands are fp8 values: XLA compiles such a dot to an fp8 GEMM
-    on Hopper and Ada GPUs (cuBLASLt's or Triton's, with XLA's default flags or without
-    Triton GEMMs), as :mod:`mpjax.fp8` writes its matmuls. ``dequantized`` is True when both
-    are scaled fp8 dequantizations in a wider type (``convert(q) * scale``): XLA turns those
-    into fp8 GEMMs only when its Triton GEMMs are off; with its default flags the dot runs in
-    the wider type.
+    ``fp8`` is True when both operands are fp8 values: of a float8 type themselves, or scaled
+    dequantizations of one (``convert(q) * scale``). ``direct`` is True when both are of a
+    float8 type: XLA compiles such a dot to an fp8 GEMM on Hopper and Ada GPUs (cuBLASLt's or
+    Triton's) whatever its GEMM flags, as :mod:`mpjax.fp8` writes its matmuls. A dot of
+    dequantized operands becomes an fp8 GEMM only with XLA's Triton GEMMs off; with its default
+    flags it runs in the wider type.
     """
 
     name: str
@@ -358,11 +358,15 @@ class HloDot:
 
     @property
     def fp8(self) -> bool:
-        return all(o.dtype.startswith("f8") for o in (self.lhs, self.rhs))
+        return all(o.fp8 is not None and (o.scaled or o.dtype == o.fp8) for o in self._operands)
 
     @property
-    def dequantized(self) -> bool:
-        return all(o.fp8 is not None and o.scaled for o in (self.lhs, self.rhs))
+    def direct(self) -> bool:
+        return all(o.dtype.startswith("f8") for o in self._operands)
+
+    @property
+    def _operands(self) -> tuple[HloOperand, HloOperand]:
+        return (self.lhs, self.rhs)
 
 
 class HloDotReport(tuple):
@@ -461,13 +465,13 @@ def hlo_dots(fn: Callable[..., Any], /) -> Callable[..., HloDotReport]:
     curried like ``jax.make_jaxpr``: ``hlo_dots(fn)(*args, **kwargs)``.
 
     It reads the HLO JAX emits, before XLA optimizes it: the program XLA's GPU compiler starts
-    from. A dot whose operands are both fp8 values (:attr:`HloDot.fp8`) is what XLA compiles
-    to an fp8 GEMM on Hopper and Ada GPUs; an operand that is ``convert(fp8 value) *
-    broadcast(scale)`` (possibly behind reshapes, transposes and other layout ops) is reported
-    as a scaled dequantization (:attr:`HloDot.dequantized`), a pattern XLA's default flags run
-    in the wider type. Use it to check that the matmuls of an fp8 policy (:mod:`mpjax.fp8`)
-    are written in fp8, forward and backward; :func:`mpjax.gpu_plan` shows what a GPU
-    compile makes of them.
+    from. A dot whose operands are both fp8 values (:attr:`HloDot.fp8`) multiplies fp8 values:
+    directly, operands of a float8 type (:attr:`HloDot.direct`), which XLA compiles to an fp8
+    GEMM on Hopper and Ada GPUs, or as scaled dequantizations, ``convert(fp8 value) *
+    broadcast(scale)`` (possibly behind reshapes, transposes and other layout ops), which XLA's
+    default flags run in the wider type. Use it to check that the matmuls of an fp8 policy
+    (:mod:`mpjax.fp8`) are written in fp8, forward and backward; :func:`mpjax.gpu_plan` shows
+    what a GPU compile makes of them.
 
     Returns:
       A function that takes example arguments of ``fn``, lowers ``jax.jit(fn)`` for them and

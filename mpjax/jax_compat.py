@@ -21,6 +21,8 @@ CI runs it on the oldest and the newest). The differences handled here:
   to ``jax.extend.core``, and 0.10.2 renamed the shard_map param ``manual_axes`` to
   ``newly_manual_axes``.
 * jax 0.9.2 changed ``Primitive.get_bind_params`` to return params only.
+* XLA's Triton GEMMs take dots on two different float8 types from jax 0.10.2 on, not in
+  jax 0.8 (:func:`mixed_fp8_dots`).
 * Compiling for a GPU without one (:func:`cuda_topology`, :func:`deviceless_hlo`): the
   CUDA plugin of jax 0.8 needs ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` to start without a GPU,
   knows fewer fields of the GPU description, autotunes Triton GEMMs and cannot print a
@@ -57,6 +59,20 @@ if hasattr(jex_core, "jaxprs_in_params"):  # jax >= 0.10
 else:  # jax 0.8 and 0.9 have them in jax.core only (the type checker runs the newest JAX)
     _DropVar = jax.core.DropVar  # type: ignore[attr-defined]
     _jaxprs_in_params = jax.core.jaxprs_in_params  # type: ignore[attr-defined]
+
+
+_JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:3] if part.isdigit())
+
+
+def mixed_fp8_dots() -> bool:
+    """Whether this JAX's XLA compiles a GPU ``dot`` whose operands are two different float8
+    types (e5m2 x e4m3, the fp8 backward GEMMs) with its default flags.
+
+    XLA's Triton GEMMs of jax 0.8 refuse them ("Dot operation only supports same types for lhs
+    and rhs"; cuBLASLt, with Triton GEMMs off, takes them); those of jax 0.10.2 and 0.12 take
+    them. Versions in between were not checked, and are treated like 0.8.
+    """
+    return _JAX_VERSION >= (0, 10, 2)
 
 
 class UnsupportedJaxError(RuntimeError):

@@ -16,6 +16,7 @@ PACKAGE = ROOT / "mpjax"
 # Lowest first. A module may import modules of its own layer or of lower ones, never of a
 # higher one. Every module of the package must have a layer.
 LAYERS = (
+    {"jax_compat"},  # every reader of JAX internals and every difference between versions
     {"fp8"},  # the fp8 numerics a policy's recipe names
     {"policy", "deprecation"},
     {"rules"},
@@ -23,7 +24,6 @@ LAYERS = (
     {
         "regions",
         "op_categories",
-        "jax_compat",
         "table",
         "inspection",
         "hlo_text",

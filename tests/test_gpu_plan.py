@@ -420,3 +420,25 @@ ENTRY %main.1 (a.1: bf16[2,4]) -> bf16[2,2] {
     assert entry.operand_shape(c, 1) == HloShape("bf16", (2, 4))
     assert entry["f"].called_computations() == ("fused",) and entry["g"].root
     assert module.computations["fused"]["p"].operands == ()
+
+
+@needs_compiler
+def test_mixed_fp8_dots_compile_with_xla_defaults_exactly_where_jax_compat_says():
+    """jax_compat.mixed_fp8_dots decides whether mpjax.fp8 writes its e5m2 x e4m3 backward
+    GEMMs on fp8 operands; XLA's Triton GEMMs of older JAX refuse them."""
+
+    def mixed(a, b):
+        return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+    args = sds((M, K), jnp.float8_e5m2), sds((K, N), jnp.float8_e4m3fn)
+    try:
+        plan = mpjax.gpu_plan(mixed)(*args)
+    except Exception as error:  # XLA's compile error; its type differs between versions
+        assert not jax_compat.mixed_fp8_dots(), error
+        assert "same types" in str(error)
+    else:
+        assert jax_compat.mixed_fp8_dots()
+        assert only(plan.gemms).lhs_dtype == np.dtype(jnp.float8_e5m2)
+    # With Triton GEMMs off, cuBLASLt takes them in every version.
+    plan = mpjax.gpu_plan(mixed, triton_gemm=False)(*args)
+    assert only(plan.gemms).library in ("cublaslt_fp8", "cublas")
