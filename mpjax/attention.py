@@ -210,9 +210,9 @@ def cudnn_refusal(
 ) -> str | None:
     """Why cuDNN's fused attention would not take these inputs, or None if it would.
 
-    Takes arrays or ``jax.ShapeDtypeStruct``s of rank 4, already in the dtype to compute in.
-    Checks the dtype (bfloat16 or float16), the head size (at most 128, a multiple of 8), a
-    bias's sequence lengths (even, for its gradient), then traces cuDNN's own call, whose
+    Takes arrays or ``jax.ShapeDtypeStruct`` values of rank 4, already in the dtype to compute
+    in. Checks the dtype (bfloat16 or float16), the head size (at most 128, a multiple of 8),
+    a bias's sequence lengths (even, for its gradient), then traces cuDNN's own call, whose
     checks cover the rest (layouts, masks, and whether cuDNN is installed at all).
 
     >>> import jax, jax.numpy as jnp
