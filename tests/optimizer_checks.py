@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tolerances import tolerance
 
 from mpjax import scale_loss
 
@@ -22,6 +23,29 @@ def assert_trees_bitwise_equal(a, b):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         assert jnp.result_type(x) == jnp.result_type(y)
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def assert_trees_equal_up_to_fma(a, b, steps):
+    """``a`` and ``b``, the results of ``steps`` updates computed two ways (sharded and not),
+    alike: keys and counters bit for bit; floating leaves within ``steps`` bfloat16 units in
+    the last place, at their largest element.
+
+    XLA compiles an update for each array size it runs on, and may contract a multiply-add
+    into a fused one in one size's code and not in another's (jax 0.12 does in a 16-element
+    shard of Adam's update): the float32 arithmetic moves by an ulp. Rounded to bfloat16,
+    to nearest or stochastically, that lands on the other neighbour only rarely, one bfloat16
+    ulp away, and Adam carries such a step's difference into the next steps scaled down.
+    """
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert jnp.result_type(x) == jnp.result_type(y)
+        x, y = np.asarray(x), np.asarray(y)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            np.testing.assert_array_equal(x, y)
+            continue
+        x, y = x.astype(np.float64), y.astype(np.float64)
+        atol = steps * tolerance(jnp.bfloat16, 0) * float(np.abs(y).max())
+        np.testing.assert_allclose(x, y, rtol=0, atol=atol)
 
 
 def quadratic_loss(p):

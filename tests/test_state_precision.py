@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from optimizer_checks import (
     assert_trees_bitwise_equal,
+    assert_trees_equal_up_to_fma,
     counting_step,
     make_poisoned_step,
     quadratic_loss,
@@ -371,11 +372,9 @@ def mesh():
 
 
 def test_sharded_run_matches_the_unsharded_one_bit_for_bit(mesh):
-    # threefry is partitionable, so the rounding draws do not depend on the sharding. The
-    # shards hold a few vectors each: XLA:CPU may contract a multiply-add into an FMA
-    # differently in the code it generates for different array sizes (jax 0.12 does so for a
-    # 16-element shard of this update, the same HLO, and not with --xla_cpu_max_isa=AVX),
-    # which moves the float32 arithmetic by an ulp whatever this transformation does.
+    # threefry is partitionable, so the rounding draws do not depend on the sharding: the key
+    # and a draw are the same bit for bit, the numbers up to how XLA compiles each size
+    # (optimizer_checks.assert_trees_equal_up_to_fma).
     sharding = NamedSharding(mesh, P("x"))
     params = {"w": jax.random.normal(jax.random.key(0), (64, 8))}
     tx = state_precision(optax.adam(1e-2), "bf16", rounding="stochastic")
@@ -385,7 +384,8 @@ def test_sharded_run_matches_the_unsharded_one_bit_for_bit(mesh):
         assert moment.sharding.is_equivalent_to(sharding, 2)
     assert adam_of(state).mu["w"].sharding.is_equivalent_to(adam_of(state0).mu["w"].sharding, 2)
     assert adam_of(state).nu["w"].sharding.is_equivalent_to(adam_of(state0).nu["w"].sharding, 2)
-    assert_trees_bitwise_equal((p, state), expected)
+    assert_trees_equal_up_to_fma((p, state), expected, steps=3)
+    assert_trees_bitwise_equal(state.key, expected[1].key)
     x = jax.random.normal(jax.random.key(2), (64, 8))
     draw = jax.jit(lambda x, key: stochastic_round(x, BF16, key))
     assert_trees_bitwise_equal(draw(jax.device_put(x, sharding), state.key), draw(x, state.key))
