@@ -1294,10 +1294,13 @@ def test_any_initial_scale_is_accepted_only_if_it_works_in_float32(value):
         ls = DynamicLossScale(value, min_scale=None)
     except (TypeError, ValueError):
         with np.errstate(over="ignore", under="ignore"):
+            # Usable: a float32 scale above the floor that the default growth factor (2) can
+            # still grow without overflowing (beyond 2**127 it never could).
             usable = (
                 isinstance(value, (int, float))
                 and not isinstance(value, bool)
                 and _floor_ok(np.float32(value))
+                and np.isfinite(np.float32(value) * np.float32(2))
             )
         assert not usable, value
         return
