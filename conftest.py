@@ -4,10 +4,11 @@ import os
 
 import pytest
 
-# Must happen before jax is imported anywhere: sharding tests need 8 devices.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+# Must happen before jax is imported anywhere: sharding tests need 8 devices. A count given in
+# XLA_FLAGS already is kept, so the suite can run on more.
+_DEVICE_COUNT = "--xla_force_host_platform_device_count"
+if _DEVICE_COUNT not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_COUNT}=8".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -17,8 +18,14 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
 def pytest_sessionstart(session):
-    """With ``MPJAX_REQUIRE_GPU_PLAN`` set (as CI's newest suite sets it), a missing CUDA
-    plugin is an error rather than a reason to skip the tests that compile for an H100."""
+    """The sharding tests need 8 devices. With ``MPJAX_REQUIRE_GPU_PLAN`` set (as CI's newest
+    suite sets it), a missing CUDA plugin is an error rather than a reason to skip the tests
+    that compile for an H100."""
+    if jax.device_count() < 8:
+        raise pytest.UsageError(
+            f"the tests need at least 8 devices; XLA_FLAGS gives {jax.device_count()}: "
+            f"{os.environ['XLA_FLAGS']!r}"
+        )
     if not os.environ.get("MPJAX_REQUIRE_GPU_PLAN"):
         return
     from mpjax.gpu_plan import gpu_plan_unavailable  # after jax is configured above
