@@ -539,15 +539,15 @@ def test_nnx_scaled_value_and_grad_rejects_bad_input_naming_it():
     opt = nnx.Optimizer(model, mpjax.loss_scaling(optax.sgd(0.1)), wrt=nnx.Param)
     name = "mpjax.nnx.scaled_value_and_grad"
     with pytest.raises(TypeError, match=f"{name}.*fun must be the loss function"):
-        mpnnx.scaled_value_and_grad(loss(model, x))
+        mpnnx.scaled_value_and_grad(jnp.float32(0.5))  # a loss's value, not the loss
     with pytest.raises(TypeError, match=f"{name}: argnums must be an int or nnx.DiffState"):
         mpnnx.scaled_value_and_grad(loss, argnums="model")
     with pytest.raises(TypeError, match=f"{name}: the loss-scaling state is among .*goes first"):
         mpnnx.scaled_value_and_grad(lambda m, o, x: loss(m, x))(model, opt, x)
     # nnx.DiffState works as for nnx.value_and_grad.
     wrt = nnx.DiffState(0, nnx.Param)
-    _, grads = mpnnx.scaled_value_and_grad(loss, argnums=wrt)(opt.opt_state, model, x)
-    assert jax.tree.structure(grads) == jax.tree.structure(nnx.grad(loss)(model, x))
+    _, grads = nnx.jit(mpnnx.scaled_value_and_grad(loss, argnums=wrt))(opt.opt_state, model, x)
+    assert jax.tree.structure(grads) == jax.tree.structure(nnx.state(model, nnx.Param))
 
 
 # --- rules, the report, the compiled cost, bad input -------------------------------------------
