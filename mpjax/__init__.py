@@ -2,7 +2,8 @@
 
 The core (policies, rules, autocast, reports, loss scaling, master weights, optimizer-state
 precision, low-precision params and the memory report) needs only JAX and optax. The Flax integrations, :mod:`mpjax.linen` and :mod:`mpjax.nnx`, are imported here when
-Flax is installed (``pip install "mpjax[flax]"``); importing them registers their built-in
+Flax is installed (``pip install "mpjax[flax]"``), and the Equinox one, :mod:`mpjax.equinox`,
+when Equinox is (``pip install "mpjax[equinox]"``); importing them registers their built-in
 rules, their :func:`describe` support and the loss scales' ``flax.serialization`` support.
 """
 
@@ -87,6 +88,14 @@ except ImportError:  # the core works without Flax; mpjax.linen and mpjax.nnx ne
 else:
     from mpjax import flax_serialization, linen, nnx  # noqa: F401  (they register themselves)
 
+_equinox: Any
+try:
+    import equinox as _equinox
+except ImportError:  # mpjax.equinox needs Equinox
+    _equinox = None
+else:
+    from mpjax import equinox  # noqa: F401  (it registers itself)
+
 __version__ = "0.1.0"
 
 # Deprecated names, kept for one release: each warns when called and names its replacement.
@@ -106,10 +115,15 @@ def __getattr__(name: str) -> Any:
         raise ImportError(
             f'mpjax.{name} needs Flax, which is not installed: pip install "mpjax[flax]".'
         )
+    if name == "equinox" and _equinox is None:
+        raise ImportError(
+            'mpjax.equinox needs Equinox, which is not installed: pip install "mpjax[equinox]".'
+        )
     raise AttributeError(f"module 'mpjax' has no attribute {name!r}")
 
 
 __all__ = [
+    "equinox",
     "linen",
     "nnx",
     "AutocastReport",
@@ -182,3 +196,5 @@ __all__ = [
 ]
 if _flax is None:  # `from mpjax import *` without Flax
     __all__ = [name for name in __all__ if name not in _NEED_FLAX]
+if _equinox is None:
+    __all__ = [name for name in __all__ if name != "equinox"]

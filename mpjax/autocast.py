@@ -1102,7 +1102,16 @@ def _run_in_regions(fn, policy, args, kwargs, delayed: _DelayedScaling | None) -
     with jax.numpy_dtype_promotion("standard"):
         traced, dynamic = _trace(fn, settings, None, args, kwargs)
     outs = _Interpreter(settings, traced.cache, delayed=delayed).run(traced.closed, dynamic, ())
+    outs = [_as_array(x, a) for x, a in zip(outs, traced.closed.out_avals)]
     return jax.tree.unflatten(traced.out_tree, outs)
+
+
+def _as_array(x: Any, aval: Any) -> Any:
+    """An output that is a constant of the jaxpr (a literal: a Python or numpy scalar, such as
+    the ``jnp.array(False)`` a layer stores in its state) as a jax array of its dtype, as the
+    model's own code returns it: filtered transformations (``eqx.filter_jit``) would take a
+    non-array for a static value."""
+    return x if isinstance(x, jax.Array) else jnp.asarray(x, aval.dtype)
 
 
 def run_in_regions_with_fp8_state(

@@ -116,14 +116,39 @@ def _iter_eqns(jaxpr: Any, context: tuple[str, ...]) -> Iterator[tuple[Any, tupl
             yield from _iter_eqns(sub, (*context, eqn.primitive.name))
 
 
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
 def iter_equations(
     fn: Callable[..., Any], *args, **kwargs
 ) -> Iterator[tuple[Any, tuple[str, ...]]]:
     """Yields ``(equation, context)`` for every equation of ``fn``'s jaxpr, nested ones included.
 
-    ``context`` names the enclosing higher-order primitives, outermost first.
+    ``context`` names the enclosing higher-order primitives, outermost first. Arrays and
+    ``jax.ShapeDtypeStruct`` are traced, and so is an argument that is a Python float, as
+    ``jax.jit`` traces them; other leaves are passed to ``fn`` as they are, static, as
+    ``eqx.filter_jit`` treats them (the activation function, ``inference`` flag or dropout
+    rate an Equinox module holds).
     """
-    closed = jax.make_jaxpr(fn)(*args, **kwargs)
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    top = (
+        tuple(isinstance(a, (float, complex)) for a in args),
+        {name: isinstance(a, (float, complex)) for name, a in kwargs.items()},
+    )
+    scalar = jax.tree.leaves(
+        jax.tree.map(lambda flag, arg: jax.tree.map(lambda _: flag, arg), top, (args, kwargs))
+    )
+    traced = [i for i, leaf in enumerate(leaves) if _is_array(leaf) or scalar[i]]
+
+    def call(traced_leaves):
+        merged = list(leaves)
+        for i, leaf in zip(traced, traced_leaves):
+            merged[i] = leaf
+        call_args, call_kwargs = jax.tree.unflatten(tree, merged)
+        return fn(*call_args, **call_kwargs)
+
+    closed = jax.make_jaxpr(call)([leaves[i] for i in traced])
     yield from _iter_eqns(closed.jaxpr, ())
 
 

@@ -39,7 +39,7 @@ LAYERS = (
     {"autocast", "report"},
     {"attention"},  # an operation that asks the engine for its region's compute dtype
     {"describe"},  # the one report entry point: the integrations register with it
-    {"linen", "nnx", "flax_serialization"},  # the Flax integrations
+    {"linen", "nnx", "flax_serialization", "equinox"},  # the Flax and Equinox integrations
     {"__init__"},
 )
 LAYER = {module: i for i, layer in enumerate(LAYERS) for module in layer}

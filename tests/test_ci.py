@@ -14,7 +14,7 @@ def _floors() -> dict[str, str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     floors = {}
     extras = project["optional-dependencies"]
-    installed = extras["test"] + extras["flax"] + extras["jmp"] + extras["bench"]
+    installed = extras["test"] + extras["flax"] + extras["jmp"] + extras["equinox"] + extras["bench"]
     for spec in project["dependencies"] + installed:
         match = re.fullmatch(r"([A-Za-z0-9_.\-]+)>=([0-9.]+)", spec)
         assert match, f"{spec!r}: every dependency needs a floor, written name>=version"
@@ -99,9 +99,10 @@ def _names(specs: list[str]) -> set[str]:
 def test_required_dependencies_are_what_the_package_imports_and_the_rest_are_extras():
     project = _project()
     extras = project["optional-dependencies"]
-    required, optional = _names(project["dependencies"]), _names(extras["flax"] + extras["jmp"])
-    assert required == {"jax", "optax", "numpy"} and optional == {"flax", "jmp"}
+    required = _names(project["dependencies"])
+    optional = _names(extras["flax"] + extras["jmp"] + extras["equinox"])
+    assert required == {"jax", "optax", "numpy"} and optional == {"flax", "jmp", "equinox"}
     assert _imported_packages() == required | optional
     # The tests exercise the optional parts; the examples are Flax models.
-    assert set(extras["flax"] + extras["jmp"]) <= set(extras["test"])
+    assert set(extras["flax"] + extras["jmp"] + extras["equinox"]) <= set(extras["test"])
     assert set(extras["flax"]) <= set(extras["examples"])
