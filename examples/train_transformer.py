@@ -13,7 +13,8 @@ The default run trains the `tiny` model on the Python standard library's own `.p
 One jitted train step does the forward and backward passes (over `--grad-accum` micro-batches),
 the optimizer update and, with several devices, data parallelism over a `jax.sharding.Mesh`.
 Every logged step goes to `<out>/log.jsonl`, the run's summary to `<out>/summary.json`, and
-checkpoints (params, optimizer state, data-sampler state and step) to `<out>/checkpoints`.
+checkpoints (params, optimizer state, data-sampler state and step, and the fp8 scales and amax
+histories under a delayed-scaling fp8 policy) to `<out>/checkpoints`.
 A run never mixes with another: a fresh run refuses a folder that holds one (pass `--resume` to
 continue it or `--overwrite` to delete those three), and `--resume` refuses a folder without a
 checkpoint. It resumes from the newest checkpoint that restores, saying which ones it skipped
@@ -93,6 +94,9 @@ TEMPERATURE = 0.8
 # -----------------------------------------------------------------------------
 
 MODEL_MODES = ("mpjax", "hand", "autocast")
+# mixed_bfloat16_fp8 with delayed scaling (amax history of 1024 steps): --policy takes it.
+FP8_DELAYED = "p=f32,c=bf16,o=f32,fp8=delayed"
+FP8_COLLECTION = mpjax.linen.FP8_COLLECTION  # where the fp8 state sits among a model's variables
 CORPUS_SHUFFLE_SEED = 1234  # fixed, so the corpus and its split do not depend on --seed
 VAL_SAMPLER_SEED = 4321  # fixed, so every run is evaluated on the same validation windows
 
@@ -337,7 +341,10 @@ def unigram_cross_entropy(train: np.ndarray, val: np.ndarray) -> float:
 class AutocastModel:
     """An unmodified model whose ``apply`` runs under :func:`mpjax.autocast`.
 
-    ``init`` stores params in the policy's param dtype; autocast casts them at use.
+    ``init`` stores params in the policy's param dtype; autocast casts them at use. Under
+    delayed-scaling fp8 it behaves like a wrapped linen model: ``init`` adds the state of the
+    fp8 matmuls as the ``"fp8"`` collection (:func:`mpjax.fp8_state`) and ``apply`` runs with
+    the state it is given there (:func:`mpjax.with_fp8_state`).
     """
 
     module: GPT
@@ -347,14 +354,31 @@ class AutocastModel:
     def config(self) -> GPTConfig:
         return self.module.config
 
-    def init(self, *args, **kwargs):
-        return self.policy.cast_to_param(self.module.init(*args, **kwargs))
-
     rules: dict = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
-    def apply(self):
+    def autocast(self):
         return mpjax.autocast(self.module.apply, self.policy, rules=self.rules)
+
+    def init(self, *args, **kwargs):
+        variables = self.policy.cast_to_param(self.module.init(*args, **kwargs))
+        if not scales_fp8_delayed(self.policy):
+            return variables
+        state = mpjax.fp8_state(self.autocast)(variables, *args[1:], **kwargs)
+        return {**variables, FP8_COLLECTION: state}
+
+    def apply(self, variables, *args, **kwargs):
+        if FP8_COLLECTION not in variables:
+            return self.autocast(variables, *args, **kwargs)
+        state = variables[FP8_COLLECTION]
+        rest = {k: v for k, v in variables.items() if k != FP8_COLLECTION}
+        return mpjax.with_fp8_state(self.autocast, state)(rest, *args, **kwargs)
+
+
+def scales_fp8_delayed(policy: mpjax.Policy) -> bool:
+    """Whether ``policy`` runs fp8 matmuls with delayed scaling, whose state the train state
+    then carries."""
+    return policy.fp8 is not None and policy.fp8.scaling == "delayed"
 
 
 def head_rule(config: GPTConfig, policy: mpjax.Policy, fp8_head: bool, scope: str = "") -> dict:
@@ -375,7 +399,9 @@ def build_model(
     Args:
       config: the model's shape.
       policy: the precision policy. With fp8 (``mixed_bfloat16_fp8``) every dense matmul runs
-        in fp8 except the output head's, unless ``fp8_head``.
+        in fp8 except the output head's, unless ``fp8_head``. With delayed-scaling fp8
+        (``FP8_DELAYED``) ``init`` adds the matmuls' state as the ``"fp8"`` collection,
+        and ``apply`` takes it back (:func:`model_variables`), in both modes that run fp8.
       mode: how the policy reaches the model:
         ``"mpjax"``: the unmodified model wrapped by :func:`mpjax.linen.apply_policy`, with a
         class rule that treats the model's own ``LayerNorm`` like Flax's norms (f32 params and
@@ -541,15 +567,39 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: optimizer steps taken (skipped ones included)
     params: Any
     opt_state: Any
+    # The delayed-scaling fp8 state (scales and amax histories by matmul, f32), which each
+    # step replaces with the next; empty unless the policy scales fp8 with delayed scaling.
+    fp8: Any
 
 
-def loss_fn(model: GPT, params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+class _StateWithoutFp8(NamedTuple):
+    """What a checkpoint of a run without delayed-scaling fp8 holds: the train state less its
+    empty ``fp8``, the layout such checkpoints always had (so older ones still resume)."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def _checkpointed(state: TrainState) -> TrainState | _StateWithoutFp8:
+    return state if jax.tree.leaves(state.fp8) else _StateWithoutFp8(*state[:3])
+
+
+def model_variables(params: Any, fp8: Any = None) -> dict:
+    """The variables ``model.apply`` takes: the params, and the delayed-scaling fp8 state
+    (the ``"fp8"`` collection) where the policy has one."""
+    return {"params": params, **({FP8_COLLECTION: fp8} if fp8 else {})}
+
+
+def loss_fn(model: GPT, params: Any, x: jax.Array, y: jax.Array, fp8: Any = None) -> jax.Array:
     """Mean next-byte cross-entropy in nats, always from f32 logits.
 
     The model returns f32 logits, but a policy whose output dtype is bf16 (``"bfloat16"``) makes
     a wrapped model return bf16 ones: the log-sum-exp over the vocabulary needs f32 either way.
+    ``fp8`` is the delayed-scaling fp8 state, where the policy has one: differentiated with
+    respect to it, the loss gives the next state (:func:`make_train_step`).
     """
-    logits = model.apply({"params": params}, x).astype(jnp.float32)
+    logits = model.apply(model_variables(params, fp8), x).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
@@ -561,33 +611,43 @@ def make_train_step(model: GPT, tx: optax.GradientTransformation):
     f32 gradients) so that one call is one optimizer step: the optimizer, the LR schedule and
     a loss-scaling transform each see exactly one update per step, and the loss scale is the
     same for every micro-batch of a step, as with PyTorch's GradScaler.
+
+    Under delayed-scaling fp8 the loss is differentiated with respect to the fp8 state too,
+    and that gradient is the next state: it never reaches the optimizer (it is not a gradient
+    to unscale, clip or apply). Each micro-batch runs with the state the one before it left,
+    so every micro-batch's amaxes enter the history (one entry each) and the scales of a
+    micro-batch come from all those before it; the step keeps the last one's, which has seen
+    them all. Summed or averaged states would mean nothing, and keeping any other micro-batch's
+    would drop the amaxes of those after it. A step that loss scaling skips for non-finite
+    gradients keeps the state it started with, as it keeps the params.
     """
 
-    def micro_grads(params, opt_state, x, y):
-        def scaled_loss(p):
-            loss = loss_fn(model, p, x, y)
+    def micro_grads(params, fp8, opt_state, x, y):
+        def scaled_loss(p, f):
+            loss = loss_fn(model, p, x, y, f)
             # The scale that the loss-scaling transform will divide by in this step's update
             # (the loss as it is when the optimizer has no loss scaling).
             scaled = mpjax.scale_loss(loss, opt_state)
             return scaled, loss
 
-        grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
-        return grads, loss
+        (grads, fp8), loss = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)(params, fp8)
+        return grads, fp8, loss
 
     def train_step(state: TrainState, x: jax.Array, y: jax.Array):
         n_micro = x.shape[0]
         if n_micro == 1:
-            grads, loss = micro_grads(state.params, state.opt_state, x[0], y[0])
+            grads, fp8, loss = micro_grads(state.params, state.fp8, state.opt_state, x[0], y[0])
         else:
 
             def body(carry, xy):
-                acc, loss_sum = carry
-                g, loss = micro_grads(state.params, state.opt_state, *xy)
+                acc, loss_sum, fp8 = carry
+                g, fp8, loss = micro_grads(state.params, fp8, state.opt_state, *xy)
                 acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
-                return (acc, loss_sum + loss), None
+                return (acc, loss_sum + loss, fp8), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-            (acc, loss_sum), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), (x, y))
+            carry = (zeros, jnp.zeros((), jnp.float32), state.fp8)
+            (acc, loss_sum, fp8), _ = jax.lax.scan(body, carry, (x, y))
             # Average in f32, then store in each param's dtype, as a single batch would give.
             grads = jax.tree.map(lambda a, p: (a / n_micro).astype(p.dtype), acc, state.params)
             loss = loss_sum / n_micro
@@ -598,6 +658,7 @@ def make_train_step(model: GPT, tx: optax.GradientTransformation):
         params = optax.apply_updates(state.params, updates)
         # Loss scale and skip counters; 1, 0 and 0 without loss scaling.
         info = mpjax.loss_scaling_info(opt_state)
+        fp8 = jax.tree.map(lambda new, old: jnp.where(info.applied, new, old), fp8, state.fp8)
         metrics = {
             "loss": loss,
             "unmoved": unmoved_fraction(state.params, params),
@@ -605,7 +666,7 @@ def make_train_step(model: GPT, tx: optax.GradientTransformation):
             "skipped_steps": info.skipped_steps,
             "consecutive_skipped": info.consecutive_skipped,
         }
-        return TrainState(state.step + 1, params, opt_state), metrics
+        return TrainState(state.step + 1, params, opt_state, fp8), metrics
 
     return train_step
 
@@ -626,24 +687,33 @@ def unmoved_fraction(old: Any, new: Any) -> jax.Array:
 def init_state(
     model: GPT, tx: optax.GradientTransformation, seed: int, seq_len: int, mesh: Mesh | None = None
 ) -> TrainState:
-    """Initial params (in the model's param dtype) and optimizer state, built in one jit:
-    eager initialization dispatches and compiles every small op separately, which is slower.
+    """Initial params (in the model's param dtype), optimizer state and delayed-scaling fp8
+    state (where the policy has one), built in one jit: eager initialization dispatches and
+    compiles every small op separately, which is slower.
 
     With a ``mesh``, every array is created where :func:`sharding.state_shardings` puts it
-    (sliced over ``"fsdp"``), so no device ever holds the whole unsharded state.
+    (sliced over ``"fsdp"``), so no device ever holds the whole unsharded state; the fp8
+    state is replicated: it is small, and every device reads all of it each step.
     """
 
     def init(key):
-        params = model.init(key, jnp.zeros((1, seq_len), jnp.int32))["params"]
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+        variables = model.init(key, jnp.zeros((1, seq_len), jnp.int32))
+        params = variables["params"]
+        fp8 = variables.get(FP8_COLLECTION, {})
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), fp8)
 
     key = jax.random.key(seed)
-    shardings = None if mesh is None else sharding.state_shardings(jax.eval_shape(init, key), mesh)
+    shardings = None
+    if mesh is not None:
+        abstract = jax.eval_shape(init, key)
+        replicated = jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract.fp8)
+        shardings = sharding.state_shardings(abstract, mesh)._replace(fp8=replicated)
     return jax.jit(init, out_shardings=shardings)(key)
 
 
 def make_generate(model: GPT, length: int):
-    """Returns a jitted ``generate(params, prompt, key, temperature)`` sampling ``length`` bytes.
+    """Returns a jitted ``generate(params, prompt, key, temperature, fp8=None)`` sampling
+    ``length`` bytes (``fp8``: the delayed-scaling fp8 state, where the policy has one).
 
     The context is the last ``block_size`` bytes (a sliding window), recomputed for every new
     byte: slow for long outputs but simple, and plenty for a few hundred bytes.
@@ -651,7 +721,7 @@ def make_generate(model: GPT, length: int):
     block = model.config.block_size
 
     @jax.jit
-    def generate(params, prompt: jax.Array, key: jax.Array, temperature: jax.Array):
+    def generate(params, prompt: jax.Array, key: jax.Array, temperature: jax.Array, fp8=None):
         n_prompt = prompt.shape[0]
         buf = jnp.zeros((n_prompt + length,), jnp.int32).at[:n_prompt].set(prompt)
 
@@ -660,7 +730,7 @@ def make_generate(model: GPT, length: int):
             cur = n_prompt + i  # position of the byte to sample
             start = jnp.maximum(cur - block, 0)
             window = jax.lax.dynamic_slice(jnp.pad(buf, (0, block)), (start,), (block,))
-            logits = model.apply({"params": params}, window[None])[0, cur - start - 1]
+            logits = model.apply(model_variables(params, fp8), window[None])[0, cur - start - 1]
             key, sub = jax.random.split(key)
             nxt = jax.random.categorical(sub, logits / temperature).astype(jnp.int32)
             return buf.at[cur].set(nxt), key
@@ -704,7 +774,9 @@ def save_checkpoint(manager, state: TrainState, rng: np.random.Generator, cfg: T
     }
     manager.save(
         step,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(_checkpointed(state)), meta=ocp.args.JsonSave(meta)
+        ),
     )
 
 
@@ -895,7 +967,8 @@ def restore_state(manager, step: int, like: TrainState) -> TrainState:
         raise CorruptCheckpoint(f"{where / 'state'}: {_root_cause(e)}") from e
     if saved is None:  # newer orbax reads a missing tree metadata file as no metadata
         raise CorruptCheckpoint(f"{where / 'state' / '_METADATA'} is missing")
-    misfits = _misfits(saved, like)
+    checkpointed = _checkpointed(like)
+    misfits = _misfits(saved, checkpointed)
     if misfits:
         more = f"; and {len(misfits) - 3} more" if len(misfits) > 3 else ""
         raise ValueError(
@@ -903,7 +976,7 @@ def restore_state(manager, step: int, like: TrainState) -> TrainState:
             f"model and optimizer these settings build: {'; '.join(misfits[:3])}{more}."
         )
     target = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), like
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), checkpointed
     )
     try:
         restored = manager.restore(
@@ -913,7 +986,7 @@ def restore_state(manager, step: int, like: TrainState) -> TrainState:
     # arrive wrapped in a bare Exception.
     except Exception as e:
         raise CorruptCheckpoint(f"{where / 'state'}: {_root_cause(e)}") from e
-    state = TrainState(*restored["state"])
+    state = like._replace(**dict(zip(checkpointed._fields, restored["state"])))
     mpjax.check_loss_scaling(state.opt_state)
     return state
 
@@ -994,6 +1067,14 @@ def _set_aside(manager, failed: list[tuple[int, CorruptCheckpoint]], resumed: in
 # ----------------------------------------------------------------------------- training
 
 
+def _describe_fp8(fp8: Any) -> str:
+    """``; delayed fp8 state of 16 matmuls`` (a scanned one counts once per layer), or empty."""
+    if not fp8:
+        return ""
+    n = sum(math.prod(meta.scale.shape[:-1]) for meta in fp8.values())
+    return f"; delayed fp8 state of {n} matmuls"
+
+
 class TrainingStopped(RuntimeError):
     """Training stopped early: persistent overflow, or a non-finite loss without loss scaling."""
 
@@ -1042,12 +1123,6 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.temperature <= 0:
         raise ValueError(f"--temperature must be positive, got {cfg.temperature}.")
     policy = mpjax.get_policy(cfg.policy)
-    if policy.fp8 is not None and policy.fp8.scaling == "delayed":
-        raise ValueError(
-            f"--policy {cfg.policy}: this script's train step carries no delayed-scaling fp8 "
-            "state; use current scaling (mixed_bfloat16_fp8, or fp8=current), or see the "
-            "README's fp8 section for a train step that carries the state."
-        )
     if policy.fp8 is not None and cfg.mode == "hand":
         raise ValueError(
             f"--policy {cfg.policy} runs matmuls in fp8, which dtypes written by hand cannot "
@@ -1271,7 +1346,7 @@ def train(cfg: TrainConfig) -> dict:
         f"model: {cfg.preset} ({n_params / 1e6:.2f}M params, {mcfg.n_layer} layers, d_model "
         f"{mcfg.d_model}, {mcfg.n_head} heads, seq {seq_len}, "
         f"{'tied' if mcfg.tie_embeddings else 'untied'} head)\n"
-        f"policy: {cfg.policy} -> {policy!r} (mode: {cfg.mode})\n"
+        f"policy: {cfg.policy} -> {policy!r} (mode: {cfg.mode}){_describe_fp8(state.fp8)}\n"
         f"optimizer: {describe_optimizer(cfg, policy)}; params + optimizer state "
         f"{mpjax.memory_report(state.params, state.opt_state).bytes_per_param:.2f} bytes/param\n"
         f"data: {'stdlib .py sources' if cfg.data is None else cfg.data}: {len(train_data):,} train "
@@ -1296,14 +1371,15 @@ def train(cfg: TrainConfig) -> dict:
         .lower(state, x_spec, x_spec)
         .compile()
     )
-    eval_fn = jax.jit(lambda p, x, y: loss_fn(model, p, x, y))
+    eval_fn = jax.jit(lambda p, fp8, x, y: loss_fn(model, p, x, y, fp8))
     compile_s = time.perf_counter() - t0
     print(f"compiled the train step in {compile_s:.1f} s")
 
-    def evaluate(params) -> float:
+    def evaluate(state: TrainState) -> float:
         losses = [
             eval_fn(
-                params,
+                state.params,
+                state.fp8,
                 sharding.global_batch(x, eval_sharding),
                 sharding.global_batch(y, eval_sharding),
             )
@@ -1346,7 +1422,7 @@ def train(cfg: TrainConfig) -> dict:
             }
             _check_health(cfg, policy, state, done, m["loss"])
             if done % cfg.eval_interval == 0 or done == cfg.steps:
-                val_loss = evaluate(state.params)
+                val_loss = evaluate(state)
                 record["val_loss"] = val_loss
                 pbar.write(
                     f"step {done:5d}  train {m['loss']:.4f}  val {val_loss:.4f} nats/byte "
@@ -1380,7 +1456,7 @@ def train(cfg: TrainConfig) -> dict:
     final_step = int(state.step)
     trained = final_step - start_step
     if not history:  # resumed a finished run: nothing trained, but report where it stands
-        val_loss = evaluate(state.params)
+        val_loss = evaluate(state)
     summary = {
         "config": dataclasses.asdict(cfg),
         "policy": str(policy),
@@ -1400,7 +1476,9 @@ def train(cfg: TrainConfig) -> dict:
         "device_kind": devices[0].device_kind,
     }
     if cfg.sample_bytes > 0:
-        summary["sample"] = sample_text(model, state.params, cfg, jax.random.key(cfg.seed))
+        summary["sample"] = sample_text(
+            model, state.params, cfg, jax.random.key(cfg.seed), state.fp8
+        )
     if writes_files:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     summary["state"] = state
@@ -1419,18 +1497,19 @@ def _finished_run(out_dir: pathlib.Path, step: int) -> dict:
     return {**summary, "already_finished": True}
 
 
-def sample_text(model: GPT, params: Any, cfg: TrainConfig, key: jax.Array) -> str:
-    """Samples ``cfg.sample_bytes`` bytes after ``cfg.sample_prompt``; decodes as UTF-8."""
+def sample_text(model: GPT, params: Any, cfg: TrainConfig, key: jax.Array, fp8: Any = None) -> str:
+    """Samples ``cfg.sample_bytes`` bytes after ``cfg.sample_prompt``; decodes as UTF-8.
+    ``fp8``: the delayed-scaling fp8 state, where the policy has one."""
     prompt = np.frombuffer(cfg.sample_prompt.encode(), dtype=np.uint8).astype(np.int32)
     if prompt.size == 0:
         prompt = np.array([ord("\n")], np.int32)
     # Every process gathers the whole params (sliced over fsdp, or over processes) to sample
     # on one of its own devices.
-    params = jax.device_put(
-        multihost_utils.process_allgather(params, tiled=True), jax.local_devices()[0]
+    params, fp8 = jax.device_put(
+        multihost_utils.process_allgather((params, fp8), tiled=True), jax.local_devices()[0]
     )
     out = make_generate(model, cfg.sample_bytes)(
-        params, jnp.asarray(prompt), key, jnp.asarray(cfg.temperature, jnp.float32)
+        params, jnp.asarray(prompt), key, jnp.asarray(cfg.temperature, jnp.float32), fp8
     )
     return bytes(np.asarray(out, dtype=np.uint8)).decode("utf-8", errors="replace")
 
@@ -1529,7 +1608,9 @@ def make_parser() -> argparse.ArgumentParser:
         default=POLICY,
         help="mpjax policy: float32, mixed_bfloat16, mixed_float16, bfloat16, "
         "mixed_bfloat16_fp8 (fp8 matmuls, current scaling; Hopper/Ada GPUs run them as fp8 "
-        "GEMMs), 'p=f32,c=bf16,o=f32', 'p=f32,c=bf16,o=f32,fp8=current;margin=1', ...",
+        f"GEMMs), '{FP8_DELAYED}' (fp8, delayed scaling: the train state carries the fp8 "
+        "scales and amax histories), 'p=f32,c=bf16,o=f32', "
+        "'p=f32,c=bf16,o=f32,fp8=current;margin=1', ...",
     )
     g.add_argument(
         "--fp8-head",

@@ -532,7 +532,6 @@ def test_bad_flags_are_rejected_naming_the_flag(capsys):
         (["--mu-dtype", "float8_e4m3fn"], "--mu-dtype"),
         (["--nu-dtype", "double-ish"], "--nu-dtype"),
         (["--state-rounding", "down"], "--state-rounding"),
-        (["--policy", "p=f32,c=bf16,o=f32,fp8=delayed"], "fp8=current"),
     ]:
         with pytest.raises(SystemExit):
             tt.parse_args(argv)
@@ -998,18 +997,30 @@ def test_user_errors_are_a_message_not_a_traceback(text_file, tmp_path, extra, m
         tt.main(argv)
 
 
-@pytest.mark.parametrize("mode", ["mpjax", "autocast"])
-@pytest.mark.parametrize("fp8_head", [False, True])
-def test_fp8_policy_runs_every_dense_matmul_in_fp8_but_the_head(mode, fp8_head):
-    """Under mixed_bfloat16_fp8 the blocks' dense matmuls, scanned and rematerialized, run
-    with scaled fp8 operands forward and backward; the tied head stays bf16 unless
-    --fp8-head, and attention's batched matmuls stay bf16."""
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "policy_name, mode, fp8_head",
+    [
+        ("mixed_bfloat16_fp8", "mpjax", False),
+        ("mixed_bfloat16_fp8", "mpjax", True),
+        ("mixed_bfloat16_fp8", "autocast", False),
+        ("mixed_bfloat16_fp8", "autocast", True),
+        (tt.FP8_DELAYED, "mpjax", False),
+        (tt.FP8_DELAYED, "autocast", False),
+    ],
+)
+def test_fp8_policy_runs_every_dense_matmul_in_fp8_but_the_head(policy_name, mode, fp8_head):
+    """Under mixed_bfloat16_fp8, and with delayed scaling, the blocks' dense matmuls, scanned
+    and rematerialized, run with scaled fp8 operands forward and backward; the tied head
+    stays bf16 unless --fp8-head, and attention's batched matmuls stay bf16."""
     config = dataclasses.replace(DEEP, scan_layers=True, remat="full", attention="naive")
-    policy = mpjax.get_policy("mixed_bfloat16_fp8")
+    policy = mpjax.get_policy(policy_name)
     model = tt.build_model(config, policy, mode, fp8_head=fp8_head)
-    params = model.init(jax.random.key(0), _tokens(config=config))["params"]
+    variables = model.init(jax.random.key(0), _tokens(config=config))
     x, y = _tokens(config=config, seed=1), _tokens(config=config, seed=2)
-    dots = mpjax.hlo_dots(jax.grad(lambda p: tt.loss_fn(model, p, x, y)))(params)
+    # The step's own derivative: with respect to the delayed-scaling state too (its next state).
+    grad = jax.grad(lambda p, f: tt.loss_fn(model, p, x, y, f), argnums=(0, 1))
+    dots = mpjax.hlo_dots(grad)(variables["params"], variables.get(tt.FP8_COLLECTION))
     fp8_dots = [d for d in dots if d.fp8]
     # The scanned block (computed once in the loop body): qkv, proj, fc, mlp proj forward,
     # and twice as many backward; remat computes the forward again in the backward pass.
@@ -1021,15 +1032,155 @@ def test_fp8_policy_runs_every_dense_matmul_in_fp8_but_the_head(mode, fp8_head):
     assert all(d.out_dtype == ("f32" if d.direct else "bf16") for d in dots), str(dots)
 
 
-def test_fp8_run_trains_and_resumes_bit_identically(text_file, tmp_path):
-    cfg = _cfg(text_file, tmp_path, steps=6, ckpt_interval=3, policy="mixed_bfloat16_fp8")
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "policy_name, flags",
+    [
+        ("mixed_bfloat16_fp8", {}),
+        # Delayed scaling: the state is checkpointed; with accumulation, loss scaling and
+        # sampling (which runs the model with the state) in the same run.
+        (tt.FP8_DELAYED, {"grad_accum": 2, "loss_scale": "dynamic", "sample_bytes": 4}),
+        (tt.FP8_DELAYED, {"mode": "autocast"}),
+    ],
+    ids=["current", "delayed", "delayed-autocast"],
+)
+def test_fp8_run_trains_and_resumes_bit_identically(text_file, tmp_path, policy_name, flags):
+    cfg = _cfg(text_file, tmp_path, steps=6, ckpt_interval=3, policy=policy_name, **flags)
     straight = tt.train(cfg)
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "6")
     resumed = tt.train(dataclasses.replace(cfg, resume=True))
-    for a, b in zip(jax.tree.leaves(straight["state"]), jax.tree.leaves(resumed["state"])):
+    leaves = jax.tree.leaves(straight["state"])
+    assert len(leaves) == len(jax.tree.leaves(resumed["state"]))
+    for a, b in zip(leaves, jax.tree.leaves(resumed["state"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     losses = [r["loss"] for r in straight["history"]]
     assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    fp8 = straight["state"].fp8
+    if policy_name == tt.FP8_DELAYED:
+        # One amax per micro-batch in each matmul's history: 6 steps of grad_accum.
+        entries = 6 * cfg.grad_accum
+        assert len(fp8) == 4 * SMALL.n_layer, list(fp8)
+        for site, meta in fp8.items():
+            assert (meta.amax_history[:entries] > 0).all(), site
+            assert (meta.amax_history[entries:] == 0).all(), site
+    else:
+        assert fp8 == {}
+
+
+@functools.cache
+def _delayed_setup(mode, loss_scale="none", policy_name=tt.FP8_DELAYED):
+    cfg = tt.TrainConfig(policy=policy_name, steps=10, warmup_steps=2, lr=1e-2)
+    cfg = dataclasses.replace(cfg, loss_scale=loss_scale)
+    policy = mpjax.get_policy(policy_name)
+    model = tt.build_model(SMALL, policy, mode)
+    tx = tt.make_optimizer(cfg, policy)
+    state = tt.init_state(model, tx, seed=0, seq_len=SMALL.block_size)
+    return model, state, jax.jit(tt.make_train_step(model, tx))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["mpjax", "autocast"])
+def test_delayed_fp8_state_advances_every_step_from_its_start(mode, corpus):
+    """The train state starts with each dense matmul's scales at 1 and an empty history;
+    each step stores the next state (the gradient with respect to it): one more amax per
+    operand in each history, newest first, and scales taken from them."""
+    model, state, step = _delayed_setup(mode)
+    fp8_max = np.array([448.0, 448.0, 57344.0], np.float32)  # e4m3, e4m3, e5m2
+    for meta in state.fp8.values():
+        assert meta.scale.dtype == meta.amax_history.dtype == jnp.float32
+        assert (meta.scale == 1).all() and (meta.amax_history == 0).all()
+        assert meta.amax_history.shape == (1024, 3)  # the recipe's default history
+    x, y = _batch(corpus, 1, 8)
+    history, losses = [state.fp8], []
+    for _ in range(3):
+        state, metrics = step(state, x, y)
+        history.append(state.fp8)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0], losses
+    assert len(state.fp8) == 4 * SMALL.n_layer
+    for site in state.fp8:
+        before, after = history[-2][site], history[-1][site]
+        # The history rolled by one: this step's amaxes in front.
+        np.testing.assert_array_equal(after.amax_history[1:4], before.amax_history[:3])
+        assert (after.amax_history[:3] > 0).all() and (after.amax_history[3:] == 0).all()
+        # Each scale is the largest amax of its history over its format's maximum.
+        largest = np.max(np.asarray(after.amax_history), axis=0)
+        rtol = float(jnp.finfo(jnp.float32).eps)  # one division, rounded
+        np.testing.assert_allclose(after.scale, largest / fp8_max, rtol=rtol)
+        assert not np.array_equal(after.scale, history[0][site].scale), site
+    # Evaluation runs the model with the state and leaves it as it is.
+    loss = jax.jit(lambda p, f: tt.loss_fn(model, p, x[0], y[0], f))(state.params, state.fp8)
+    assert np.isfinite(float(loss))
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_chains_the_delayed_fp8_state_through_its_micro_batches(corpus):
+    """Each micro-batch runs with the state the one before it left, so the step keeps the
+    last micro-batch's state, whose history holds every micro-batch's amaxes in order."""
+    model, state, step = _delayed_setup("mpjax")
+    x, y = _batch(corpus, 2, 4)
+    after, _ = step(state, x, y)
+    grad = jax.jit(
+        jax.grad(lambda p, f, x, y: tt.loss_fn(model, p, x, y, f), argnums=1)
+    )  # the next state of one micro-batch
+    first = grad(state.params, state.fp8, x[0], y[0])
+    second = grad(state.params, first, x[1], y[1])
+    # The same computation compiled apart: the activations' and gradients' amaxes may land a
+    # bf16 rounding apart (rows of bf16 values); the weights' amax (row 1) is the same.
+    rtol = 2 * float(jnp.finfo(jnp.bfloat16).eps)
+    for site, meta in after.fp8.items():
+        entries = np.asarray(meta.amax_history[:2])
+        np.testing.assert_allclose(entries, second[site].amax_history[:2], rtol=rtol)
+        np.testing.assert_array_equal(entries[:, 1], first[site].amax_history[0, 1])
+        assert (np.asarray(meta.amax_history[2:]) == 0).all()
+        # The micro-batches differ: their activations' amaxes are two entries, not one twice.
+        assert entries[0, 0] != entries[1, 0] or entries[0, 2] != entries[1, 2], site
+
+
+@pytest.mark.slow
+def test_a_skipped_step_keeps_the_delayed_fp8_state_like_the_params(corpus):
+    """A loss scale of 1e30 overflows float16 in every backward pass: loss scaling skips the
+    step, and the fp8 state stays bit for bit what it was, as the params do, though the
+    forward amaxes this step computed are finite (a state taken as is would have moved)."""
+    model, state, step = _delayed_setup(
+        "mpjax", loss_scale="static:1e30", policy_name="p=f32,c=f16,o=f32,fp8=delayed"
+    )
+    x, y = _batch(corpus, 1, 8)
+    after, metrics = step(state, x, y)
+    assert int(metrics["skipped_steps"]) == 1
+    for a, b in zip(
+        jax.tree.leaves((state.params, state.fp8)), jax.tree.leaves((after.params, after.fp8))
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    scaled = jax.jit(jax.grad(lambda f: 1e30 * tt.loss_fn(model, state.params, x[0], y[0], f)))(
+        state.fp8
+    )
+    assert any((meta.amax_history[0, :2] > 0).all() for meta in scaled.values())
+
+
+@pytest.mark.slow
+def test_delayed_fp8_state_is_replicated_under_fsdp_and_takes_global_amaxes(text_file, tmp_path):
+    """Under FSDP the params are sliced, the fp8 state (here stacked over scanned layers, large
+    enough to be sliced like a param) stays whole on every device; its amaxes are those of the
+    whole batch, as on one device."""
+    flags = dict(
+        policy=tt.FP8_DELAYED, steps=3, n_layer=2, d_model=64, scan_layers=True, sample_bytes=4
+    )
+    one = tt.train(_cfg(text_file, tmp_path / "one", num_devices=1, **flags))
+    eight = tt.train(_cfg(text_file, tmp_path / "eight", num_devices=8, fsdp=4, **flags))
+    kernel = eight["state"].params["h"]["mlp"]["fc"]["kernel"]
+    assert not kernel.sharding.is_fully_replicated
+    assert eight["state"].fp8
+    for site, meta in eight["state"].fp8.items():
+        assert meta.amax_history.shape == (2, 1024, 3), site
+        for a in meta:
+            assert len(a.sharding.device_set) == 8 and a.sharding.is_fully_replicated, site
+        # The first step's amaxes (from the same init and batch): a bf16 rounding apart at most.
+        np.testing.assert_allclose(
+            meta.amax_history[:, 2],
+            one["state"].fp8[site].amax_history[:, 2],
+            rtol=2 * float(jnp.finfo(jnp.bfloat16).eps),
+        )
 
 
 def test_hand_mode_refuses_an_fp8_policy():
@@ -1037,7 +1188,9 @@ def test_hand_mode_refuses_an_fp8_policy():
         tt.build_model(SMALL, mpjax.get_policy("mixed_bfloat16_fp8"), "hand")
 
 
-@pytest.mark.parametrize("policy", ["mixed_bfloat16_fp8", "p=f32, c=bf16, o=f32, fp8=current"])
+@pytest.mark.parametrize(
+    "policy", ["mixed_bfloat16_fp8", "p=f32, c=bf16, o=f32, fp8=current", tt.FP8_DELAYED]
+)
 def test_the_hand_mode_flag_error_echoes_the_policy_as_typed(policy, capsys):
     with pytest.raises(SystemExit):
         tt.parse_args(["--policy", policy, "--mode", "hand"])
