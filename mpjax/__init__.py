@@ -22,6 +22,7 @@ from mpjax.autocast import (
 )
 from mpjax.deprecation import MpjaxDeprecationWarning
 from mpjax.describe import describe
+from mpjax.diagnosis import DiagnosisReport, Doctor, diagnose
 from mpjax.fp8 import Fp8Recipe
 from mpjax.gpu_plan import (
     GpuAttention,
@@ -130,6 +131,8 @@ __all__ = [
     "AutocastRow",
     "AutocastWarning",
     "DEFAULT_OP_CATEGORIES",
+    "DiagnosisReport",
+    "Doctor",
     "DynamicLossScale",
     "Fp8Recipe",
     "GpuAttention",
@@ -173,6 +176,7 @@ __all__ = [
     "check_loss_scaling",
     "check_overflow",
     "describe",
+    "diagnose",
     "dot_product_attention",
     "fp8_state",
     "full_precision",

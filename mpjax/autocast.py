@@ -1291,6 +1291,30 @@ def with_fp8_state(fn: Callable[..., Any], state: Mapping[str, fp8.Fp8Meta]) -> 
     return run
 
 
+def autocast_runner(
+    fn: Callable[..., Any],
+) -> tuple[Rules | None, Callable[[Rules], Callable[..., Any]]]:
+    """The rules ``fn`` runs under (None for a function not made by :func:`autocast`), and
+    ``under(rules)``: the function it wraps made by :func:`autocast` under other rules, with
+    the same categories.
+
+    >>> import jax.numpy as jnp
+    >>> rules, under = autocast_runner(autocast(jnp.tanh, "mixed_float16"))
+    >>> str(rules.default), under(Rules(default="float32"))(jnp.ones(1)).dtype
+    ('p=f32,c=f16,o=f32', dtype('float32'))
+    """
+    info = _autocast_functions.get(fn) if is_autocast(fn) else None
+    if info is None:
+        return None, lambda rules: autocast(fn, rules.default, rules=rules)
+    settings = info.settings
+    rules = Rules(settings.rules, default=settings.policy, builtins=False)
+
+    def under(rules: Rules) -> Callable[..., Any]:
+        return autocast(info.fn, rules.default, rules=rules, categories=settings.categories)
+
+    return rules, under
+
+
 def describe_autocast(fn: Callable[..., Any]) -> Callable[..., AutocastReport]:
     """What :func:`autocast` does to each kind of equation of ``fn``; the :func:`mpjax.describe`
     of autocast functions.

@@ -13,11 +13,31 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mpjax.autocast import describe_autocast, is_autocast
+from mpjax.autocast import autocast_runner, describe_autocast, is_autocast
 from mpjax.report import Report
+from mpjax.rules import Rules
 
 # The options describe() takes, in the order its signature lists them.
 _OPTIONS = ("rules", "variables", "rngs", "method")
+
+
+@dataclasses.dataclass(frozen=True)
+class Runner:
+    """A target (model or function) as functions of its inputs that run it under any rules:
+    what :func:`mpjax.diagnose` runs side by side under a policy and in float32.
+
+    Attributes:
+      rules: the rules the target runs under as it is (None if it has none: an unwrapped model).
+      under: ``under(rules)`` is a function that runs the target under ``rules``; it takes the
+        arguments :attr:`arguments` makes.
+      arguments: ``arguments(inputs, kwargs)`` gives the ``(args, kwargs)`` of ``under(rules)``
+        for the inputs the target takes (a linen model's variables go first, initialized from
+        the inputs when not given; an NNX model's state).
+    """
+
+    rules: Rules | None
+    under: Callable[[Rules], Callable[..., Any]]
+    arguments: Callable[[tuple, dict], tuple[tuple, dict]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +46,7 @@ class _Describer:
     matches: Callable[[Any], bool]
     build: Callable[..., Callable[..., Report]]
     options: frozenset[str]
+    runner: Callable[..., Runner] | None
 
 
 _describers: list[_Describer] = []
@@ -39,6 +60,7 @@ def register_describer(
     *,
     kind: str,
     options: tuple[str, ...] = (),
+    runner: Callable[..., Runner] | None = None,
 ) -> None:
     """Teaches :func:`describe` a kind of target. For integrations: :mod:`mpjax.linen` and
     :mod:`mpjax.nnx` call it when imported.
@@ -52,6 +74,9 @@ def register_describer(
       kind: what the target is, for error messages: ``"a flax.linen module"``.
       options: the names among ``rules``, ``variables``, ``rngs``, ``method`` that apply to
         this kind; :func:`describe` rejects the others with a TypeError.
+      runner: called as ``runner(target, **options)`` like ``build``; returns the
+        :class:`Runner` of the target, for :func:`mpjax.diagnose`. None where the kind cannot
+        be run that way.
 
     Raises:
       ValueError: if an option is not one :func:`describe` takes.
@@ -73,7 +98,7 @@ def register_describer(
         matches = is_instance
     else:
         matches = target
-    _describers.append(_Describer(kind, matches, build, frozenset(options)))
+    _describers.append(_Describer(kind, matches, build, frozenset(options), runner))
 
 
 def _flax_hint(target: Any) -> str:
@@ -158,6 +183,22 @@ def describe(
     ['f32']
     """
     given = {"rules": rules, "variables": variables, "rngs": rngs, "method": method}
+    describer = _describer(target, given, "describe")
+    if describer is None:
+        raise TypeError(f"describe() takes {_kinds()}; got {_got(target)}." + _flax_hint(target))
+    return describer.build(target, **{name: given[name] for name in describer.options})
+
+
+def _got(target: Any) -> str:
+    text = repr(target)
+    if len(text) <= 80 and "\n" not in text:
+        return f"{text} of type {type(target).__name__}"
+    return f"a {type(target).__name__}"
+
+
+def _describer(target: Any, given: Mapping[str, Any], caller: str) -> _Describer | None:
+    """The describer of ``target``, once the options ``given`` are checked for it (None for a
+    target no describer takes)."""
     for describer in _describers:
         if not describer.matches(target):
             continue
@@ -171,27 +212,65 @@ def describe(
                 else "it takes none"
             )
             raise TypeError(
-                f"describe() got {', '.join(f'`{name}`' for name in wrong)}, which does not "
+                f"{caller}() got {', '.join(f'`{name}`' for name in wrong)}, which does not "
                 f"apply to {describer.kind} ({type(target).__name__}); {takes}."
             )
+        method = given["method"]
         if method is not None and not (isinstance(method, str) or callable(method)):
             raise TypeError(
-                "describe(method=...) must be a method name (str) or a function, as for "
+                f"{caller}(method=...) must be a method name (str) or a function, as for "
                 f"Module.apply; got {method!r} of type {type(method).__name__}."
             )
+        variables = given["variables"]
         if variables is not None and not isinstance(variables, Mapping):
             raise TypeError(
-                "describe(variables=...) must be the dict of collections init returns "
+                f"{caller}(variables=...) must be the dict of collections init returns "
                 f"({{'params': ...}}); got {variables!r} of type {type(variables).__name__}."
             )
-        return describer.build(target, **{name: given[name] for name in describer.options})
-    text = repr(target)
-    got = (
-        f"{text} of type {type(target).__name__}"
-        if len(text) <= 80 and "\n" not in text
-        else f"a {type(target).__name__}"
-    )
-    raise TypeError(f"describe() takes {_kinds()}; got {got}." + _flax_hint(target))
+        return describer
+    return None
 
 
-register_describer(is_autocast, describe_autocast, kind="a function made by mpjax.autocast")
+def runner_of(
+    target: Any, caller: str, *, variables: Any = None, rngs: Any = None, method: Any = None
+) -> Runner:
+    """The :class:`Runner` of a target :func:`describe` takes, or of any other function (which
+    runs through :func:`mpjax.autocast` under the rules given).
+
+    Raises:
+      TypeError: naming ``caller``, for an option that does not apply to the target's kind, a
+        target that is neither described nor callable, or a kind that cannot be run.
+    """
+    given = {"rules": None, "variables": variables, "rngs": rngs, "method": method}
+    describer = _describer(target, given, caller)
+    if describer is None:
+        if isinstance(target, type) or not callable(target):
+            raise TypeError(
+                f"{caller}() takes a function or {_kinds()}; got {_got(target)}."
+                + _flax_hint(target)
+            )
+        wrong = [name for name in ("variables", "rngs", "method") if given[name] is not None]
+        if wrong:
+            raise TypeError(
+                f"{caller}() got {', '.join(f'`{name}`' for name in wrong)}, which only apply "
+                "to a flax.linen module; a function takes its inputs as they are."
+            )
+        return function_runner(target)
+    if describer.runner is None:
+        raise TypeError(f"{caller}() cannot run {describer.kind} ({type(target).__name__}).")
+    options = {name: given[name] for name in describer.options if name != "rules"}
+    return describer.runner(target, **options)
+
+
+def function_runner(fn: Callable[..., Any]) -> Runner:
+    """The :class:`Runner` of a plain function: it runs through :func:`mpjax.autocast`."""
+    rules, under = autocast_runner(fn)
+    return Runner(rules, under, lambda inputs, kwargs: (inputs, kwargs))
+
+
+register_describer(
+    is_autocast,
+    describe_autocast,
+    kind="a function made by mpjax.autocast",
+    runner=function_runner,
+)

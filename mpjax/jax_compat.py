@@ -149,9 +149,11 @@ def bind_equation(eqn: Any, invals: Sequence[Any], params: dict | None = None) -
     subfuns: tuple[Any, ...] = ()
     if isinstance(bind_params, tuple):
         subfuns, bind_params = bind_params
-    # The equation's context carries its abstract mesh, compute_on and threefry settings.
+    # The equation's context carries its abstract mesh, compute_on and threefry settings; its
+    # traceback goes to the equation bound here, as in jax.core.eval_jaxpr, so that what the
+    # engine binds still points at the user's line (reports, errors, profiles).
     manager = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
-    with manager:
+    with manager, source_info_util.user_context(eqn.source_info.traceback):
         out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
@@ -179,6 +181,21 @@ def current_scope_names() -> tuple[str, ...]:
 def name_stack(eqn: Any) -> str:
     """``eqn``'s name stack as JAX prints it, transforms included: ``"transpose(jvp(MLP))"``."""
     return str(eqn.source_info.name_stack)
+
+
+def is_backward(eqn: Any) -> bool:
+    """Whether ``eqn`` computes a gradient: its name stack has a ``transpose(...)`` transform,
+    which ``jax.grad``/``jax.vjp`` put around the equations of the backward pass."""
+    return any(
+        type(e).__name__ == "Transform" and e.name == "transpose"
+        for e in eqn.source_info.name_stack.stack
+    )
+
+
+def source_location(eqn: Any) -> str:
+    """Where ``eqn`` was written: the innermost frame of its traceback outside JAX,
+    ``"file.py:12:8 (fn)"`` (``"unknown"`` when the traceback was not recorded)."""
+    return source_info_util.summarize(eqn.source_info)
 
 
 def preferred_element_type(eqn: Any) -> np.dtype | None:

@@ -58,7 +58,7 @@ from mpjax.autocast import (
     run_in_regions_with_fp8_state,
 )
 from mpjax.deprecation import warn_deprecated
-from mpjax.describe import register_describer
+from mpjax.describe import Runner, register_describer
 from mpjax.policy import Policy, PolicyLike, cast_floating
 from mpjax.report import ModuleRow, PrecisionReport, eval_shape_of, matmuls_by_region
 from mpjax.rules import (
@@ -561,9 +561,42 @@ def _wrapped_for_report(model: Any, rules: RulesLike | None) -> Any:
     return apply_policy(model, rules)
 
 
+def _runner_of(
+    model: nn.Module, *, variables: Any, rngs: Any, method: Callable[..., Any] | str | None
+) -> Runner:
+    """The :class:`mpjax.describe.Runner` of a linen model (wrapped or not): ``under(rules)``
+    applies the model wrapped with ``rules`` to its variables, those given or ``model.init``'s
+    for the inputs."""
+    if isinstance(model, type):
+        raise TypeError(
+            f"diagnose() takes a flax.linen Module instance, got the class {model.__name__}. "
+            f"Pass an instance: mpjax.diagnose({model.__name__}(...), policy=...)(x)."
+        )
+    wrapped = isinstance(model, _PolicyMixin)
+    rules = type(model)._mpjax_state.rules if wrapped else None  # type: ignore[attr-defined]
+    keys = jax.random.key(0) if rngs is None else rngs
+
+    def under(rules: Rules) -> Callable[..., Any]:
+        model_under = apply_policy(model, rules)
+
+        def apply(variables, *args, **kwargs):
+            return model_under.apply(variables, *args, method=method, rngs=keys, **kwargs)
+
+        return apply
+
+    def arguments(inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        known = variables
+        if known is None:
+            known = model.init(keys, *inputs, method=method, **kwargs)
+        return (known, *inputs), kwargs
+
+    return Runner(rules, under, arguments)
+
+
 register_describer(
     nn.Module,
     _report_of,
     kind="a flax.linen module",
     options=("rules", "variables", "rngs", "method"),
+    runner=_runner_of,
 )

@@ -62,7 +62,7 @@ from mpjax.autocast import (
     tracing,
 )
 from mpjax.deprecation import warn_deprecated
-from mpjax.describe import register_describer
+from mpjax.describe import Runner, register_describer
 from mpjax.loss_scaling import check_argnums, make_scaled_value_and_grad
 from mpjax.policy import Policy, PolicyLike, is_floating
 from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
@@ -593,4 +593,35 @@ def _matmuls(model: nnx.Module, rules: Rules, args: tuple, kwargs: dict) -> dict
     )
 
 
-register_describer(nnx.Module, _report_of, kind="a flax.nnx module", options=("rules",))
+def _runner_of(model: nnx.Module) -> Runner:
+    """The :class:`mpjax.describe.Runner` of an NNX model: ``under(rules)`` takes the model's
+    state and calls a model merged from it with ``rules`` set (``model`` is left as it is)."""
+    if isinstance(model, type):
+        raise TypeError(
+            f"diagnose() takes an nnx.Module instance, got the class {model.__name__}. Build "
+            f"the model first: mpjax.diagnose({model.__name__}(..., rngs=nnx.Rngs(0)), "
+            "policy=...)(x)."
+        )
+    _check_model(model, "diagnose")
+    plan = getattr(type(model), "_mpjax_plan", None)
+    graphdef, _ = nnx.split(model)
+
+    def under(rules: Rules) -> Callable[..., Any]:
+        def call(state, *args, **kwargs):
+            merged = nnx.merge(graphdef, state)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuleWarning)  # set_policy already warned
+                set_policy(merged, rules)
+            return merged(*args, **kwargs)
+
+        return call
+
+    def arguments(inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return (nnx.state(model), *inputs), kwargs
+
+    return Runner(None if plan is None else plan.rules, under, arguments)
+
+
+register_describer(
+    nnx.Module, _report_of, kind="a flax.nnx module", options=("rules",), runner=_runner_of
+)

@@ -32,6 +32,7 @@ LAYERS = (
         "loss_scaling",
         "master_weights",
         "rounding",
+        "range_stats",
     },
     # Optimizer transformations that read the loss-scaling state, and the memory report
     # that names their parts.
@@ -39,6 +40,7 @@ LAYERS = (
     {"autocast", "report"},
     {"attention"},  # an operation that asks the engine for its region's compute dtype
     {"describe"},  # the one report entry point: the integrations register with it
+    {"diagnosis"},  # runs what describe takes, side by side under a policy and in f32
     {"linen", "nnx", "flax_serialization", "equinox"},  # the Flax and Equinox integrations
     {"__init__"},
 )
@@ -59,6 +61,8 @@ FLAX_FREE = (
     "autocast",
     "report",
     "describe",
+    "range_stats",
+    "diagnosis",
 )
 # The optimizer side, which must not need Flax either.
 OPTIMIZER_SIDE = (

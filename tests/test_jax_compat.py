@@ -376,3 +376,24 @@ def test_ref_like_wraps_in_a_ref_only_where_the_template_is_one():
     assert jax_compat.is_ref(ref) and not jax_compat.is_ref(value)
     assert ref[...].dtype == BF16
     np.testing.assert_array_equal(ref[...], value)
+
+
+def _located(x):
+    return jnp.sin(x) * 2.0
+
+
+def test_backward_equations_and_source_locations_are_read_off_the_name_stack_and_traceback():
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(_located(x))))(X).jaxpr
+    backward = {e.primitive.name for e in jaxpr.eqns if jax_compat.is_backward(e)}
+    forward = {e.primitive.name for e in jaxpr.eqns if not jax_compat.is_backward(e)}
+    assert "sin" in forward and "cos" in forward  # cos is the linearization, computed forward
+    assert "mul" in backward and "sin" not in backward
+    (sin,) = [e for e in jaxpr.eqns if e.primitive.name == "sin"]
+    assert jax_compat.source_location(sin).startswith(f"{__file__}:")
+    assert "(_located)" in jax_compat.source_location(sin)
+
+
+def test_a_bound_equation_keeps_the_source_location_it_was_traced_at():
+    (sin,) = _eqns(_located, X, primitive="sin")
+    rebound = jax.make_jaxpr(lambda x: jax_compat.bind_equation(sin, [x]))(X).jaxpr.eqns[0]
+    assert jax_compat.source_location(rebound) == jax_compat.source_location(sin)

@@ -1,0 +1,329 @@
+"""mpjax.diagnose: every statistic against NumPy on the same values, the non-finite birth, the
+precision lost per module, and recommendations that fix the problem planted for them."""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from tolerances import assert_close_in_norm, tolerance
+
+import mpjax
+from mpjax import range_stats
+from mpjax.range_stats import DTYPES, RangeStats
+
+
+def _numpy_shares(values: np.ndarray, dtype: str, scale: float = 1.0) -> tuple[float, ...]:
+    """Overflow, subnormal and flush-to-zero shares of the finite ``values`` (times ``scale``)
+    rounded to ``dtype`` by NumPy (ml_dtypes)."""
+    x = values[np.isfinite(values)].astype(np.float32) * np.float32(scale)
+    with np.errstate(over="ignore", invalid="ignore"):
+        r = np.abs(x.astype(jnp.dtype(dtype)).astype(np.float32))
+    tiny = np.float32(ml_dtypes.finfo(jnp.dtype(dtype)).smallest_normal)
+    n = max(x.size, 1)
+    return (
+        np.sum(~np.isfinite(r)) / n,
+        np.sum(np.isfinite(r) & (r > 0) & (r < tiny)) / n,
+        np.sum((x != 0) & (r == 0)) / n,
+    )
+
+
+def _assert_stats_match(stats: RangeStats, values: np.ndarray):
+    values = np.asarray(values, np.float32).ravel()
+    finite = values[np.isfinite(values)]
+    nonzero = np.abs(finite[finite != 0])
+    assert stats.count == values.size
+    assert stats.nonfinite == values.size - finite.size
+    assert stats.zeros == np.sum(finite == 0)
+    assert stats.amax == np.max(np.abs(finite), initial=0.0)
+    assert stats.min_nonzero == (np.min(nonzero) if nonzero.size else np.inf)
+    exponents = np.floor(np.log2(nonzero)).astype(int)
+    expected = np.bincount(exponents - range_stats.LOG2_MIN, minlength=stats.histogram.size)
+    np.testing.assert_array_equal(stats.histogram, expected)
+    for dtype in DTYPES:
+        shares = stats.shares(dtype)
+        assert (shares.overflow, shares.subnormal, shares.flush) == pytest.approx(
+            _numpy_shares(values, dtype), abs=0
+        ), dtype
+
+
+def _summary(values) -> RangeStats:
+    counts, extremes = jax.jit(range_stats.summarize)(values)
+    return RangeStats.from_summary(np.asarray(counts), np.asarray(extremes))
+
+
+# --- Statistics -------------------------------------------------------------------------------
+
+
+def test_bounds_are_where_rounding_changes_what_a_value_is():
+    f16, e4m3 = range_stats.bounds("float16"), range_stats.bounds("float8_e4m3fn")
+    # 65520 is halfway between float16's largest, 65504, and the next step: a tie to even, inf.
+    assert float(f16.overflow) == 65520.0
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.float16(np.float32(65520.0)))
+    assert np.isfinite(np.float16(np.nextafter(np.float32(65520.0), np.float32(0))))
+    # float8_e4m3fn: 464 (halfway from 448 to 480) rounds to even 448; just above it is NaN.
+    assert float(e4m3.overflow) == float(np.nextafter(np.float32(464.0), np.float32(1e9)))
+    # 2**-25 is half of float16's smallest subnormal: a tie, to even zero.
+    assert float(f16.nonzero) == float(np.nextafter(np.float32(2.0**-25), np.float32(1)))
+
+
+def test_every_statistic_matches_numpy_on_the_same_values():
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(20_000) * np.exp2(rng.uniform(-35, 20, 20_000))
+    values = values.astype(np.float32)
+    # Values exactly at the bounds, zeros and non-finite ones. (bfloat16's subnormals are
+    # float32 subnormals, which XLA flushes to zero: they count as zeros, left out here.)
+    special = [
+        float(getattr(range_stats.bounds(d), f)) for d in DTYPES for f in range_stats._FIELDS
+    ]
+    special = [v for v in special if v >= np.finfo(np.float32).smallest_normal]
+    values[: len(special)] = special
+    values[len(special) : len(special) + 4] = [0.0, -0.0, np.inf, np.nan]
+    _assert_stats_match(_summary(values), values)
+
+
+def test_merged_statistics_are_those_of_the_union():
+    rng = np.random.default_rng(1)
+    a = (rng.standard_normal(300) * 1e3).astype(np.float32)
+    b = (rng.standard_normal(500) * 1e-6).astype(np.float32)
+    _assert_stats_match(RangeStats.merge([_summary(a), _summary(b)]), np.concatenate([a, b]))
+
+
+def test_loss_scale_shares_match_numpy_on_the_scaled_values():
+    rng = np.random.default_rng(2)
+    values = (rng.standard_normal(5000) * np.exp2(rng.uniform(-40, 12, 5000))).astype(np.float32)
+    stats = _summary(values)
+    for k in (0, 3, 10, 24, 32):
+        shares = stats.shares("float16", k)
+        expected = _numpy_shares(values, "float16", 2.0**k)
+        assert (shares.overflow, shares.subnormal, shares.flush) == pytest.approx(expected, abs=0)
+
+
+def test_unknown_dtypes_are_refused_by_name():
+    with pytest.raises(ValueError, match="float64.*float16, bfloat16, float8_e4m3fn"):
+        mpjax.diagnose(jnp.tanh, policy="mixed_float16", dtypes=["float16", "float64"])
+    with pytest.raises(ValueError, match="'fp17'"):
+        mpjax.diagnose(jnp.tanh, policy="mixed_float16", dtypes=["fp17"])
+    with pytest.raises(TypeError, match="list of dtypes"):
+        mpjax.diagnose(jnp.tanh, policy="mixed_float16", dtypes="float16")
+
+
+# --- Ranges of a function -------------------------------------------------------------------
+
+
+def _exact_inputs():
+    # Small integers and powers of two: every product and sum is exact in float32.
+    x = np.arange(-12, 12, dtype=np.float32).reshape(4, 6)
+    w = np.exp2(np.arange(-9, 9, dtype=np.float32)).reshape(6, 3)
+    return x, w
+
+
+def _layers(x, w):
+    with jax.named_scope("proj"):
+        h = x @ w
+    with jax.named_scope("act"):
+        y = h * 0.5
+    return jnp.sum(y)
+
+
+def test_ranges_per_module_and_operation_match_numpy_forward_and_backward():
+    x, w = _exact_inputs()
+    report = mpjax.diagnose(_layers, policy="mixed_bfloat16")(x, w)
+    h = x @ w
+    _assert_stats_match(report.module("proj").stats, h)
+    _assert_stats_match(report.op("dot_general").stats, h)
+    _assert_stats_match(report.module("act").stats, h * 0.5)
+    # Backward: the cotangent of y is ones, of h 0.5 everywhere (mul), then the two matmuls
+    # give dx = 0.5 @ w.T and dw = x.T @ 0.5.
+    half = np.full_like(h, 0.5)
+    _assert_stats_match(report.op("mul", backward=True).stats, half)
+    _assert_stats_match(
+        report.op("dot_general", backward=True).stats,
+        np.concatenate([(half @ w.T).ravel(), (x.T @ half).ravel()]),
+    )
+    data = json.loads(report.to_json())
+    assert {m["where"] for m in data["modules"]} >= {"proj", "act"}
+    assert data["policy"] == "p=f32,c=bf16,o=f32"
+    text = report.table()
+    assert "proj" in text and "bf16 over/sub/ftz" in text
+    assert "<- f16 max" in report.histogram("proj") or "2^" in report.histogram("proj")
+
+
+# --- Non-finite birth and precision lost ----------------------------------------------------
+
+
+def _overflowing(x):
+    with jax.named_scope("gram"):
+        g = x @ x.T  # 8 * 100**2 = 80000: past float16's 65504
+    with jax.named_scope("head"):
+        return jnp.sum(jnp.tanh(g))
+
+
+def test_the_first_non_finite_value_is_named_with_its_module_primitive_and_line():
+    report = mpjax.diagnose(_overflowing, policy="mixed_float16")(jnp.full((2, 8), 100.0))
+    birth = report.birth
+    assert (birth.module, birth.primitive, birth.dtype, birth.backward) == (
+        "gram",
+        "dot_general",
+        "float16",
+        False,
+    )
+    assert birth.nonfinite == 4
+    assert birth.location.startswith(__file__) and "_overflowing" in birth.location
+    # Under bfloat16 nothing overflows.
+    assert (
+        mpjax.diagnose(_overflowing, policy="mixed_bfloat16")(jnp.full((2, 8), 100.0)).birth is None
+    )
+
+
+def _rounding(x):
+    with jax.named_scope("round"):
+        y = x.astype(jnp.bfloat16)
+    with jax.named_scope("after"):
+        return (y * 2).astype(jnp.float32)
+
+
+def test_the_error_entering_a_module_is_its_own_the_accumulated_one_includes_what_came_in():
+    x = np.random.default_rng(3).standard_normal(256).astype(np.float32)
+    report = mpjax.diagnose(_rounding, policy="float32")(x)
+    rounded = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    expected = np.linalg.norm(rounded - x) / np.linalg.norm(x)
+    assert report.error("round").local == pytest.approx(expected, rel=1e-5)
+    assert report.error("round").primitive == "convert_element_type"
+    # Doubling is exact: nothing enters in "after", but its values carry the rounding.
+    assert report.error("after").local == 0.0
+    assert report.error("after").accumulated == pytest.approx(expected, rel=1e-5)
+
+
+# --- Recommendations ------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """Hand-written: the mean square as a dot product, which autocast runs in float16."""
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        mean_square = jnp.einsum("...d,...d->...", x, x)[..., None] / x.shape[-1]
+        return x * jax.lax.rsqrt(mean_square + 1e-6) * scale
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(32, name="up")(x)
+        return nn.Dense(4, name="out")(RMSNorm(name="norm")(h))
+
+
+def _net():
+    model = Net()
+    x = jax.random.normal(jax.random.key(1), (8, 16)) * 40  # activations around 400 after "up"
+    return model, model.init(jax.random.key(0), x), x
+
+
+def _mse(y):
+    return jnp.mean(y**2)
+
+
+def test_the_recommended_rules_keep_the_overflowing_module_in_float32_and_remove_the_overflow():
+    model, variables, x = _net()
+    wrapped = mpjax.linen.apply_policy(model, "mixed_float16")
+    report = mpjax.diagnose(wrapped, variables=variables, loss=_mse)(x)
+    assert report.birth.module == "norm"
+    assert [r.key for r in report.rules.rules if not r.builtin] == ["norm"]
+    assert report.reasons[0].startswith("keep 'norm' in float32: its dot_general (forward) runs")
+    assert "past float16's 65504" in report.reasons[0]
+    # Under the policy, the rows whose mean square overflowed come out of the norm as zeros;
+    # under the recommended rules the outputs are float32's up to float16 matmul rounding.
+    exact = model.apply(variables, x)
+    fixed = mpjax.linen.apply_policy(model, report.rules)
+    assert jnp.linalg.norm(wrapped.apply(variables, x) - exact) > 0.3 * jnp.linalg.norm(exact)
+    assert_close_in_norm(fixed.apply(variables, x), exact, tolerance(jnp.float16, 32))
+    again = mpjax.diagnose(fixed, variables=variables, loss=_mse)(x)
+    assert again.birth is None and again.rules is None
+    assert again.error("norm").local < 1e-6
+
+
+def test_the_loss_scale_range_keeps_float16_gradients_in_range():
+    # The gradient of sum(w * c) with respect to w is c: values from 2**-30 to 2**4.
+    c = np.exp2(np.linspace(-30, 4, 35)).astype(np.float32)
+    report = mpjax.diagnose(lambda w: jnp.sum(w * c), policy="mixed_float16")(
+        np.ones(c.size, np.float32)
+    )
+    advice = report.loss_scale
+    for candidate in advice.candidates:
+        s = candidate.shares
+        expected = _numpy_shares(c, "float16", 2.0**candidate.log2_scale)
+        assert (s.overflow, s.subnormal, s.flush) == pytest.approx(expected, abs=0)
+    # 2**4 * 2**11 = 32768 fits, 2**16 overflows; 2**-30 * 2**6 is float16's smallest
+    # subnormal, and 2**-25 would round to zero. Unscaled, what is below 2**-25 flushes.
+    assert (advice.low, advice.high) == (6, 11)
+    assert _numpy_shares(c, "float16")[2] > 0.1
+    assert _numpy_shares(c, "float16", 2.0**advice.low)[2] <= mpjax.diagnosis.FLUSH_TOLERANCE
+    assert _numpy_shares(c, "float16", 2.0 ** (advice.high + 1))[0] > 0
+    assert "2**11 overflows none" in advice.why
+
+
+def _two_matmuls(x, w):
+    with jax.named_scope("steady"):
+        a = x @ w
+    with jax.named_scope("jumpy"):
+        b = (x * x) @ w
+    return jnp.sum(a) + jnp.sum(b)
+
+
+def test_fp8_fitness_is_judged_from_the_amax_across_batches():
+    w = np.ones((4, 2), np.float32)
+    x = np.ones((3, 4), np.float32)
+    doctor = mpjax.diagnose(_two_matmuls, policy="mixed_bfloat16")
+    one = doctor(x, w)
+    assert one.fp8 and not any(m.fit for m in one.fp8)
+    report = doctor.over([(x, w), (1.5 * x, w)])
+    forward = {m.module: m for m in report.fp8 if not m.backward}
+    # x's amax moves 1.5x, x*x's 2.25x, w's not at all.
+    assert forward["steady"].ratio == pytest.approx(1.5) and forward["steady"].fit
+    assert forward["jumpy"].ratio == pytest.approx(2.25) and not forward["jumpy"].fit
+    assert forward["steady"].amax == ((1.0, 1.0), (1.5, 1.0))
+    assert "2.25x across 2 batches" in forward["jumpy"].why
+
+
+# --- Targets ----------------------------------------------------------------------------------
+
+
+def test_nnx_and_autocast_targets_are_diagnosed_by_module():
+    class Block(nnx.Module):
+        def __init__(self):
+            self.proj = nnx.Linear(8, 8, use_bias=False, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return jnp.sum(self.proj(x) ** 2)
+
+    model = Block()
+    mpjax.nnx.set_policy(model, "mixed_float16")
+    report = mpjax.diagnose(model)(jnp.full((2, 8), 300.0))
+    assert {r.where for r in report.modules} >= {"proj"}
+    assert report.birth is not None and report.birth.module == "proj"
+    assert report.policy.default == mpjax.get_policy("mixed_float16")
+    f = mpjax.autocast(_overflowing, "mixed_float16")
+    assert mpjax.diagnose(f)(jnp.full((2, 8), 100.0)).birth.module == "gram"
+
+
+def test_bad_targets_options_and_inputs_get_clear_errors():
+    with pytest.raises(TypeError, match="diagnose\\(\\) takes a function or"):
+        mpjax.diagnose(3, policy="mixed_float16")
+    with pytest.raises(ValueError, match="needs policy="):
+        mpjax.diagnose(jnp.tanh)
+    with pytest.raises(TypeError, match="`variables`.*only apply to a flax.linen module"):
+        mpjax.diagnose(jnp.tanh, policy="mixed_float16", variables={})
+    with pytest.raises(ValueError, match="max_error"):
+        mpjax.diagnose(jnp.tanh, policy="mixed_float16", max_error=-1)
+    doctor = mpjax.diagnose(lambda x, w: jnp.sum(x @ w), policy="mixed_float16")
+    with pytest.raises(ValueError, match="cannot run on these inputs"):
+        doctor(jnp.ones((2, 3)), jnp.ones((4, 5)))
+    with pytest.raises(ValueError, match="loss=...\\) must return a floating scalar"):
+        mpjax.diagnose(jnp.tanh, policy="mixed_float16", loss=lambda y: y)(jnp.ones(3))
