@@ -694,6 +694,7 @@ def _train_step(apply, x):
     return step, tx, loss
 
 
+@pytest.mark.slow
 def test_train_step_has_no_more_converts_than_hand_written_bf16_and_same_matmuls():
     x = jax.random.normal(K2, (2, 4, 16))
     params = jax.eval_shape(Block().init, K3, x)["params"]

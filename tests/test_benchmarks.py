@@ -66,6 +66,7 @@ def _run(tmp_path, variants):
     return json.loads((tmp_path / "cpu_tiny.json").read_text())
 
 
+@pytest.mark.slow
 def test_jax_rows_have_every_column_and_the_run_records_its_setup(tmp_path):
     report = _run(tmp_path, ["bf16_mpjax", "bf16_hand_naive"])
     assert report["config"]["scan_layers"] is False and report["config"]["remat"] == "none"
@@ -93,6 +94,7 @@ def test_jax_rows_have_every_column_and_the_run_records_its_setup(tmp_path):
 NO_GPU_PLAN = mpjax.gpu_plan_unavailable()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NO_GPU_PLAN is not None, reason=f"gpu_plan cannot run: {NO_GPU_PLAN}")
 def test_plan_only_records_what_each_row_runs_on_an_h100(tmp_path):
     """``--plan-only`` compiles each JAX row for an H100 without running it: bf16 rows put
@@ -187,6 +189,7 @@ def test_optimizer_rows_are_the_listed_keys():
     assert len(keys) == len(set(keys)) and set(bench.OPTIMIZER_KEYS) <= set(keys)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(EXPECTED_PARTS))
 def test_optimizer_rows_hold_the_bytes_their_setup_implies(key, bf16_counts, optimizer_memory):
     report = optimizer_memory[key]
@@ -206,6 +209,7 @@ def test_optimizer_rows_hold_the_bytes_their_setup_implies(key, bf16_counts, opt
     assert fields["memory_parts"] == report.to_dict()["rows"]
 
 
+@pytest.mark.slow
 def test_optimizer_rows_order_by_bytes(optimizer_memory):
     per_param = {k: r.bytes_per_param for k, r in optimizer_memory.items()}
     assert per_param["f32"] == pytest.approx(12, abs=1e-4)
@@ -221,6 +225,7 @@ def test_optimizer_rows_order_by_bytes(optimizer_memory):
     assert per_param["bf16_sr"] < per_param["bf16_kahan"]
 
 
+@pytest.mark.slow
 def test_optimizer_row_of_the_runner(tmp_path, bf16_counts, optimizer_memory):
     """An optimizer row end to end (bf16 params with Kahan compensation: the quickest of them
     to compile; the stochastic-rounding rows compile several times longer on CPU)."""
@@ -303,6 +308,7 @@ def _flax_to_torch(params, model):
     model.load_state_dict(state, strict=True)
 
 
+@pytest.mark.slow
 @needs_torch
 @pytest.mark.parametrize("attention", ["naive", "sdpa"])
 @pytest.mark.parametrize("tied", [True, False])
@@ -343,6 +349,7 @@ def test_lr_schedule_is_the_examples():
         assert cfg.lr * factor(step) == pytest.approx(float(schedule(step)), rel=1e-5, abs=1e-12)
 
 
+@pytest.mark.slow
 @needs_torch
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
 def test_torch_train_step_lowers_the_loss_without_compiling(policy):
@@ -360,6 +367,7 @@ def test_torch_train_step_lowers_the_loss_without_compiling(policy):
     assert step.scaler.is_enabled() == (policy == "mixed_float16")
 
 
+@pytest.mark.slow
 @needs_torch
 def test_torch_rows_of_the_runner(tmp_path):
     report = _run(tmp_path, ["torch_bf16_sdpa"])
@@ -374,6 +382,7 @@ def test_torch_rows_of_the_runner(tmp_path):
     assert report["versions"]["torch"] == importlib.metadata.version("torch")
 
 
+@pytest.mark.slow
 def test_fp8_rows_build_a_step_whose_dense_matmuls_are_fp8():
     """The fp8 rows race the bf16 rows of the same run, and their train step really has fp8
     dots (e4m3/e5m2 operands) for XLA to compile to fp8 GEMMs."""

@@ -3,6 +3,7 @@
 import ast
 import pathlib
 import re
+import shlex
 import sys
 import tomllib
 
@@ -106,3 +107,21 @@ def test_required_dependencies_are_what_the_package_imports_and_the_rest_are_ext
     # The tests exercise the optional parts; the examples are Flax models.
     assert set(extras["flax"] + extras["jmp"] + extras["equinox"]) <= set(extras["test"])
     assert set(extras["flax"]) <= set(extras["examples"])
+
+
+def test_the_readme_command_leaves_out_the_slow_tests_and_ci_runs_them():
+    """The README's command runs the fast suite (addopts deselects the slow marker); CI runs
+    it and then ``-m slow`` in the same venv, in both suites; the README says how."""
+    options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]
+    ini = options["ini_options"]
+    addopts = shlex.split(ini["addopts"])
+    assert addopts[addopts.index("-m") + 1] == "not slow"
+    assert any(marker.startswith("slow:") for marker in ini["markers"])
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^SLOW_TESTS='\. \.venv/bin/activate && python -m pytest -m slow'$", ci, re.M)
+    body = ci.split("\nsuite() {", 1)[1].split("\n}\n", 1)[0]
+    readme_run = body.index('bash -c "${README_TESTS')
+    slow_run = body.index('bash -c "$SLOW_TESTS"')
+    assert readme_run < slow_run and "slow_rc -ne 0" in body
+    assert len(re.findall(r"^suite \w+ ", ci, re.M)) == 2
+    assert "python -m pytest -m slow" in (ROOT / "README.md").read_text()

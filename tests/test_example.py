@@ -160,6 +160,7 @@ def _expected_param_dtype(path, policy, mode):
     return np.dtype(jnp.float32) if mode == "mpjax" and is_norm else policy.param_dtype
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "policy_name, mode",
     [
@@ -301,6 +302,7 @@ def test_optimizer_precision_flags_compose_with_master_weights_and_loss_scaling(
     assert "mu bf16, nu f32" in tt.describe_optimizer(cfg, policy)
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_run_resumes_bit_identically(text_file, tmp_path):
     # The rounding keys live in the optimizer state: a resumed run draws what the straight
     # run drew.
@@ -343,6 +345,7 @@ def _is_master(x):
     return isinstance(x, mpjax.MasterWeightsState)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_big_batch(corpus):
     _, _, _, state, step = _setup("float32")
     x, y = _batch(corpus, 2, 4)
@@ -363,6 +366,7 @@ def test_gradient_accumulation_matches_one_big_batch(corpus):
         assert_close_in_norm(a - start, b - start, 4 * rtol, jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 def test_sampling_returns_the_prompt_then_the_requested_bytes():
     _, model, _, state, _ = _setup("float32")
     generate = tt.make_generate(model, 40)  # longer than block_size: the window slides
@@ -381,6 +385,7 @@ def test_sampling_returns_the_prompt_then_the_requested_bytes():
 # ----------------------------------------------------------------------------- the train loop
 
 
+@pytest.mark.slow
 def test_resume_continues_bit_identically(text_file, tmp_path):
     # mixed_float16: the dynamic loss scale's growth counter moves every step, so the
     # loss-scale state must round-trip through the checkpoint too.
@@ -406,6 +411,7 @@ def test_resume_continues_bit_identically(text_file, tmp_path):
         tt.train(cfg)
 
 
+@pytest.mark.slow
 def test_data_parallel_on_8_devices_matches_one_device(text_file, tmp_path):
     assert jax.device_count() == 8
     one = tt.train(_cfg(text_file, tmp_path / "one", steps=4, num_devices=1))
@@ -435,11 +441,13 @@ def test_data_parallel_on_8_devices_matches_one_device(text_file, tmp_path):
         tt.train(_cfg(text_file, tmp_path / "bad", batch_size=6, num_devices=8))
 
 
+@pytest.mark.slow
 def test_diverging_run_stops_with_a_clear_message(text_file, tmp_path):
     with pytest.raises(tt.TrainingStopped, match="loss is nan"):
         tt.train(_cfg(text_file, tmp_path, lr=1e30, warmup_steps=0, grad_clip=0.0))
 
 
+@pytest.mark.slow
 def test_persistent_overflow_stops_the_run(text_file, tmp_path):
     # A static scale of 1e30 overflows float16 in every backward pass: every step is skipped.
     cfg = _cfg(
@@ -458,6 +466,7 @@ def test_persistent_overflow_stops_the_run(text_file, tmp_path):
     assert all(r["loss_scale"] == float(np.float32(1e30)) for r in log)
 
 
+@pytest.mark.slow
 def test_command_line_runs_end_to_end_and_logs_each_logged_step(text_file, tmp_path):
     argv = [
         "--n-layer",
@@ -540,6 +549,7 @@ def test_bad_flags_are_rejected_naming_the_flag(capsys):
     assert mpjax.get_policy(cfg.policy) == mpjax.MIXED_BFLOAT16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["mpjax", "autocast"])
 def test_train_step_costs_no_more_converts_than_the_hand_written_bf16_model(mode, corpus):
     """The example transformer's compiled train step (forward, backward, AdamW) under module
@@ -575,6 +585,7 @@ def _init(config):
     return jax.jit(gpt.GPT(config).init)(jax.random.key(0), _tokens(config=config))["params"]
 
 
+@pytest.mark.slow
 def test_fused_and_naive_attention_compute_the_same_function():
     params = _init(SMALL)
     tokens = _tokens()
@@ -596,6 +607,7 @@ def _stacked(loop_params, n_layer):
     return {**rest, "h": jax.tree.map(lambda *a: jnp.stack(a), *blocks)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", list(gpt.REMAT_POLICIES))
 def test_scanned_and_rematerialized_layers_compute_what_the_loop_computes(remat):
     """nn.scan over layers (and nn.remat of each block) changes how the model runs, not what
@@ -623,6 +635,7 @@ def test_scanned_and_rematerialized_layers_compute_what_the_loop_computes(remat)
         assert_close_in_norm(a, b, 2 * rtol, jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", tt.MODEL_MODES)
 def test_scanned_rematerialized_blocks_run_in_bf16_forward_and_backward(mode):
     """Each way of applying the policy reaches the blocks inside nn.scan and nn.remat: every
@@ -641,6 +654,7 @@ def test_scanned_rematerialized_blocks_run_in_bf16_forward_and_backward(mode):
     assert {a.dtype for a in jax.tree.leaves(grad_fn(params))} == {np.dtype(jnp.float32)}
 
 
+@pytest.mark.slow
 def test_rules_by_path_reach_a_block_inside_the_scan():
     """A path rule for the scanned block's MLP runs exactly its matmuls in f32."""
     config = dataclasses.replace(DEEP, scan_layers=True, remat="dots")
@@ -656,6 +670,7 @@ def test_rules_by_path_reach_a_block_inside_the_scan():
     assert set(report.operand_dtypes()) == {("float32", "float32"), ("bfloat16", "bfloat16")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", tt.MODEL_MODES)
 def test_token_rows_are_gathered_from_the_f32_table_and_positions_sliced(mode):
     """The token lookup gathers rows of the f32 table and its gradient scatter-adds in f32 in
@@ -683,6 +698,7 @@ def test_token_rows_are_gathered_from_the_f32_table_and_positions_sliced(mode):
     assert any(e.invars[0].aval.shape == table for e in converts)
 
 
+@pytest.mark.slow
 def test_weight_decay_applies_to_kernels_and_embeddings_only_even_when_stacked():
     params = _init(dataclasses.replace(DEEP, scan_layers=True, tie_embeddings=False))
     mask = tt.decay_mask(params)
@@ -727,6 +743,7 @@ def test_model_config_rejects_unknown_choices(field, value, message):
         dataclasses.replace(SMALL, **{field: value})
 
 
+@pytest.mark.slow
 def test_hand_written_bf16_model_with_fused_attention_trains_under_standard_promotion(corpus):
     """The benchmark's hand-written baseline: fused attention, dtypes set by hand, compiled
     under JAX's default (standard) promotion."""
@@ -757,6 +774,7 @@ def _log(out):
     return [json.loads(r) for r in (out / "log.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_resume_needs_only_out_and_extends_a_finished_run(text_file, tmp_path, capsys):
     out = tmp_path / "run"
     tt.main(_argv(text_file, out, "--steps", "4", "--policy", "mixed_float16"))
@@ -784,6 +802,7 @@ def test_resume_needs_only_out_and_extends_a_finished_run(text_file, tmp_path, c
     assert json.loads((out / "summary.json").read_text())["steps"] == 6
 
 
+@pytest.mark.slow
 def test_resume_refuses_flags_that_change_the_run_naming_each(text_file, tmp_path, capsys):
     out = tmp_path / "run"
     tt.main(_argv(text_file, out, "--steps", "2"))
@@ -823,6 +842,7 @@ def test_resume_needs_a_checkpoint_and_names_the_folder(tmp_path, capsys):
     )
 
 
+@pytest.mark.slow
 def test_a_fresh_run_refuses_a_folder_with_a_run_and_overwrite_deletes_only_its_files(
     text_file, tmp_path, capsys
 ):
@@ -885,6 +905,7 @@ DAMAGE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_resume_falls_back_from_a_corrupt_checkpoint_naming_the_file(
     damage, interrupted_run, tmp_path, capfd
@@ -911,6 +932,7 @@ def test_resume_falls_back_from_a_corrupt_checkpoint_naming_the_file(
     assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["4", "6"]
 
 
+@pytest.mark.slow
 def test_resume_lists_each_checkpoint_and_why_when_none_restores(interrupted_run, tmp_path):
     cfg, _ = interrupted_run
     out = tmp_path / "run"
@@ -941,6 +963,7 @@ def test_resume_lists_each_checkpoint_and_why_when_none_restores(interrupted_run
     assert "Traceback" not in result.stdout
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_other_settings_does_not_fit_and_is_not_called_corrupt(interrupted_run):
     cfg, _ = interrupted_run
     untied = dataclasses.replace(cfg, untied=True)  # one more matrix: the output head

@@ -95,6 +95,7 @@ def _run(policy_name, devices, fsdp, steps=3):
     return losses, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy_name", ["float32", "mixed_float16"])
 def test_fsdp_on_8_devices_trains_like_one_device(policy_name):
     want, one = _run(policy_name, jax.devices()[:1], 1)
@@ -213,6 +214,7 @@ def corpus_file(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one_checkpoint_and_resume(corpus_file, tmp_path):
     """2 processes x 2 CPU devices (FSDP 2 x 2 replicas) train on the same batches as one
     process with 4 devices and reach the same losses; resumed from a checkpoint after an
@@ -265,6 +267,7 @@ EIGHT_WAY = ("--policy", "float32", "--num-devices", "8", "--fsdp", "8", "--samp
 RTOL = _reordered_rtol("float32", FLAGS_CONFIG, tokens=8 * 16)
 
 
+@pytest.mark.slow
 def test_an_fsdp_run_resumes_on_fewer_devices_resliced(corpus_file, tmp_path, capsys):
     """Resumed on 2 of the 8 devices that saved it, a run slices its params over 2 (the
     checkpoint's --fsdp 8 cannot) and goes on from the same state: the losses after the

@@ -351,6 +351,7 @@ def test_fp8_under_scan_over_layers_and_remat():
     assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.slow
 def test_fp8_under_sharding_matches_the_unsharded_step():
     """Sharded (data-parallel batch, FSDP-style kernels), the fp8 gradients stay closer to the
     unsharded fp8 gradients than fp8 is to bf16: partial sums are added in another order, and
@@ -419,6 +420,7 @@ def test_fp8_scales_are_global_under_sharding():
     assert (np.abs(per_shard - qx @ qw) > bound).any()
 
 
+@pytest.mark.slow
 def test_a_model_trains_under_fp8_like_under_bf16():
     """A regression MLP reaches nearly the same loss under fp8 as under mixed bf16."""
     x = normal((256, 16), 14)
@@ -774,6 +776,7 @@ def linen_delayed_training(steps, resume_at=None):
     return carry
 
 
+@pytest.mark.slow
 def test_linen_delayed_training_resumes_bit_identically():
     straight, resumed = linen_delayed_training(5), linen_delayed_training(5, resume_at=2)
     for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
@@ -813,6 +816,7 @@ def test_nnx_delayed_state_lives_in_variables_and_updates_through_nnx_grad():
     assert len(dots) == 5 and all(d.fp8 for d in dots), str(dots)
 
 
+@pytest.mark.slow
 def test_delayed_state_under_sharding_matches_the_unsharded_step():
     """Data-parallel over 8 devices, the next state holds the same global amaxes: of the input
     and the params bit for bit (a max is exact in any order); of the head's input, computed in

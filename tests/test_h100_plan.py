@@ -29,7 +29,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 import train_transformer as tt  # noqa: E402
 
 REASON = gpu_plan_unavailable()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"gpu_plan cannot run: {REASON}")
+# Slow: each plan compiles a whole training step for the H100 (`python -m pytest -m slow`).
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(REASON is not None, reason=f"gpu_plan cannot run: {REASON}"),
+]
 
 BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 BATCH = {"small": 16, "medium": 8}

@@ -155,6 +155,7 @@ def test_a_user_attention_fn_is_called_and_its_matmuls_run_in_bf16():
     assert len(attn) == 2 and {m.operand_dtypes for m in attn} == {(BF16, BF16)}  # ...cast at ops
 
 
+@pytest.mark.slow
 def test_params_are_created_in_f32_and_stay_f32_across_adam_steps(lm):
     model, variables, ids = lm
     params = variables["params"]
@@ -569,6 +570,7 @@ def _train_step_converts(model, x):
     return mpjax.hlo_op_counts(step)(params, jax.eval_shape(tx.init, params))["convert"]
 
 
+@pytest.mark.slow
 def test_wrapped_train_step_has_no_more_converts_than_hand_written_bf16():
     x = jax.random.normal(jax.random.key(1), (2, SEQ, DIM))
     # Flax's norms are not strict-promotion clean with dtype=bf16, nor is optax's adam: compare
@@ -733,6 +735,7 @@ def test_apply_of_a_wrapped_model_names_variables_that_are_not_a_dict(variables)
         model.apply(variables, jnp.ones((1, 3)))
 
 
+@pytest.mark.slow
 def test_readme_flax_linen_example_runs_and_prints_its_table(capsys):
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme.split("\n## Flax\n", 1)[1].split("\n### NNX", 1)[0].split("\n## ", 1)[0]

@@ -858,6 +858,7 @@ def _checkpoint_run(tmp_path, save):
     return params, state
 
 
+@pytest.mark.slow
 def test_orbax_checkpoint_resume_is_bit_identical(tmp_path):
     def save_and_restore(params, state, fresh):
         with ocp.StandardCheckpointer() as checkpointer:

@@ -291,6 +291,7 @@ def test_reproducible_from_the_seed_and_no_retrace():
     assert_trees_bitwise_equal((params, state), a)
 
 
+@pytest.mark.slow
 def test_orbax_checkpoint_resume_is_bit_identical(tmp_path):
     # Two carried keys: the params' and the state's.
     tx = low_precision_params(
@@ -426,6 +427,7 @@ def mesh():
     return Mesh(np.array(devices), ("x",))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
 def test_sharded_run_matches_the_unsharded_one_bit_for_bit(mesh, rounding):
     # The same keys, the numbers up to how XLA compiles each size (see

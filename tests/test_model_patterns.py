@@ -43,6 +43,10 @@ from mixed_precision_checks import (
 
 import mpjax
 
+# Every pattern under every property: a sweep, like tests/test_third_party.py; the default
+# command leaves it out (mpjax.linen, mpjax.nnx and mpjax.autocast have tests of their own).
+pytestmark = pytest.mark.slow
+
 B, T, D, HEADS, HEAD_DIM, FF, VOCAB = 2, 8, 16, 2, 8, 32, 32
 EXPERTS, TOP_K, LAYERS = 4, 2, 2
 

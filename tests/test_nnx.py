@@ -182,6 +182,7 @@ def test_a_users_own_attention_function_is_kept_and_cast_at_its_matmuls():
 # --- training: f32 masters, jit, optimizer, outputs --------------------------------------------
 
 
+@pytest.mark.slow
 def test_grads_and_params_stay_f32_and_follow_the_f32_update_across_adam_steps():
     model, reference, x = block(), block(), x_seq()
     tx = optax.adam(1e-2)
@@ -468,6 +469,7 @@ def test_bf16_param_storage():
 # --- loss scaling with nnx.Optimizer ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_scaled_value_and_grad_trains_with_an_nnx_optimizer_and_skips_overflow():
     model = block("mixed_float16")
     inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
@@ -564,6 +566,7 @@ def test_a_never_matching_rule_warns_exactly_once():
         jax.jit(lambda x: model(x))(x_seq())
 
 
+@pytest.mark.slow
 def test_wrapped_block_compiles_to_no_more_converts_than_the_hand_written_one():
     x = x_seq()
 
@@ -711,6 +714,7 @@ def test_bad_input_raises_errors_naming_the_argument():
         mpjax.describe(Block)
 
 
+@pytest.mark.slow
 def test_readme_nnx_example_runs_and_prints_its_table(capsys):
     section = README.read_text().split("### NNX\n", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)

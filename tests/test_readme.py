@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -31,6 +33,7 @@ def test_readme_has_exactly_two_setup_commands():
     assert commands[1].strip() in ci, ".ci/run must run the README's test command"
 
 
+@pytest.mark.slow
 def test_quickstart_runs_and_learns():
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "quickstart.py")],
@@ -51,6 +54,7 @@ def _readme_python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
 
 
+@pytest.mark.slow
 def test_readme_snippets_run():
     """Every Python block of the README runs, top to bottom in one namespace, as a reader
     would paste them; so the README can only show the API that exists."""

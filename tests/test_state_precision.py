@@ -371,6 +371,7 @@ def mesh():
     return Mesh(np.array(devices), ("x",))
 
 
+@pytest.mark.slow
 def test_sharded_run_matches_the_unsharded_one_bit_for_bit(mesh):
     # threefry is partitionable, so the rounding draws do not depend on the sharding: the key
     # and a draw are the same bit for bit, the numbers up to how XLA compiles each size
@@ -391,6 +392,7 @@ def test_sharded_run_matches_the_unsharded_one_bit_for_bit(mesh):
     assert_trees_bitwise_equal(draw(jax.device_put(x, sharding), state.key), draw(x, state.key))
 
 
+@pytest.mark.slow
 def test_orbax_checkpoint_resume_is_bit_identical(tmp_path):
     tx = state_precision(
         optax.adamw(1e-2), {"mu": "bf16", "nu": "bf16"}, rounding="stochastic", seed=7

@@ -37,7 +37,7 @@ from mixed_precision_checks import (
 
 import mpjax
 
-pytestmark = pytest.mark.third_party
+pytestmark = [pytest.mark.third_party, pytest.mark.slow]  # a minute of compiles in all
 
 B, T, VOCAB = 2, 8, 64
 
