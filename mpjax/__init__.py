@@ -65,6 +65,7 @@ from mpjax.low_precision_params import (
 )
 from mpjax.master_weights import MasterWeightsState, master_weights
 from mpjax.memory import MemoryReport, MemoryRow, memory_report
+from mpjax.monitor import ModuleCheck, PrecisionMonitor
 from mpjax.op_categories import DEFAULT_OP_CATEGORIES
 from mpjax.policy import (
     MIXED_BFLOAT16,
@@ -156,6 +157,7 @@ __all__ = [
     "MatmulReport",
     "MemoryReport",
     "MemoryRow",
+    "ModuleCheck",
     "ModuleRow",
     "MpjaxDeprecationWarning",
     "NoOpLossScale",
@@ -163,6 +165,7 @@ __all__ = [
     "PersistentOverflowError",
     "Policy",
     "PolicyLike",
+    "PrecisionMonitor",
     "PrecisionReport",
     "Resolution",
     "Rule",

@@ -57,6 +57,8 @@ class _Tracing(threading.local):
     def __init__(self) -> None:
         # The settings of each engine trace in progress on this thread, innermost last.
         self.settings: list[_Settings] = []
+        # The observers (see observing()) of the engine runs traced now, innermost last.
+        self.observers: list[Callable[[dict[str, list]], None]] = []
 
 
 _tracing = _Tracing()
@@ -69,6 +71,24 @@ def tracing() -> bool:
     its precision region; called outside, it starts the engine itself.
     """
     return bool(_tracing.settings)
+
+
+@contextlib.contextmanager
+def observing(observer: Callable[[dict[str, list]], None]):
+    """While open, every engine run traced on this thread hands ``observer`` the values it
+    computed: at the end of each jaxpr it evaluates (the function, and each body of a loop,
+    ``jit``, ``remat`` or custom derivative inside), ``observer({module path: [outputs]})``
+    with the floating outputs of its first-order equations, by the path of the region they
+    ran in. The values belong to the trace of that jaxpr: the observer reduces them there
+    (and sends the results out with ``jax.debug.callback``, say).
+
+    Nested functions that autocast caches are not reused while observing, nor left behind.
+    """
+    _tracing.observers.append(observer)
+    try:
+        yield
+    finally:
+        _tracing.observers.pop()
 
 
 def traced_compute_dtype() -> np.dtype | None:
@@ -379,6 +399,7 @@ class _Interpreter:
         casts: dict[tuple[Any, Any], Any] = {}  # a value cast once serves all its uses
         paths = [path + compat.scope_names(eqn) for eqn in jaxpr.eqns]
         widened = self._widened(jaxpr, paths)
+        observed: dict[str, list] = collections.defaultdict(list)
         for i, eqn in enumerate(jaxpr.eqns):
             invals = [read(a) for a in eqn.invars]
             avals = [aval(a, x) for a, x in zip(eqn.invars, invals)]
@@ -395,6 +416,11 @@ class _Interpreter:
                     env[var] = out
                     if from_constants:
                         constant.add(var)
+            if _tracing.observers and eqn.primitive.name not in self.handlers:
+                where = self.settings.region(paths[i]).path
+                observed[where] += [x for x in outs if is_floating(jax.typeof(x).dtype)]
+        if observed:
+            _tracing.observers[-1](dict(observed))
         return [read(a) for a in jaxpr.outvars]
 
     def _widened(self, jaxpr: Any, paths: list[tuple[str, ...]]) -> set[int]:
@@ -1037,12 +1063,12 @@ class _AutocastFunction:
     traces: _TraceCache
 
     def call(self, args, kwargs, delayed: _DelayedScaling | None = None, record=None) -> Any:
-        """Runs ``fn`` through the engine; a recording run (``record``) builds its own nested
-        functions rather than reuse, or leave behind, ones that record elsewhere."""
+        """Runs ``fn`` through the engine; a recording or observed run builds its own nested
+        functions rather than reuse, or leave behind, ones that record or observe elsewhere."""
         traced, dynamic = _trace(
             self.fn, self.settings, self.traces, args, kwargs, trace_scalars=True
         )
-        cache = traced.cache if record is None else {}
+        cache = traced.cache if record is None and not _tracing.observers else {}
         outs = _Interpreter(self.settings, cache, record, delayed).run(traced.closed, dynamic, ())
         policy = self.settings.policy
         outs = [_to_output(x, a, policy) for x, a in zip(outs, traced.closed.out_avals)]

@@ -37,7 +37,7 @@ LAYERS = (
     # Optimizer transformations that read the loss-scaling state, and the memory report
     # that names their parts.
     {"state_precision", "low_precision_params", "memory"},
-    {"autocast", "report"},
+    {"autocast", "report", "monitor"},
     {"attention"},  # an operation that asks the engine for its region's compute dtype
     {"describe"},  # the one report entry point: the integrations register with it
     {"diagnosis"},  # runs what describe takes, side by side under a policy and in f32
@@ -63,6 +63,7 @@ FLAX_FREE = (
     "describe",
     "range_stats",
     "diagnosis",
+    "monitor",
 )
 # The optimizer side, which must not need Flax either.
 OPTIMIZER_SIDE = (

@@ -1,0 +1,184 @@
+"""In-training collection: the largest magnitude and the non-finite count of the values each
+module computes, measured inside a jitted train step every N steps.
+
+:class:`PrecisionMonitor` wraps a train step in a ``lax.cond`` on the step number: on a check
+step the step is traced with the casting engine observing (:func:`mpjax.autocast.observing`),
+each jaxpr it evaluates reduces its modules' values to an amax and a non-finite count and
+sends them to the host with ``jax.debug.callback``; on the other steps the other branch runs,
+the step as it was, with nothing measured and nothing sent. It sees what runs through the
+engine: a model wrapped by :func:`mpjax.linen.apply_policy`, an NNX model with
+:func:`mpjax.nnx.set_policy`, a function made by :func:`mpjax.autocast`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from mpjax.autocast import observing
+from mpjax.table import format_table
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleCheck:
+    """What one module computed in the forward pass of one check step.
+
+    Attributes:
+      step: the step number.
+      module: the module path (``""`` for the root).
+      amax: the largest finite magnitude of its values.
+      nonfinite: how many of its values were inf or NaN.
+      count: how many values it computed.
+    """
+
+    step: int
+    module: str
+    amax: float
+    nonfinite: int
+    count: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _reduce(values: list) -> jax.Array:
+    """``[amax of the finite magnitudes, non-finite count, count]`` of all the values."""
+    values = [x.astype(jnp.float32) for x in values]
+    amax = jnp.max(
+        jnp.stack(
+            [jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), initial=0.0) for x in values]
+        )
+    )
+    nonfinite = jnp.sum(jnp.stack([jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in values]))
+    count = sum(int(np.size(x)) for x in values)
+    return jnp.stack([amax, nonfinite.astype(jnp.float32), jnp.float32(count)])
+
+
+class PrecisionMonitor:
+    """Per-module amax and non-finite counts of a train step, every ``every`` steps.
+
+    Args:
+      every: check every this many steps (the steps whose number is a multiple of it).
+
+    Raises:
+      ValueError: if ``every`` is not a positive int.
+
+    >>> import jax, jax.numpy as jnp, mpjax
+    >>> def loss(w, x):
+    ...     with jax.named_scope("proj"):
+    ...         return jnp.sum(jnp.tanh(x @ w))
+    >>> f = mpjax.autocast(loss, "mixed_bfloat16")
+    >>> monitor = PrecisionMonitor(every=2)
+    >>> step = jax.jit(monitor.wrap(lambda i, w, x: jax.grad(f)(w, x), step=lambda i, w, x: i))
+    >>> for i in range(3):
+    ...     _ = step(i, jnp.ones((2, 2)), jnp.full((1, 2), 3.0))
+    >>> jax.effects_barrier()
+    >>> [(c.step, c.module, c.amax) for c in monitor.checks if c.module == "proj"]
+    [(0, 'proj', 6.0), (2, 'proj', 6.0)]
+    """
+
+    def __init__(self, every: int):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"PrecisionMonitor(every=...) must be an int >= 1; got {every!r}.")
+        self.every = every
+        self.checks: list[ModuleCheck] = []
+        self._written = 0  # how many checks write() has written
+
+    def wrap(self, step_fn: Callable[..., Any], *, step: Callable[..., Any]) -> Callable[..., Any]:
+        """``step_fn`` measuring on the steps whose number (``step(*args)``, a traced int) is a
+        multiple of :attr:`every`; same signature and outputs. Jit the result (or call it in a
+        jitted step): the branch that measures is compiled beside the plain one.
+
+        Raises:
+          TypeError: if ``step_fn`` or ``step`` is not callable.
+        """
+        for name, value in (("step_fn", step_fn), ("step", step)):
+            if not callable(value):
+                raise TypeError(
+                    f"PrecisionMonitor.wrap({name}=...) must be a function; got {value!r}."
+                )
+
+        @functools.wraps(step_fn)
+        def wrapped(*args):
+            number = jnp.asarray(step(*args))
+            leaves, tree = jax.tree.flatten(args)
+            arrays = [
+                i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array | np.ndarray)
+            ]
+
+            def call(operands):
+                merged = list(leaves)
+                for i, x in zip(arrays, operands):
+                    merged[i] = x
+                return step_fn(*jax.tree.unflatten(tree, merged))
+
+            def measured(operands):
+                with observing(functools.partial(self._observe, number)):
+                    return call(operands)
+
+            check = number % self.every == 0
+            return lax.cond(check, measured, call, [leaves[i] for i in arrays])
+
+        return wrapped
+
+    def _observe(self, number: jax.Array, values: dict[str, list]) -> None:
+        modules = tuple(values)
+        stats = jnp.stack([_reduce(values[m]) for m in modules])
+        jax.debug.callback(functools.partial(self._receive, modules), number, stats)
+
+    def _receive(self, modules: Sequence[str], number: Any, stats: Any) -> None:
+        for module, (amax, nonfinite, count) in zip(modules, np.asarray(stats)):
+            self.checks.append(
+                ModuleCheck(int(number), module, float(amax), int(nonfinite), int(count))
+            )
+
+    def latest(self) -> list[ModuleCheck]:
+        """The last check, one entry per module (merged over the jaxprs that ran it: a module
+        inside a loop or run twice under remat), in the order they first ran."""
+        if not self.checks:
+            return []
+        last = max(c.step for c in self.checks)
+        merged: dict[str, ModuleCheck] = {}
+        for c in self.checks:
+            if c.step != last:
+                continue
+            old = merged.get(c.module)
+            merged[c.module] = (
+                c
+                if old is None
+                else dataclasses.replace(
+                    old,
+                    amax=max(old.amax, c.amax),
+                    nonfinite=old.nonfinite + c.nonfinite,
+                    count=old.count + c.count,
+                )
+            )
+        return list(merged.values())
+
+    def table(self) -> str:
+        """The last check as a text table."""
+        rows = [
+            (c.module or "<root>", f"{c.amax:.4g}", str(c.nonfinite), f"{c.count:,}")
+            for c in self.latest()
+        ]
+        if not rows:
+            return "no check yet"
+        return format_table(
+            ("module", "amax", "non-finite", "values"), rows, right=frozenset({1, 2, 3})
+        )
+
+    def write(self, path: str | os.PathLike) -> None:
+        """Appends the checks received since the last write to ``path`` as JSON lines."""
+        with open(path, "a") as f:
+            for c in self.checks[self._written :]:
+                f.write(json.dumps(c.to_dict()) + "\n")
+        self._written = len(self.checks)

@@ -1,0 +1,122 @@
+"""mpjax.PrecisionMonitor: per-module amax and non-finite counts measured inside a jitted
+step on check steps only, for autocast functions, linen and NNX models."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mpjax
+
+
+def _loss(w, x):
+    with jax.named_scope("proj"):
+        h = x @ w
+    with jax.named_scope("act"):
+        return jnp.sum(jnp.tanh(h))
+
+
+def _callbacks(jaxpr) -> int:
+    """How many debug callbacks ``jaxpr`` runs, in its sub-jaxprs too."""
+    found = 0
+    for eqn in jaxpr.eqns:
+        found += eqn.primitive.name == "debug_callback"
+        for sub in mpjax.jax_compat.sub_jaxprs(eqn):
+            found += _callbacks(getattr(sub, "jaxpr", sub))
+    return found
+
+
+def test_autocast_values_are_measured_on_check_steps_only():
+    f = mpjax.autocast(_loss, "mixed_bfloat16")
+    monitor = mpjax.PrecisionMonitor(every=3)
+    step = jax.jit(monitor.wrap(lambda i, w, x: jax.grad(f)(w, x), step=lambda i, w, x: i))
+    w = np.full((4, 2), 0.5, np.float32)
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)  # exact in bfloat16
+    for i in range(7):
+        step(i, w, x)
+    jax.effects_barrier()
+    assert sorted({c.step for c in monitor.checks}) == [0, 3, 6]
+    proj = [c for c in monitor.checks if c.module == "proj"]
+    # proj computes x, w in bfloat16 and x @ w: its largest value is the last row's sum, 19.
+    assert [c.amax for c in proj] == [float(np.max(x @ w))] * 3
+    assert all(c.nonfinite == 0 for c in monitor.checks)
+    act = {c.module: c for c in monitor.latest()}["act"]
+    assert act.amax == pytest.approx(np.sum(np.tanh(x @ w)), rel=1e-2)
+    assert "proj" in monitor.table()
+
+
+def test_the_steps_between_checks_run_the_step_without_a_callback():
+    f = mpjax.autocast(_loss, "mixed_bfloat16")
+    monitor = mpjax.PrecisionMonitor(every=100)
+    step = monitor.wrap(lambda i, w, x: jax.grad(f)(w, x), step=lambda i, w, x: i)
+    jaxpr = jax.make_jaxpr(step)(0, jnp.ones((4, 2)), jnp.ones((3, 4))).jaxpr
+    (cond,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    plain, measured = (b.jaxpr for b in mpjax.jax_compat.cond_branches(cond))
+    assert _callbacks(plain) == 0 and _callbacks(measured) >= 1
+
+
+class RMSNorm(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        mean_square = jnp.einsum("...d,...d->...", x, x)[..., None] / x.shape[-1]
+        return x * jax.lax.rsqrt(mean_square + 1e-6)
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2, name="out")(RMSNorm(name="norm")(nn.Dense(16, name="up")(x)))
+
+
+def test_a_linen_models_modules_are_measured_and_its_overflow_counted(tmp_path):
+    model = mpjax.linen.apply_policy(Net(), "mixed_float16")
+    x = jnp.full((2, 4), 100.0)
+    variables = model.init(jax.random.key(0), x)
+    monitor = mpjax.PrecisionMonitor(every=2)
+
+    def train_step(i, variables, x):
+        return jax.grad(lambda v: jnp.sum(model.apply(v, x)))(variables)
+
+    step = jax.jit(monitor.wrap(train_step, step=lambda i, v, x: i))
+    for i in range(3):
+        step(i, variables, x)
+    jax.effects_barrier()
+    latest = {c.module: c for c in monitor.latest()}
+    assert {"up", "norm", "out"} <= set(latest)
+    assert latest["norm"].nonfinite > 0 and latest["up"].nonfinite == 0
+    monitor.write(tmp_path / "ranges.jsonl")
+    lines = (tmp_path / "ranges.jsonl").read_text().splitlines()
+    assert len(lines) == len(monitor.checks) and '"module": "norm"' in "".join(lines)
+
+
+def test_an_nnx_models_modules_are_measured():
+    class Block(nnx.Module):
+        def __init__(self):
+            self.proj = nnx.Linear(4, 3, use_bias=False, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return jnp.sum(self.proj(x))
+
+    model = Block()
+    mpjax.nnx.set_policy(model, "mixed_bfloat16")
+    graphdef, state = nnx.split(model)
+    monitor = mpjax.PrecisionMonitor(every=1)
+
+    def train_step(i, state, x):
+        return jax.grad(lambda s: nnx.merge(graphdef, s)(x))(state)
+
+    jax.jit(monitor.wrap(train_step, step=lambda i, s, x: i))(0, state, jnp.ones((2, 4)))
+    jax.effects_barrier()
+    kernel = np.asarray(model.proj.kernel.get_value())
+    proj = {c.module: c for c in monitor.latest()}["proj"]
+    expected = max(np.max(np.abs(kernel)), np.max(np.abs(np.ones((2, 4)) @ kernel)))
+    assert proj.amax == pytest.approx(expected, rel=1e-2)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="every"):
+        mpjax.PrecisionMonitor(every=0)
+    with pytest.raises(TypeError, match="step=...\\) must be a function"):
+        mpjax.PrecisionMonitor(every=2).wrap(jnp.sum, step=3)
