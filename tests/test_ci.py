@@ -15,7 +15,9 @@ def _floors() -> dict[str, str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     floors = {}
     extras = project["optional-dependencies"]
-    installed = extras["test"] + extras["flax"] + extras["jmp"] + extras["equinox"] + extras["bench"]
+    installed = (
+        extras["test"] + extras["flax"] + extras["jmp"] + extras["equinox"] + extras["bench"]
+    )
     for spec in project["dependencies"] + installed:
         match = re.fullmatch(r"([A-Za-z0-9_.\-]+)>=([0-9.]+)", spec)
         assert match, f"{spec!r}: every dependency needs a floor, written name>=version"
@@ -74,7 +76,7 @@ def test_the_dev_tools_are_pinned_and_ci_runs_the_checks():
     checks = (ROOT / ".ci" / "checks").read_text()
     for command in ("ruff check", "ruff format --check", "mypy", "sphinx -E -W"):
         assert command in checks, command
-    assert re.search(r"^bash \.ci/checks\b", (ROOT / ".ci" / "run").read_text(), re.M)
+    assert re.search(r"^job checks \.ci/checks$", (ROOT / ".ci" / "run").read_text(), re.M)
 
 
 def _project() -> dict:
@@ -125,3 +127,30 @@ def test_the_readme_command_leaves_out_the_slow_tests_and_ci_runs_them():
     assert readme_run < slow_run and "slow_rc -ne 0" in body
     assert len(re.findall(r"^suite \w+ ", ci, re.M)) == 2
     assert "python -m pytest -m slow" in (ROOT / "README.md").read_text()
+
+
+def test_the_package_carries_its_license_and_what_its_tests_need():
+    """The metadata names the license as an SPDX expression and ships its text; the sdist holds
+    the files the tests read (conftest, examples, benchmarks, CI scripts, README); CI builds the
+    package, checks it with twine, installs the wheel bare and with each extra, and runs the
+    sdist's tests."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert not any(c.startswith("License ::") for c in project["classifiers"])  # PEP 639
+    python = {c.rsplit(" ", 1)[1] for c in project["classifiers"] if re.search(r"3\.\d+$", c)}
+    assert min(python, key=lambda v: int(v.split(".")[1])) == project["requires-python"][2:]
+    manifest = (ROOT / "MANIFEST.in").read_text().splitlines()
+    grafted = {line.split()[1] for line in manifest if line.startswith("graft ")}
+    assert {"tests", "examples", "benchmarks", "docs", ".ci"} <= grafted
+    included = {f for line in manifest if line.startswith("include ") for f in line.split()[1:]}
+    assert {"conftest.py", "README.md", "LICENSE", "CHANGELOG.md"} <= included
+    assert all((ROOT / f).is_file() for f in included)
+    package = (ROOT / ".ci" / "package").read_text()
+    for step in ("build", "core", "extras", "sdist_tests"):
+        assert re.search(rf"^step [\w-]+ {step}$", package, re.M), step
+    assert 'twine" check --strict' in package
+    for extra in ("flax", "equinox", "jmp"):
+        assert f'"$wheel[{extra}]"' in package and extra in project["optional-dependencies"]
+    assert re.search(r"^job package \.ci/package$", (ROOT / ".ci" / "run").read_text(), re.M)
