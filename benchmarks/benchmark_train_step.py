@@ -21,14 +21,18 @@ the model's parameters and ``optimizer.state`` after the timed steps), by part.
 The fp8 rows (``fp8_mpjax``, ``fp8_autocast``) run the blocks' dense matmuls under
 ``mixed_bfloat16_fp8``: e4m3 operands forward and e5m2 gradients backward with current
 scaling, GEMMs on the fp8 values, which Hopper and Ada GPUs run as fp8 GEMMs (Triton's or
-cuBLASLt's); compare them with the bf16 rows of the same run (``--variants`` with ``FP8_KEYS``).
-On CPU fp8 is emulated: slower, not faster.
+cuBLASLt's). The delayed rows (``fp8_delayed_mpjax``, ``fp8_delayed_autocast``) do the same
+with delayed scaling: the scales come from the amax history the train state carries, known
+before the step starts, so quantizing a tensor need not wait for its amax (which the step still
+records, for the next one). Compare them with the bf16 rows of the same run (``--variants``
+with ``FP8_KEYS``). On CPU fp8 is emulated: slower, not faster.
 
 Each JAX row also records its GPU plan (``--plan``): read from the compiled step on a GPU, or
 compiled for an H100 without one (``--plan h100``, or ``--plan-only`` for the plans alone).
 
     python benchmarks/benchmark_train_step.py --preset medium \
-        --variants bf16_mpjax fp8_mpjax bf16_autocast fp8_autocast torch_bf16_sdpa   # H100
+        --variants bf16_mpjax fp8_mpjax fp8_delayed_mpjax bf16_autocast fp8_autocast \
+        fp8_delayed_autocast torch_bf16_sdpa   # H100
 
 Besides the activation-precision rows, the optimizer rows keep bfloat16 params and differ in
 how the optimizer updates them (f32 master weights, rounding to nearest, stochastic rounding,
@@ -106,6 +110,10 @@ class Variant:
     state_rounding: str = "nearest"
 
 
+# mixed_bfloat16_fp8 with delayed scaling: train_transformer.FP8_DELAYED (this module imports
+# the training script only where a variant runs).
+FP8_DELAYED = "p=f32,c=bf16,o=f32,fp8=delayed"
+
 # The f32 "default" row is the baseline for the speedup column; "bf16_hand" is the honest
 # baseline for mpjax's rows (an undtyped Flax model would run f32 GEMMs and flatter them), and
 # "torch_bf16_sdpa" (torch.compile + autocast + flash attention) the peer they race.
@@ -134,6 +142,17 @@ VARIANTS = [
     ),
     Variant(
         "fp8_autocast", "mixed_bfloat16_fp8, mpjax.autocast", "mixed_bfloat16_fp8", mode="autocast"
+    ),
+    # The same with delayed scaling (the training script's FP8_DELAYED): the train state
+    # carries each fp8 matmul's scales and amax history, and the step updates them.
+    Variant(
+        "fp8_delayed_mpjax",
+        "fp8 delayed scaling, mpjax.linen.apply_policy",
+        FP8_DELAYED,
+        mode="mpjax",
+    ),
+    Variant(
+        "fp8_delayed_autocast", "fp8 delayed scaling, mpjax.autocast", FP8_DELAYED, mode="autocast"
     ),
     Variant("bf16_hand", "mixed_bfloat16, dtype=bf16 by hand", "mixed_bfloat16"),
     Variant(
@@ -244,7 +263,15 @@ OPTIMIZER_KEYS = (
 )
 
 # The fp8 rows and the bf16 rows they race: `--variants bf16_mpjax fp8_mpjax ...`.
-FP8_KEYS = ("bf16_mpjax", "fp8_mpjax", "bf16_autocast", "fp8_autocast", "torch_bf16_sdpa")
+FP8_KEYS = (
+    "bf16_mpjax",
+    "fp8_mpjax",
+    "fp8_delayed_mpjax",
+    "bf16_autocast",
+    "fp8_autocast",
+    "fp8_delayed_autocast",
+    "torch_bf16_sdpa",
+)
 
 # Dense peak FLOP/s per device by matmul kind. Matched against jax's device_kind, first match
 # wins (so the PCIe H100 comes before the SXM one). H200 has H100's compute.

@@ -3,7 +3,6 @@ per parameter their setup implies; the PyTorch peer is the same model as the exa
 parameter count, same logits from the same params) and its rows are skipped cleanly where torch
 is not installed."""
 
-import functools
 import importlib.metadata
 import json
 import math
@@ -98,18 +97,20 @@ NO_GPU_PLAN = mpjax.gpu_plan_unavailable()
 @pytest.mark.skipif(NO_GPU_PLAN is not None, reason=f"gpu_plan cannot run: {NO_GPU_PLAN}")
 def test_plan_only_records_what_each_row_runs_on_an_h100(tmp_path):
     """``--plan-only`` compiles each JAX row for an H100 without running it: bf16 rows put
-    every matmul FLOP on bf16, the fp8 row three fp8 GEMMs per dense layer, cuDNN attention
-    forward and backward in both."""
-    argv = ["--plan-only", "--out-dir", str(tmp_path), "--variants", "bf16_mpjax", "fp8_mpjax"]
-    bench.main([*argv, "torch_bf16_sdpa"])
+    every matmul FLOP on bf16, the fp8 rows (current and delayed scaling) three fp8 GEMMs per
+    dense layer, cuDNN attention forward and backward in all."""
+    keys = ("bf16_mpjax", "fp8_mpjax", "fp8_delayed_mpjax")
+    bench.main(["--plan-only", "--out-dir", str(tmp_path), "--variants", *keys, "torch_bf16_sdpa"])
     report = json.loads((tmp_path / "cpu_tiny_plan.json").read_text())
-    assert set(report["results"]) == {"bf16_mpjax", "fp8_mpjax"}  # PyTorch rows have no plan
+    assert set(report["results"]) == set(keys)  # PyTorch rows have no plan
     n_layer = tt.TrainConfig().model_config().n_layer
-    bf16, fp8 = (report["results"][k]["plan"] for k in ("bf16_mpjax", "fp8_mpjax"))
-    assert bf16["source"] == fp8["source"] == "deviceless h100"
+    bf16, fp8, delayed = (report["results"][k]["plan"] for k in keys)
+    assert bf16["source"] == fp8["source"] == delayed["source"] == "deviceless h100"
     assert bf16["flop_share"]["bfloat16"] == 1.0 and bf16["fp8_gemms"] == 0
-    assert fp8["fp8_gemms"] == 3 * 4 * n_layer and fp8["flop_share"]["fp8"] >= 0.8
-    for plan in (bf16, fp8):
+    for plan in (fp8, delayed):
+        assert plan["fp8_gemms"] == 3 * 4 * n_layer and plan["flop_share"]["fp8"] >= 0.8
+    assert delayed["flop_share"] == fp8["flop_share"]  # the same GEMMs, other scales
+    for plan in (bf16, fp8, delayed):
         assert plan["attention_forward"] >= n_layer and plan["attention_backward"] == n_layer
         assert plan["scatter_dtypes"] == ["float32"]
     table = (tmp_path / "cpu_tiny_plan.md").read_text()
@@ -385,15 +386,21 @@ def test_torch_rows_of_the_runner(tmp_path):
 @pytest.mark.slow
 def test_fp8_rows_build_a_step_whose_dense_matmuls_are_fp8():
     """The fp8 rows race the bf16 rows of the same run, and their train step really has fp8
-    dots (e4m3/e5m2 operands) for XLA to compile to fp8 GEMMs."""
+    dots (e4m3/e5m2 operands) for XLA to compile to fp8 GEMMs; the delayed rows' train state
+    carries the state of each of those matmuls."""
     keys = [v.key for v in bench.VARIANTS]
     assert set(bench.FP8_KEYS) <= set(keys)
-    for key in ("fp8_mpjax", "fp8_autocast"):
+    assert bench.FP8_DELAYED == tt.FP8_DELAYED
+    for key in ("fp8_mpjax", "fp8_autocast", "fp8_delayed_mpjax", "fp8_delayed_autocast"):
         variant = next(v for v in bench.VARIANTS if v.key == key)
         cfg, policy, model, tx, state = bench.build_jax_variant(variant, SETUP)
+        n_layer = cfg.model_config().n_layer
         assert policy.fp8 is not None
+        assert policy.fp8.scaling == ("delayed" if "delayed" in key else "current")
+        assert len(state.fp8) == (4 * n_layer if "delayed" in key else 0), list(state.fp8)
         x = jnp.zeros((1, 16), jnp.int32)
-        loss = functools.partial(tt.loss_fn, model, x=x, y=x)
-        dots = mpjax.hlo_dots(jax.grad(loss))(state.params)
+        # The step differentiates with respect to the fp8 state too: its next state.
+        loss = lambda p, f: tt.loss_fn(model, p, x, x, f)  # noqa: B023, E731
+        dots = mpjax.hlo_dots(jax.grad(loss, argnums=(0, 1)))(state.params, state.fp8)
         # Per block: qkv, proj, fc and proj, forward and both gradients; the head stays bf16.
-        assert sum(d.fp8 for d in dots) == 3 * 4 * cfg.model_config().n_layer, str(dots)
+        assert sum(d.fp8 for d in dots) == 3 * 4 * n_layer, str(dots)

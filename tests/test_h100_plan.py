@@ -3,10 +3,11 @@
 What mpjax promises a GPU runs, checked in XLA's optimized GPU HLO (:func:`mpjax.gpu_plan`):
 under ``mixed_bfloat16`` every matmul FLOP has bf16 operands (Tensor Core GEMMs), attention is
 cuDNN's fused kernel forward and backward, and the embedding gradient's scatter-add
-accumulates in f32; under ``mixed_bfloat16_fp8`` the dense layers' GEMMs take fp8 operands
-(e4m3 forward, e5m2 gradients) with XLA's default flags and with Triton GEMMs off, the head
-bf16; under ``mixed_float16`` with loss scaling, the same in float16. For the ``small``
-preset and the scanned ``medium`` one.
+accumulates in f32; under ``mixed_bfloat16_fp8``, and with delayed scaling (the train state
+carrying the fp8 scales), the dense layers' GEMMs take fp8 operands (e4m3 forward, e5m2
+gradients) with XLA's default flags and with Triton GEMMs off, the head bf16; under
+``mixed_float16`` with loss scaling, the same in float16. For the ``small`` preset and the
+scanned ``medium`` one.
 
 These need JAX's CUDA plugin (``pip install "mpjax[cuda12]"``, no GPU needed) and skip without
 it; CI installs it and sets ``MPJAX_REQUIRE_GPU_PLAN``, which turns a missing plugin into an
@@ -37,6 +38,10 @@ pytestmark = [
 
 BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 BATCH = {"small": 16, "medium": 8}
+# fp8 with current scaling, and with delayed scaling (the train state carries the scales).
+FP8_POLICIES = pytest.mark.parametrize(
+    "policy", ["mixed_bfloat16_fp8", tt.FP8_DELAYED], ids=["current", "delayed"]
+)
 
 
 @functools.cache
@@ -85,13 +90,17 @@ def test_mixed_bfloat16_runs_every_matmul_flop_on_bf16_tensor_cores(preset, scan
     assert_embedding_scatter_in_f32(plan)
 
 
+@FP8_POLICIES
 @pytest.mark.parametrize(
     "preset, scan_layers", [("small", False), ("medium", True)], ids=["small", "medium-scan"]
 )
-def test_fp8_runs_the_dense_layers_on_fp8_tensor_cores_and_the_head_in_bf16(preset, scan_layers):
+def test_fp8_runs_the_dense_layers_on_fp8_tensor_cores_and_the_head_in_bf16(
+    preset, scan_layers, policy
+):
     """Each of a block's four dense layers is three fp8 GEMMs (forward e4m3 x e4m3, both
-    gradients e5m2 x e4m3); the head and cuDNN attention stay bf16."""
-    config, plan = example_plan(preset, "mixed_bfloat16_fp8", scan_layers)
+    gradients e5m2 x e4m3), whether the scales are current or delayed; the head and cuDNN
+    attention stay bf16."""
+    config, plan = example_plan(preset, policy, scan_layers)
     fp8 = [g for g in plan.gemms if g.lhs_dtype.itemsize == 1 and g.rhs_dtype.itemsize == 1]
     assert sum(g.executions for g in fp8) == 3 * 4 * config.n_layer, str(plan)
     kinds = {(g.lhs_dtype.name, g.rhs_dtype.name) for g in fp8}
@@ -107,9 +116,10 @@ def test_fp8_runs_the_dense_layers_on_fp8_tensor_cores_and_the_head_in_bf16(pres
     assert_attention_is_cudnn(plan, config, BF16)
 
 
-def test_fp8_gemms_stay_fp8_with_triton_gemms_off():
+@FP8_POLICIES
+def test_fp8_gemms_stay_fp8_with_triton_gemms_off(policy):
     """Without Triton GEMMs every GEMM is a cuBLASLt call: the fp8 ones its fp8 form."""
-    config, plan = example_plan("small", "mixed_bfloat16_fp8", triton_gemm=False)
+    config, plan = example_plan("small", policy, triton_gemm=False)
     libraries = {g.library for g in plan.gemms if g.lhs_dtype.itemsize == 1}
     assert libraries == {"cublaslt_fp8"}, str(plan)
     assert _executions(plan.gemms, library="cublaslt_fp8") == 3 * 4 * config.n_layer
