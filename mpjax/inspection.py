@@ -120,6 +120,25 @@ def _is_array(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
+def call_on_leaves(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, keep: Callable[[int, Any], bool]
+) -> tuple[Callable[[list], Any], list]:
+    """``fn(*args, **kwargs)`` as a function of the leaves of ``(args, kwargs)`` for which
+    ``keep(index, leaf)`` holds, and those leaves: the other leaves reach ``fn`` as they are,
+    static values for a trace of the returned function."""
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    chosen = [i for i, leaf in enumerate(leaves) if keep(i, leaf)]
+
+    def call(values: list) -> Any:
+        merged = list(leaves)
+        for i, value in zip(chosen, values):
+            merged[i] = value
+        call_args, call_kwargs = jax.tree.unflatten(tree, merged)
+        return fn(*call_args, **call_kwargs)
+
+    return call, [leaves[i] for i in chosen]
+
+
 def iter_equations(
     fn: Callable[..., Any], *args, **kwargs
 ) -> Iterator[tuple[Any, tuple[str, ...]]]:
@@ -131,7 +150,6 @@ def iter_equations(
     ``eqx.filter_jit`` treats them (the activation function, ``inference`` flag or dropout
     rate an Equinox module holds).
     """
-    leaves, tree = jax.tree.flatten((args, kwargs))
     top = (
         tuple(isinstance(a, (float, complex)) for a in args),
         {name: isinstance(a, (float, complex)) for name, a in kwargs.items()},
@@ -139,16 +157,8 @@ def iter_equations(
     scalar = jax.tree.leaves(
         jax.tree.map(lambda flag, arg: jax.tree.map(lambda _: flag, arg), top, (args, kwargs))
     )
-    traced = [i for i, leaf in enumerate(leaves) if _is_array(leaf) or scalar[i]]
-
-    def call(traced_leaves):
-        merged = list(leaves)
-        for i, leaf in zip(traced, traced_leaves):
-            merged[i] = leaf
-        call_args, call_kwargs = jax.tree.unflatten(tree, merged)
-        return fn(*call_args, **call_kwargs)
-
-    closed = jax.make_jaxpr(call)([leaves[i] for i in traced])
+    call, traced = call_on_leaves(fn, args, kwargs, lambda i, leaf: _is_array(leaf) or scalar[i])
+    closed = jax.make_jaxpr(call)(traced)
     yield from _iter_eqns(closed.jaxpr, ())
 
 

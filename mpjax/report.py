@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax.inspection import inspect_matmuls
+from mpjax.inspection import call_on_leaves, inspect_matmuls
 from mpjax.policy import Policy, is_floating, short_dtype_name
 from mpjax.table import format_table, human_bytes
 
@@ -180,17 +180,8 @@ def _is_array(leaf: Any) -> bool:
 def eval_shape_of(fn: Callable[..., Any], *args, **kwargs) -> Any:
     """``jax.eval_shape(fn, *args, **kwargs)`` with the leaves that are not arrays or
     ``jax.ShapeDtypeStruct`` (flags such as ``deterministic=True``) passed as static values."""
-    leaves, tree = jax.tree.flatten((args, kwargs))
-    arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-
-    def traced(array_leaves):
-        merged = list(leaves)
-        for i, leaf in zip(arrays, array_leaves):
-            merged[i] = leaf
-        call_args, call_kwargs = jax.tree.unflatten(tree, merged)
-        return fn(*call_args, **call_kwargs)
-
-    return jax.eval_shape(traced, [leaves[i] for i in arrays])
+    traced, arrays = call_on_leaves(fn, args, kwargs, lambda _, leaf: _is_array(leaf))
+    return jax.eval_shape(traced, arrays)
 
 
 def matmuls_by_region(

@@ -459,6 +459,14 @@ def test_recurrent_cells_in_a_scan(cell):
     assert_close_to_f32(wrapped, model, xs, reduction_length=T * (D + 8) + 8)
 
 
+def test_fp8_matmuls_with_current_scaling():
+    wrapped = mpe.apply_policy(eqx.nn.MLP(D, D, 32, depth=1, key=key()), "mixed_bfloat16_fp8")
+    forward = mpjax.inspect_matmuls(wrapped)(normal(D))
+    e4m3 = np.dtype(jnp.float8_e4m3fn)
+    assert [m.operand_dtypes for m in forward] == [(e4m3, e4m3)] * 2
+    assert wrapped(normal(D)).dtype == F32
+
+
 # --- Equinox's transformations. -----------------------------------------------------------------
 
 

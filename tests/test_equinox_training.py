@@ -72,12 +72,15 @@ def leaves_equal(a, b) -> bool:
     )
 
 
-def test_mixed_float16_with_dynamic_loss_scaling_trains():
-    model = mpe.apply_policy(Net(key()), "mixed_float16")
+def float16_run(seed: int = 0):
+    """A mixed_float16 model, Adam under dynamic loss scaling, its state, step and data."""
+    model = mpe.apply_policy(Net(key(seed)), "mixed_float16")
     tx = mpjax.loss_scaling(optax.adam(1e-2), "dynamic")
-    opt_state = tx.init(params_of(model))
-    step = make_step(tx)
-    x, y = data()
+    return model, tx.init(params_of(model)), make_step(tx), *data()
+
+
+def test_mixed_float16_with_dynamic_loss_scaling_trains():
+    model, opt_state, step, x, y = float16_run()
     first = None
     for _ in range(30):
         model, opt_state, loss = step(model, opt_state, x, y)
@@ -91,11 +94,7 @@ def test_mixed_float16_with_dynamic_loss_scaling_trains():
 
 
 def test_a_skipped_step_leaves_the_model_and_the_optimizer_bit_identical():
-    model = mpe.apply_policy(Net(key()), "mixed_float16")
-    tx = mpjax.loss_scaling(optax.adam(1e-2), "dynamic")
-    opt_state = tx.init(params_of(model))
-    step = make_step(tx)
-    x, y = data()
+    model, opt_state, step, x, y = float16_run()
     model, opt_state, _ = step(model, opt_state, x, y)  # Adam has moments and a count
     bad = x.at[0, 0].set(jnp.inf)
     new_model, new_state, _ = step(model, opt_state, bad, y)
@@ -133,20 +132,13 @@ def test_master_weights_and_state_precision_over_bf16_stored_params():
 
 
 def test_serialise_and_restore_continues_bit_identically():
-    def fresh():
-        model = mpe.apply_policy(Net(key()), "mixed_float16")
-        tx = mpjax.loss_scaling(optax.adam(1e-2), "dynamic")
-        return model, tx.init(params_of(model)), make_step(tx)
-
-    model, opt_state, step = fresh()
-    x, y = data()
+    model, opt_state, step, x, y = float16_run()
     for _ in range(3):
         model, opt_state, _ = step(model, opt_state, x, y)
     buffer = io.BytesIO()
     eqx.tree_serialise_leaves(buffer, (model, opt_state))
-    like_model, like_state, _ = fresh()
-    like = (mpe.apply_policy(Net(key(7)), "mixed_float16"), like_state)
-    restored = eqx.tree_deserialise_leaves(io.BytesIO(buffer.getvalue()), like)
+    like_model, like_state = float16_run(seed=7)[:2]  # other values, the same structure
+    restored = eqx.tree_deserialise_leaves(io.BytesIO(buffer.getvalue()), (like_model, like_state))
     assert leaves_equal(restored, (model, opt_state))
     a, b = (model, opt_state), restored
     for _ in range(3):
