@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 from mixed_precision_checks import key, normal
 from tolerances import assert_close_in_norm, tolerance
 
@@ -485,6 +487,27 @@ def test_partition_combine_vmap_and_filter_vmap():
     np.testing.assert_array_equal(out, eqx.filter_jit(eqx.filter_vmap(wrapped))(batch))
     forward = mpjax.inspect_matmuls(run)(params, batch)
     assert forward and {m.operand_dtypes for m in forward} == {(BF16, BF16)}
+
+
+def test_data_parallel_under_shard_map():
+    model = Transformer(key(), n_layers=1)
+    wrapped = mpe.apply_policy(model, POLICY)
+    params, static = eqx.partition(wrapped, eqx.is_inexact_array)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    batch = jnp.stack([tokens(seed) for seed in range(8)])
+
+    def per_device(params, batch):
+        return jax.vmap(eqx.combine(params, static))(batch)
+
+    sharded = jax.jit(
+        jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
+    )
+    report = mpjax.inspect_matmuls(sharded)(params, batch)
+    assert report and {m.operand_dtypes for m in report} == {(BF16, BF16)}
+    assert all("shard_map" in m.context for m in report)
+    out = sharded(params, batch)
+    ref = eqx.filter_jit(per_device)(params, batch)
+    assert_close_in_norm(out, ref, tolerance(BF16, TRANSFORMER_REDUCTION))
 
 
 def test_scan_over_stacked_layers_keeps_their_region():
