@@ -1,0 +1,207 @@
+"""Every guide of the documentation site runs: the ```python blocks of each page under docs/,
+top to bottom in one namespace per page, as a reader would paste them, so a guide can only show
+the API that exists and the outputs it prints. A block that needs an optional extra that is not
+installed is skipped with the rest of its page (later blocks may use its names), naming the
+extra; pages whose code trains or compiles whole models are marked slow. The documentation
+build itself is tested without the extras: their API pages are generated against mocks."""
+
+import contextlib
+import importlib.util
+import pathlib
+import re
+import subprocess
+import sys
+import types
+import warnings
+
+import jax
+import pytest
+
+import mpjax
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+
+def _module_missing(module: str):
+    def reason() -> str | None:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a parent package is missing
+            found = False
+        return None if found else f"{module} is not installed"
+
+    return reason
+
+
+# What a block needs, recognised by its code: (the pattern, what installs it, a function that
+# says why it is unavailable, or None).
+NEEDS = (
+    (
+        r"^\s*(import|from) flax\b|mpjax\.(linen|nnx)\b|from mpjax import (linen|nnx)\b",
+        "the flax extra",
+        _module_missing("flax"),
+    ),
+    (
+        r"^\s*(import|from) equinox\b|mpjax\.equinox\b",
+        "the equinox extra",
+        _module_missing("equinox"),
+    ),
+    (r"^\s*(import|from) jmp\b|\bto_jmp\(|\bfrom_jmp\(", "the jmp extra", _module_missing("jmp")),
+    (r"^\s*(import|from) orbax\b", "the test extra", _module_missing("orbax.checkpoint")),
+    (r"\bmpjax\.gpu_plan\(", "the cuda12 extra (JAX's CUDA plugin)", mpjax.gpu_plan_unavailable),
+)
+
+# Pages whose code trains or compiles several models (5 to 15 s each on 2 CPU cores with the
+# newest JAX, more with the oldest) run with the slow tests (-m slow); the default run keeps the
+# pages that take a few seconds.
+SLOW = {
+    "attention.md": "compiles Flax attention forward and backward",
+    "checkpoints.md": "trains, saves and restores with orbax",
+    "distributed.md": "compiles sharded train steps",
+    "equinox.md": "trains an Equinox model",
+    "fp8.md": "compiles fp8 training steps",
+    "from_pytorch.md": "compiles a float16 train step twice",
+    "getting_started.md": "trains 300 steps and compiles a Flax model",
+    "linen.md": "compiles several Flax models forward and backward",
+    "nnx.md": "compiles NNX train steps",
+    "optimizer_memory.md": "runs 300 optimizer updates eagerly",
+}
+
+
+def _blocks(page: pathlib.Path) -> list[tuple[int, str]]:
+    """``(first line, code)`` of each ```python block of ``page``."""
+    text = page.read_text()
+    return [
+        (text.count("\n", 0, m.start(1)) + 1, m.group(1))
+        for m in re.finditer(r"^```python\n(.*?)^```$", text, re.S | re.M)
+    ]
+
+
+def _pages() -> list[pathlib.Path]:
+    return sorted(p for p in DOCS.glob("*.md") if _blocks(p))
+
+
+def _missing(code: str) -> str | None:
+    """What ``code`` needs and this environment lacks, and why; or None."""
+    for pattern, extra, unavailable in NEEDS:
+        if re.search(pattern, code, re.M):
+            reason = unavailable()
+            if reason is not None:
+                return f"{extra}: {reason}"
+    return None
+
+
+@contextlib.contextmanager
+def _reader_environment(name: str):
+    """A fresh module to run the page in, JAX's standard dtype promotion (the test suite's is
+    strict; a reader's is not), and mpjax's deprecations as errors (a guide shows only the
+    current API)."""
+    module = types.ModuleType(name)
+    sys.modules[name] = module  # dataclasses (Flax modules) look their module up
+    try:
+        with warnings.catch_warnings(), jax.numpy_dtype_promotion("standard"):
+            warnings.simplefilter("error", mpjax.MpjaxDeprecationWarning)
+            yield module.__dict__
+    finally:
+        del sys.modules[name]
+
+
+def _param(page: pathlib.Path):
+    if page.name in SLOW:
+        return pytest.param(page.name, marks=pytest.mark.slow, id=page.stem)
+    return pytest.param(page.name, id=page.stem)
+
+
+@pytest.mark.parametrize("name", [_param(p) for p in _pages()])
+def test_guide_runs(name):
+    page = DOCS / name
+    blocks = _blocks(page)
+    with _reader_environment(f"docs_{page.stem}") as namespace:
+        for i, (line, code) in enumerate(blocks):
+            extra = _missing(code)
+            if extra is not None:
+                pytest.skip(
+                    f"{name}: blocks {i + 1}-{len(blocks)} of {len(blocks)} (from line {line}) "
+                    f"were not run, block {i + 1} needs {extra}; the blocks before them ran"
+                )
+            # Padded so that a traceback names the page's own line numbers.
+            exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)
+
+
+def test_every_page_is_in_the_site_and_the_slow_list_is_current():
+    """A guide the toctree leaves out would not be published; a name in SLOW that is no page
+    would hide that a page lost its mark."""
+    index = (DOCS / "index.rst").read_text()
+    listed = set(re.findall(r"^   ([\w/]+)$", index, re.M))
+    for page in DOCS.glob("*.md"):
+        assert page.stem in listed, f"docs/{page.name} is in no toctree of docs/index.rst"
+    assert set(SLOW) <= {p.name for p in _pages()}, set(SLOW) - {p.name for p in _pages()}
+    assert len(_pages()) >= 15
+
+
+def test_blocks_that_need_an_extra_are_recognised():
+    assert _missing("import jax\nimport mpjax\nmpjax.autocast(f)") is None
+    needs = {extra: pattern for pattern, extra, _ in NEEDS}
+    cases = {
+        "the flax extra": (
+            "import flax.linen as nn",
+            "from flax import nnx",
+            "mpjax.nnx.set_policy(m)",
+        ),
+        "the equinox extra": ("import equinox as eqx", "mpjax.equinox.apply_policy(m, p)"),
+        "the jmp extra": ("import jmp", "policy.to_jmp()"),
+        "the test extra": ("import orbax.checkpoint as ocp",),
+        "the cuda12 extra (JAX's CUDA plugin)": ('mpjax.gpu_plan(f, "h100")(x)',),
+    }
+    assert set(cases) == set(needs)
+    for extra, codes in cases.items():
+        for code in codes:
+            assert re.search(needs[extra], code, re.M), code
+    assert not re.search(needs["the flax extra"], "import flaxen\nx = mpjax.linear", re.M)
+    assert _missing("import no_such_package_anywhere") is None  # only the known extras
+    assert _module_missing("no_such_package_anywhere.sub")() == (
+        "no_such_package_anywhere.sub is not installed"
+    )
+
+
+# Runs Sphinx with Flax, Equinox and jmp unimportable (a finder ahead of the others refuses
+# them), as in an environment with only the docs extra installed.
+_BUILD_WITHOUT_EXTRAS = r"""
+import sys
+
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("flax", "equinox", "jmp"):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
+        return None
+
+sys.meta_path.insert(0, Absent())
+from sphinx.cmd.build import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_the_docs_build_without_the_extras(tmp_path):
+    """With Flax, Equinox and jmp unimportable, the site still builds with warnings as errors:
+    the API pages of mpjax.linen, mpjax.nnx and mpjax.equinox are generated against mocks."""
+    pytest.importorskip("sphinx")
+    pytest.importorskip("myst_parser")
+    pytest.importorskip("sphinx_book_theme")
+    out = tmp_path / "html"
+    result = subprocess.run(
+        [sys.executable, "-c", _BUILD_WITHOUT_EXTRAS, "-E", "-W", "--keep-going", "-q"]
+        + ["-b", "html", "-d", str(tmp_path / "doctrees"), str(DOCS), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+        env={"PATH": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    for module in ("linen", "nnx", "equinox"):
+        html = (out / "api" / f"{module}.html").read_text()
+        assert f'id="module-mpjax.{module}"' in html, module
+        assert "apply_policy" in html, module
