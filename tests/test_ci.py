@@ -72,7 +72,7 @@ def test_the_dev_tools_are_pinned_and_ci_runs_the_checks():
         match = re.fullmatch(r"([A-Za-z0-9_.\-]+)==[0-9][0-9A-Za-z.]*", spec)
         assert match, f"{spec!r}: a dev tool is pinned exactly, written name==version"
         names.add(match.group(1).lower())
-    assert {"ruff", "mypy", "sphinx"} <= names
+    assert {"ruff", "mypy", "sphinx", "sphinx-book-theme", "myst-parser"} <= names
     checks = (ROOT / ".ci" / "checks").read_text()
     for command in ("ruff check", "ruff format --check", "mypy", "sphinx -E -W"):
         assert command in checks, command
@@ -154,3 +154,41 @@ def test_the_package_carries_its_license_and_what_its_tests_need():
     for extra in ("flax", "equinox", "jmp"):
         assert f'"$wheel[{extra}]"' in package and extra in project["optional-dependencies"]
     assert re.search(r"^job package \.ci/package$", (ROOT / ".ci" / "run").read_text(), re.M)
+
+
+def test_the_docs_build_on_the_oldest_and_newest_python_with_and_without_the_extras():
+    """The docs extra gives ranges that install on every supported Python, and the dev extra
+    pins versions inside them (.ci/checks builds with those, with every extra, on the newest
+    Python); .ci/docs builds on the oldest Python with the oldest pins and the extras the guides
+    use, and on the newest with the docs extra alone; .ci/run runs it after the checks."""
+    project = _project()
+    extras = project["optional-dependencies"]
+    floors = {}
+    for spec in extras["docs"]:
+        match = re.fullmatch(r"([A-Za-z0-9_.\-]+)>=([0-9.]+)", spec)
+        assert match, f"{spec!r}: a docs tool is given as a range, written name>=version"
+        floors[match.group(1)] = match.group(2)
+    assert set(floors) == {"sphinx", "sphinx-book-theme", "myst-parser"}
+    pins = dict(spec.split("==") for spec in extras["dev"])
+    for name, floor in floors.items():
+        assert _release(pins[name]) >= _release(floor), name
+    requires = re.fullmatch(r">=(3\.\d+)", project["requires-python"]).group(1)
+    newest = max(
+        (c.rsplit(" ", 1)[1] for c in project["classifiers"] if re.search(r" 3\.\d+$", c)),
+        key=lambda v: int(v.split(".")[1]),
+    )
+    script = (ROOT / ".ci" / "docs").read_text()
+    builds = re.findall(r"^build (\w+) (\S+) (\S+) (\S+)$", script, re.M)
+    assert (requires, ".ci/oldest.txt", '"docs,flax,equinox,jmp"') in [b[1:] for b in builds]
+    assert (newest, '""', '"docs"') in [b[1:] for b in builds]
+    assert 'python" -m sphinx -E -W' in script and 'echo "=== Docs"' in script
+    conf = (ROOT / "docs" / "conf.py").read_text()
+    assert 'OPTIONAL_EXTRAS = ("flax", "equinox", "jmp")' in conf
+    assert set(_names(extras["flax"] + extras["equinox"] + extras["jmp"])) == {
+        "flax",
+        "equinox",
+        "jmp",
+    }
+    run = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^job docs \.ci/docs$", run, re.M)
+    assert run.index("\njob checks .ci/checks\n") < run.index("\njob docs .ci/docs\n")
