@@ -165,6 +165,35 @@ def test_blocks_that_need_an_extra_are_recognised():
     )
 
 
+def _resolve(dotted: str):
+    """The object ``mpjax.a.b`` names, importing submodules on the way."""
+    obj = importlib.import_module("mpjax")
+    for part in dotted.split(".")[1:]:
+        if not hasattr(obj, part) and isinstance(obj, types.ModuleType):
+            importlib.import_module(f"{obj.__name__}.{part}")
+        obj = getattr(obj, part)
+    return obj
+
+
+@pytest.mark.parametrize("name", ["from_pytorch.md", "from_jmp.md"])
+def test_the_migration_tables_name_the_api_that_exists(name):
+    """Every ``mpjax.`` name the migration pages give as an equivalent exists (the
+    integrations' when their extra is installed), and so do the Policy methods and the
+    loss-scaling readers' fields they name."""
+    text = (DOCS / name).read_text()
+    table = "\n".join(line for line in text.splitlines() if line.startswith("| "))
+    names = sorted(set(re.findall(r"\bmpjax\.[A-Za-z_][\w.]*[\w]", table)))
+    assert len(names) >= 10, names
+    for dotted in names:
+        if re.match(r"mpjax\.(linen|nnx|equinox)\b", dotted) and _missing(dotted):
+            continue
+        assert _resolve(dotted) is not None, dotted
+    for method in re.findall(r"`policy\.(\w+)\(", table):
+        assert callable(getattr(mpjax.Policy, method, None)), method
+    for field in re.findall(r"loss_scaling_info\(opt_state\)\.(\w+)|`\.(\w+)`", table):
+        assert "".join(field) in mpjax.LossScalingInfo._fields, field
+
+
 # Runs Sphinx with Flax, Equinox and jmp unimportable (a finder ahead of the others refuses
 # them), as in an environment with only the docs extra installed.
 _BUILD_WITHOUT_EXTRAS = r"""
