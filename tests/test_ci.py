@@ -16,7 +16,12 @@ def _floors() -> dict[str, str]:
     floors = {}
     extras = project["optional-dependencies"]
     installed = (
-        extras["test"] + extras["flax"] + extras["jmp"] + extras["equinox"] + extras["bench"]
+        extras["test"]
+        + extras["flax"]
+        + extras["jmp"]
+        + extras["equinox"]
+        + extras["bench"]
+        + extras["docs"]
     )
     for spec in project["dependencies"] + installed:
         match = re.fullmatch(r"([A-Za-z0-9_.\-]+)>=([0-9.]+)", spec)
