@@ -7,6 +7,7 @@ lengths allows (tests/tolerances.py).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import io
 import pathlib
@@ -156,6 +157,13 @@ class Transformer(eqx.Module):
         return jax.vmap(self.head)(x)
 
 
+@functools.cache
+def transformer(seed: int = 0, n_layers: int = 2, rope: bool = False) -> Transformer:
+    """A Transformer, initialized in one compiled program (eager init compiles each op) and
+    shared by the tests (modules are immutable)."""
+    return eqx.filter_jit(lambda k: Transformer(k, n_layers, rope=rope))(key(seed))
+
+
 def tokens(seed=0, vocab=32):
     return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, T), jnp.int32)
 
@@ -170,7 +178,7 @@ TRANSFORMER_REDUCTION = 2 * (D + D + D // 2 + T + T + D + D + D + 2 * D) + D
 
 
 def test_paths_are_written_as_equinox_users_write_them():
-    model = Transformer(key())
+    model = transformer()
     paths = dict(mpe.module_paths(model))
     assert paths[""] is Transformer
     assert paths["layers[1].attn.query_proj"] is eqx.nn.Linear
@@ -179,7 +187,7 @@ def test_paths_are_written_as_equinox_users_write_them():
 
 
 def test_a_transformer_runs_every_matmul_bf16_and_norms_f32_forward_and_backward():
-    model = Transformer(key())
+    model = transformer()
     wrapped = mpe.apply_policy(model, POLICY)
     assert isinstance(wrapped, eqx.Module) and wrapped.model is not model
     x = tokens()
@@ -198,7 +206,7 @@ def test_a_transformer_runs_every_matmul_bf16_and_norms_f32_forward_and_backward
 
 def test_norm_statistics_and_softmax_run_in_f32_and_a_norm_returns_the_compute_dtype():
     for policy in (POLICY, "p=f32,c=bf16,o=bf16"):
-        wrapped = mpe.apply_policy(Transformer(key()), policy)
+        wrapped = mpe.apply_policy(transformer(), policy)
         for fn in (_call, eqx.filter_grad(loss_of(_call))):
             found = [
                 (e.primitive.name, np.dtype(e.invars[0].aval.dtype))
@@ -213,8 +221,9 @@ def test_norm_statistics_and_softmax_run_in_f32_and_a_norm_returns_the_compute_d
         assert wrapped(normal(D)).dtype == BF16 and wrapped.model.weight.dtype == F32
 
 
+@pytest.mark.slow  # compiles a model
 def test_rotary_attention_runs_bf16_matmuls_and_stays_close():
-    model = Transformer(key(1), n_layers=1, rope=True)
+    model = transformer(1, n_layers=1, rope=True)
     wrapped = mpe.apply_policy(model, POLICY)
     regions = assert_matmuls(wrapped, tokens())
     assert "layers[0].attn" in regions
@@ -222,7 +231,7 @@ def test_rotary_attention_runs_bf16_matmuls_and_stays_close():
 
 
 def test_params_stay_f32_and_gradients_come_back_f32_in_the_models_structure():
-    model = Transformer(key())
+    model = transformer()
     wrapped = mpe.apply_policy(model, POLICY)
     params = eqx.filter(wrapped, eqx.is_inexact_array)
     same = jax.tree.map(np.array_equal, params.model, eqx.filter(model, eqx.is_inexact_array))
@@ -233,7 +242,7 @@ def test_params_stay_f32_and_gradients_come_back_f32_in_the_models_structure():
 
 
 def test_bf16_storage_keeps_norms_f32_and_grads_in_the_storage_dtype():
-    wrapped = mpe.apply_policy(Transformer(key()), "bfloat16")
+    wrapped = mpe.apply_policy(transformer(), "bfloat16")
     stored = {
         path: {x.dtype for x in jax.tree.leaves(eqx.filter(m, eqx.is_inexact_array))}
         for path, m in (
@@ -250,7 +259,7 @@ def test_bf16_storage_keeps_norms_f32_and_grads_in_the_storage_dtype():
 
 
 def test_path_and_class_rules_with_brackets_literal():
-    model = Transformer(key())
+    model = transformer()
     rules = mpjax.Rules(
         {"layers[1].mlp*": "float32", eqx.nn.Embedding: "float32", "head": "mixed_float16"},
         default=POLICY,
@@ -331,7 +340,7 @@ def test_convolutions():
 
 
 def test_embedding_gathers_f32_rows_and_its_gradient_is_f32():
-    model = Transformer(key(), n_layers=1)
+    model = transformer(n_layers=1)
     wrapped = mpe.apply_policy(model, POLICY)
     found = region_dtypes(_call, wrapped, tokens())
     assert found["embed"] == {F32}  # a lookup is no matmul: the stored f32 table is read
@@ -430,7 +439,7 @@ def test_dropout_draws_from_the_key_and_inference_mode_turns_it_off():
     assert int(jnp.sum(off(x) == 0)) == 0
 
 
-@pytest.mark.parametrize("cell", ["GRUCell", "LSTMCell"])
+@pytest.mark.parametrize("cell", ["GRUCell", pytest.param("LSTMCell", marks=pytest.mark.slow)])
 def test_recurrent_cells_in_a_scan(cell):
     class RNN(eqx.Module):
         cell: eqx.Module
@@ -461,6 +470,7 @@ def test_recurrent_cells_in_a_scan(cell):
     assert_close_to_f32(wrapped, model, xs, reduction_length=T * (D + 8) + 8)
 
 
+@pytest.mark.slow  # compiles a model
 def test_fp8_matmuls_with_current_scaling():
     wrapped = mpe.apply_policy(eqx.nn.MLP(D, D, 32, depth=1, key=key()), "mixed_bfloat16_fp8")
     forward = mpjax.inspect_matmuls(wrapped)(normal(D))
@@ -473,7 +483,7 @@ def test_fp8_matmuls_with_current_scaling():
 
 
 def test_partition_combine_vmap_and_filter_vmap():
-    model = Transformer(key(), n_layers=1)
+    model = transformer(n_layers=1)
     wrapped = mpe.apply_policy(model, POLICY)
     params, static = eqx.partition(wrapped, eqx.is_inexact_array)
     batch = jnp.stack([tokens(0), tokens(1)])
@@ -489,8 +499,9 @@ def test_partition_combine_vmap_and_filter_vmap():
     assert forward and {m.operand_dtypes for m in forward} == {(BF16, BF16)}
 
 
+@pytest.mark.slow  # compiles a model
 def test_data_parallel_under_shard_map():
-    model = Transformer(key(), n_layers=1)
+    model = transformer(n_layers=1)
     wrapped = mpe.apply_policy(model, POLICY)
     params, static = eqx.partition(wrapped, eqx.is_inexact_array)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
@@ -532,15 +543,16 @@ def test_scan_over_stacked_layers_keeps_their_region():
     assert assert_matmuls(wrapped, normal(D), dtype=F16) == {"layers"}
 
 
+@pytest.mark.slow  # compiles a model
 def test_a_wrapped_model_serialises_like_the_unwrapped_one():
-    model = Transformer(key())
+    model = transformer()
     wrapped = mpe.apply_policy(model, POLICY)
     a, b = io.BytesIO(), io.BytesIO()
     eqx.tree_serialise_leaves(a, wrapped)
     eqx.tree_serialise_leaves(b, model)
     assert a.getvalue() == b.getvalue()
     restored = eqx.tree_deserialise_leaves(
-        io.BytesIO(a.getvalue()), mpe.apply_policy(Transformer(key(5)), POLICY)
+        io.BytesIO(a.getvalue()), mpe.apply_policy(transformer(5), POLICY)
     )
     same = jax.tree.map(
         np.array_equal, eqx.filter(restored, eqx.is_array), eqx.filter(wrapped, eqx.is_array)
@@ -584,7 +596,7 @@ def test_rewrapping_replaces_the_rules_and_autocast_around_the_model_opens_its_r
 
 
 def test_describe_lists_modules_with_equinox_paths_and_matmuls():
-    model = Transformer(key(), n_layers=1)
+    model = transformer(n_layers=1)
     report = mpjax.describe(mpe.apply_policy(model, POLICY))(tokens())
     rows = {row.path: row for row in report.rows}
     assert list(rows)[:3] == ["", "embed", "layers[0]"]

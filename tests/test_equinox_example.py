@@ -27,7 +27,10 @@ import train_equinox  # noqa: E402
 F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
 
 
-@pytest.mark.parametrize("policy, compute", [("mixed_bfloat16", BF16), ("mixed_float16", F16)])
+@pytest.mark.parametrize(
+    "policy, compute",
+    [pytest.param("mixed_bfloat16", BF16, marks=pytest.mark.slow), ("mixed_float16", F16)],
+)
 def test_every_matmul_runs_in_the_compute_dtype_and_norms_and_softmax_in_f32(policy, compute):
     model = train_equinox.Transformer(32, 2, 4, 16, key=jax.random.key(0))
     wrapped = mpe.apply_policy(model, policy)
