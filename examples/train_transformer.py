@@ -155,6 +155,8 @@ class TrainConfig:
     sample_prompt: str = SAMPLE_PROMPT
     temperature: float = TEMPERATURE
     progress: bool = True
+    diagnose_every: int = 0  # measure each module's amax and non-finite count every N steps
+    diagnose: bool = False  # print mpjax.diagnose's report for the model and policy, no training
     # The fields the user set (their command-line flags), which a resumed run checks against
     # its checkpoint; None (a config built in code) means every field not at its default.
     explicit: tuple[str, ...] | None = None
@@ -790,6 +792,8 @@ _INVOCATION_FIELDS = (
     "num_processes",
     "process_id",
     "explicit",
+    "diagnose_every",
+    "diagnose",
 )
 
 
@@ -1183,7 +1187,7 @@ def _keep_log_until(path: pathlib.Path, step: int) -> None:
 
 
 # What a run writes into --out, and all that --overwrite deletes.
-_RUN_FILES = ("checkpoints", "log.jsonl", "summary.json")
+_RUN_FILES = ("checkpoints", "log.jsonl", "summary.json", "ranges.jsonl")
 
 
 def _checkpoint_steps(directory: pathlib.Path) -> list[int]:
@@ -1267,6 +1271,25 @@ def resumed_layout(cfg: TrainConfig, available: int) -> TrainConfig:
         )
         cfg = dataclasses.replace(cfg, fsdp=fsdp)
     return cfg
+
+
+def diagnose(cfg: TrainConfig) -> mpjax.DiagnosisReport:
+    """``mpjax.diagnose`` of the loss of the model and policy ``cfg`` gives, on one training
+    batch of the corpus, at the initial params: the report ``--diagnose`` prints."""
+    policy = mpjax.get_policy(cfg.policy)
+    mcfg = cfg.model_config()
+    train_data, _ = split_corpus(load_corpus(cfg.data, cfg.max_bytes), cfg.val_fraction)
+    rng = np.random.default_rng(cfg.seed)
+    x, y = sample_batch(train_data, rng, (cfg.batch_size,), mcfg.block_size)
+    model = build_model(mcfg, policy, cfg.mode, fp8_head=cfg.fp8_head)
+    variables = jax.jit(model.init)(jax.random.key(cfg.seed), x)
+    fp8 = variables.get("fp8")
+
+    def loss(params, x, y):
+        return loss_fn(model, params, x, y, fp8)
+
+    # The model applies its own policy; the function around it runs in float32.
+    return mpjax.diagnose(loss, policy="float32")(variables["params"], x, y)
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -1372,6 +1395,16 @@ def train(cfg: TrainConfig) -> dict:
         .compile()
     )
     eval_fn = jax.jit(lambda p, fp8, x, y: loss_fn(model, p, x, y, fp8))
+    monitor = measured_fn = None
+    if cfg.diagnose_every:
+        # The check steps run a second compiled step that measures each module's values; the
+        # others run step_fn itself. Compiled at the first check.
+        monitor = mpjax.PrecisionMonitor(every=cfg.diagnose_every)
+        measured_fn = jax.jit(
+            monitor.measuring(make_train_step(model, tx)),
+            out_shardings=(state_shardings, replicated),
+            donate_argnums=1,
+        )
     compile_s = time.perf_counter() - t0
     print(f"compiled the train step in {compile_s:.1f} s")
 
@@ -1397,11 +1430,14 @@ def train(cfg: TrainConfig) -> dict:
     try:
         for step in range(start_step, cfg.steps):
             x, y = sample_batch(train_data, rng, (cfg.grad_accum, cfg.batch_size), seq_len)
-            state, metrics = step_fn(
-                state,
+            batch = (
                 sharding.global_batch(x, batch_sharding),
                 sharding.global_batch(y, batch_sharding),
             )
+            if measured_fn is not None and step % cfg.diagnose_every == 0:
+                state, metrics = measured_fn(step, state, *batch)
+            else:
+                state, metrics = step_fn(state, *batch)
             done = step + 1
             if done % cfg.log_interval and done % cfg.eval_interval and done != cfg.steps:
                 continue
@@ -1431,6 +1467,8 @@ def train(cfg: TrainConfig) -> dict:
             history.append(record)
             if writes_files:
                 _write_jsonl(log_path, [record])
+                if monitor is not None:
+                    monitor.write(out_dir / "ranges.jsonl")
             pbar.update(done - last_logged)
             pbar.set_postfix(
                 {
@@ -1731,6 +1769,21 @@ def make_parser() -> argparse.ArgumentParser:
         "holds no checkpoint",
     )
     g.add_argument(
+        "--diagnose-every",
+        type=_positive_int,
+        default=0,
+        metavar="N",
+        help="every N steps, measure each module's largest magnitude and non-finite count in "
+        "the train step (mpjax.PrecisionMonitor) into <out>/ranges.jsonl; other steps run the "
+        "plain step",
+    )
+    g.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="print mpjax.diagnose's report (ranges, precision lost, non-finite birth, "
+        "recommended rules and loss scale) of the model under --policy on one batch; no training",
+    )
+    g.add_argument(
         "--overwrite",
         action="store_true",
         help="delete the run in --out (its checkpoints, log.jsonl and summary.json, nothing "
@@ -1811,6 +1864,13 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             parser.error(str(e))
     cfg = parse_args(argv)
+    if cfg.diagnose:
+        print(
+            f"mpjax.diagnose: the {cfg.preset} model under {cfg.policy} (mode {cfg.mode}), "
+            "the loss around it in float32, on one batch\n"
+        )
+        print(diagnose(cfg))
+        return
     if jax.process_index() != 0:  # process 0 reports for all
         cfg = dataclasses.replace(cfg, progress=False)
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the process)

@@ -405,6 +405,7 @@ class _Interpreter:
             avals = [aval(a, x) for a, x in zip(eqn.invars, invals)]
             # Re-open the equation's scopes so reports and nested autocasts see the same names.
             with contextlib.ExitStack() as stack:
+                stack.enter_context(compat.traced_at(eqn))
                 for name in paths[i][len(path) :]:
                     stack.enter_context(jax.named_scope(name))
                 outs = self.equation(eqn, invals, avals, paths[i], casts, i in widened)
@@ -417,8 +418,9 @@ class _Interpreter:
                     if from_constants:
                         constant.add(var)
             if _tracing.observers and eqn.primitive.name not in self.handlers:
-                where = self.settings.region(paths[i]).path
-                observed[where] += [x for x in outs if is_floating(jax.typeof(x).dtype)]
+                floats = [x for x in outs if is_floating(jax.typeof(x).dtype)]
+                if floats:
+                    observed[self.settings.region(paths[i]).path] += floats
         if observed:
             _tracing.observers[-1](dict(observed))
         return [read(a) for a in jaxpr.outvars]

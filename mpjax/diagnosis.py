@@ -111,39 +111,27 @@ def _relative_error(value: Any, exact: Any) -> jax.Array:
     return jnp.where(bad, jnp.inf, error)
 
 
-# The statistics of one equation, each compiled once per shapes and reused by the equations
-# of the same shapes (the layers of a model): the evaluation itself runs op by op, as a
-# jitted evaluation of a whole model's jaxpr compiles for minutes.
-@jax.jit
-def _nonfinite(outs: list, ins: list) -> jax.Array:
-    """How many output values are not finite, and how many input values."""
-    count = [sum((jnp.sum(~jnp.isfinite(x)) for x in xs), jnp.int32(0)) for xs in (outs, ins)]
-    return jnp.stack(count).astype(jnp.int32)
+def _largest_error(values: list, references: list) -> jax.Array:
+    return jnp.max(jnp.stack([_relative_error(a, b) for a, b in zip(values, references)]))
 
 
-@jax.jit
-def _summaries(outs: list) -> tuple[jax.Array, jax.Array]:
-    """The :func:`mpjax.range_stats.summarize` of all the values of ``outs`` together."""
-    parts = [range_stats.summarize(x) for x in outs]
-    counts = jnp.sum(jnp.stack([p[0] for p in parts]), axis=0)
-    extremes = jnp.stack(
-        [jnp.max(jnp.stack([p[1][0] for p in parts])), jnp.min(jnp.stack([p[1][1] for p in parts]))]
-    )
-    return counts, extremes
+def _nonfinite(x: jax.Array) -> jax.Array:
+    return jnp.sum(~jnp.isfinite(x)).astype(jnp.int32)
 
 
-@jax.jit
-def _amaxes(operands: list) -> jax.Array:
-    return jnp.stack([jnp.max(jnp.abs(x)).astype(jnp.float32) for x in operands])
+def _amax(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-@jax.jit
-def _error_pair(local: list, reference: list, actual: list, exact: list) -> jax.Array:
-    """The largest relative error of ``local`` against ``reference`` and of ``actual``
-    against ``exact``, over the outputs."""
-    entering = jnp.max(jnp.stack([_relative_error(a, b) for a, b in zip(local, reference)]))
-    accumulated = jnp.max(jnp.stack([_relative_error(a, b) for a, b in zip(actual, exact)]))
-    return jnp.stack([entering, accumulated])
+# What the evaluation measures of its values, one kind at a time: the values of a kind and
+# shape are stacked and measured by one vmapped call (a few large operations, quick to
+# compile, rather than thousands of small ones).
+_MEASURES: dict[str, Callable[..., Any]] = {
+    "nonfinite": _nonfinite,
+    "summary": range_stats.summarize,
+    "amax": _amax,
+    "error": _relative_error,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,10 +152,18 @@ class _Evaluation:
     def __init__(self, compare: bool):
         self.compare = compare
         self.sites: list[_Site] = []
-        self.ranges: list[tuple[int, Any, Any]] = []
-        self.births: list[tuple[int, Any]] = []
-        self.errors: list[tuple[int, Any]] = []
-        self.dots: list[tuple[int, Any]] = []
+        # Per measured site, the slots of its measures: (group, rank in the group).
+        self.births: list[tuple[int, list, list]] = []
+        self.ranges: list[tuple[int, list]] = []
+        self.dots: list[tuple[int, list]] = []
+        self.errors: list[tuple[int, list, list]] = []
+        self.groups: dict[tuple, list[tuple]] = {}
+
+    def _measure(self, kind: str, *arrays: Any) -> tuple[tuple, int]:
+        key = (kind, tuple((jax.typeof(a).shape, str(jax.typeof(a).dtype)) for a in arrays))
+        group = self.groups.setdefault(key, [])
+        group.append(arrays)
+        return key, len(group) - 1
 
     def run(self, closed: Any, exact: Sequence[Any], actual: Sequence[Any], path, backward):
         jaxpr = closed.jaxpr
@@ -221,45 +217,84 @@ class _Evaluation:
         )
         index = len(self.sites)
         self.sites.append(site)
-        born = _nonfinite([ac_out[i] for i in floats_out], [ac_in[i] for i in floats_in])
-        self.births.append((index, born))
-        if name not in STRUCTURAL:
-            self.ranges.append((index, *_summaries([ex_out[i] for i in floats_out])))
-        if name in _MATMULS:
-            self.dots.append((index, _amaxes([ex_in[i] for i in floats_in[:2]])))
-        measured = name not in STRUCTURAL or name in _CAST
-        if self.compare and not backward and measured:
+        ranges = name not in STRUCTURAL
+        errors = self.compare and not backward and (ranges or name in _CAST)
+        local, reference = [], []
+        if errors and any(_is_low(v.aval.dtype) for v in (*eqn.invars, *eqn.outvars)):
             # The equation as the policy runs it, on the exact inputs in the dtypes it takes,
             # against the exact equation on those same inputs: what rounding the inputs loses
-            # is counted at the cast that rounds them, not again at each use.
+            # is counted at the cast that rounds them, not again at each use. (An equation
+            # with no lower-precision value runs exactly: nothing enters there.)
             local_in = [_cast(x, v.aval.dtype) for x, v in zip(ex_in, eqn.invars)]
-            local_out = compat.bind_equation(eqn, local_in)
+            local = compat.bind_equation(eqn, local_in)
             rounded = any(_is_low(v.aval.dtype) for v in eqn.invars)
             reference = _exact_equation(eqn, [_exact(x) for x in local_in]) if rounded else ex_out
-            pick = [[xs[i] for i in floats_out] for xs in (local_out, reference, ac_out, ex_out)]
-            self.errors.append((index, _error_pair(*pick)))
+            local, reference = [local[i] for i in floats_out], [reference[i] for i in floats_out]
+        self.births.append(
+            (
+                index,
+                [self._measure("nonfinite", ac_out[i]) for i in floats_out],
+                [self._measure("nonfinite", ac_in[i]) for i in floats_in],
+            )
+        )
+        if ranges:
+            self.ranges.append((index, [self._measure("summary", ex_out[i]) for i in floats_out]))
+        if name in _MATMULS:
+            self.dots.append((index, [self._measure("amax", ex_in[i]) for i in floats_in[:2]]))
+        if errors:
+            entering = [self._measure("error", a, b) for a, b in zip(local, reference)]
+            accumulated = [self._measure("error", ac_out[i], ex_out[i]) for i in floats_out]
+            self.errors.append((index, entering, accumulated))
         return ex_out, ac_out
 
-    def outputs(self) -> dict[str, Any]:
-        """The statistics, stacked (the site indices are kept on the host)."""
+    def outputs(self) -> list[Any]:
+        """The measures, one vmapped call per group (in the order of :attr:`groups`)."""
+        found = []
+        for (kind, _), members in self.groups.items():
+            stacked = [jnp.stack(column) for column in zip(*members)]
+            found.append(jax.vmap(_MEASURES[kind])(*stacked))
+        return found
+
+    def assemble(self, measured: list[Any]) -> dict[str, np.ndarray]:
+        """Per site, from the measures (host values): non-finite counts of outputs and inputs,
+        range summaries (counts, extremes), matmul operand amaxes, errors (entering,
+        accumulated), each stacked in the order of :meth:`indices`."""
+        results = dict(zip(self.groups, measured))
+
+        def get(slot, part=None):
+            key, rank = slot
+            value = results[key] if part is None else results[key][part]
+            return value[rank]
+
+        def total(slots):
+            return int(sum(int(get(s)) for s in slots))
+
+        def largest(slots):
+            return max((float(get(s)) for s in slots), default=0.0)
+
         width = range_stats.summary_size()
-
-        def stack(rows, shape, dtype):
-            return jnp.stack(rows) if rows else jnp.zeros((0, *shape), dtype)
-
+        counts = [np.sum([get(s, 0) for s in slots], axis=0) for _, slots in self.ranges]
+        extremes = [
+            [max(float(get(s, 1)[0]) for s in slots), min(float(get(s, 1)[1]) for s in slots)]
+            for _, slots in self.ranges
+        ]
         return {
-            "range_counts": stack([c for _, c, _ in self.ranges], (width,), jnp.int32),
-            "range_extremes": stack([e for _, _, e in self.ranges], (2,), jnp.float32),
-            "births": stack([b for _, b in self.births], (2,), jnp.int32),
-            "errors": stack([e for _, e in self.errors], (2,), jnp.float32),
-            "dots": stack([d for _, d in self.dots], (2,), jnp.float32),
+            "range_counts": np.array(counts, np.int64).reshape(-1, width),
+            "range_extremes": np.array(extremes, np.float32).reshape(-1, 2),
+            "births": np.array([[total(o), total(i)] for _, o, i in self.births]).reshape(-1, 2),
+            "errors": np.array(
+                [[largest(e), largest(a)] for _, e, a in self.errors], np.float32
+            ).reshape(-1, 2),
+            "dots": np.array(
+                [[float(get(s)) for s in slots] for _, slots in self.dots], np.float32
+            ),
         }
 
     def indices(self) -> dict[str, list[int]]:
         return {
-            "ranges": [i for i, _, _ in self.ranges],
-            "births": [i for i, _ in self.births],
-            "errors": [i for i, _ in self.errors],
+            "ranges": [i for i, _ in self.ranges],
+            "births": [i for i, _, _ in self.births],
+            "errors": [i for i, _, _ in self.errors],
             "dots": [i for i, _ in self.dots],
         }
 
@@ -287,6 +322,9 @@ def _exact_equation(eqn: Any, ex_in: list) -> list:
     if name in _CAST:
         target = np.dtype(eqn.outvars[0].aval.dtype)
         return [lax.convert_element_type(ex_in[0], _F32 if _is_low(target) else target)]
+    cast_back = [_cast(x, v.aval.dtype) for x, v in zip(ex_in, eqn.invars)]
+    if compat.sub_jaxprs(eqn):  # a loop or conditional: its bodies are typed as written
+        return [_exact(x) for x in compat.bind_equation(eqn, cast_back)]
     params = None
     preferred = compat.preferred_element_type(eqn)
     if preferred is not None and _is_low(preferred):
@@ -294,9 +332,7 @@ def _exact_equation(eqn: Any, ex_in: list) -> list:
     try:
         outs = compat.bind_equation(eqn, ex_in, params)
     except (TypeError, ValueError):
-        outs = compat.bind_equation(
-            eqn, [_cast(x, v.aval.dtype) for x, v in zip(ex_in, eqn.invars)]
-        )
+        outs = compat.bind_equation(eqn, cast_back)
     return [_exact(x) for x in outs]
 
 
@@ -706,8 +742,8 @@ class Doctor:
             trace = self._trace(leaves, tree, dynamic)
             if key is not None:
                 self._traces[key] = trace
-        values = trace.evaluate([leaves[i] for i in dynamic])
-        return trace, jax.tree.map(np.asarray, values)
+        measured = jax.tree.map(np.asarray, trace.evaluate([leaves[i] for i in dynamic]))
+        return trace, trace.evaluation.assemble(measured)
 
     def _trace(self, leaves, tree, dynamic) -> _Trace:
         fn = self._runner.under(self._rules)
@@ -757,7 +793,7 @@ class Doctor:
             trace.evaluation = evaluation
             return evaluation.outputs()
 
-        trace.evaluate = evaluate
+        trace.evaluate = jax.jit(evaluate)
         return trace
 
 

@@ -183,6 +183,12 @@ def name_stack(eqn: Any) -> str:
     return str(eqn.source_info.name_stack)
 
 
+def traced_at(eqn: Any) -> Any:
+    """A context manager under which the equations traced get ``eqn``'s traceback: the casts
+    the engine writes around an equation point at the user's line, like the equation."""
+    return source_info_util.user_context(eqn.source_info.traceback)
+
+
 def is_backward(eqn: Any) -> bool:
     """Whether ``eqn`` computes a gradient: its name stack has a ``transpose(...)`` transform,
     which ``jax.grad``/``jax.vjp`` put around the equations of the backward pass."""

@@ -230,6 +230,26 @@ def _mse(y):
     return jnp.mean(y**2)
 
 
+def _scaled_gram(x):
+    with jax.named_scope("gram"):
+        g = x @ x.T  # 8 * 100**2 = 80000: past float16's 65504
+    with jax.named_scope("head"):
+        return jnp.sum(g) / 1024
+
+
+def test_the_recommended_rules_keep_the_overflowing_scope_in_float32_and_remove_the_overflow():
+    x = jnp.full((2, 8), 100.0)
+    report = mpjax.diagnose(_scaled_gram, policy="mixed_float16")(x)
+    assert [r.key for r in report.rules.rules if not r.builtin] == ["gram"]
+    assert "its dot_general (forward) runs in float16 and reaches 8e+04" in report.reasons[0]
+    assert jnp.isinf(mpjax.autocast(_scaled_gram, "mixed_float16")(x))
+    # In float32 for the matmul, the rest in float16: 4 * 80000 / 1024, exact in both.
+    assert mpjax.autocast(_scaled_gram, rules=report.rules)(x) == _scaled_gram(x) == 312.5
+    again = mpjax.diagnose(_scaled_gram, policy=report.rules)(x)
+    assert again.birth is None and again.rules is None
+
+
+@pytest.mark.slow
 def test_the_recommended_rules_keep_the_overflowing_module_in_float32_and_remove_the_overflow():
     model, variables, x = _net()
     wrapped = mpjax.linen.apply_policy(model, "mixed_float16")

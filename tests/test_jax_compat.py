@@ -397,3 +397,10 @@ def test_a_bound_equation_keeps_the_source_location_it_was_traced_at():
     (sin,) = _eqns(_located, X, primitive="sin")
     rebound = jax.make_jaxpr(lambda x: jax_compat.bind_equation(sin, [x]))(X).jaxpr.eqns[0]
     assert jax_compat.source_location(rebound) == jax_compat.source_location(sin)
+
+    def cast(x):
+        with jax_compat.traced_at(sin):
+            return x.astype(jnp.bfloat16)
+
+    (converted,) = jax.make_jaxpr(cast)(X).jaxpr.eqns
+    assert jax_compat.source_location(converted) == jax_compat.source_location(sin)

@@ -31,7 +31,7 @@ def _callbacks(jaxpr) -> int:
 def test_autocast_values_are_measured_on_check_steps_only():
     f = mpjax.autocast(_loss, "mixed_bfloat16")
     monitor = mpjax.PrecisionMonitor(every=3)
-    step = jax.jit(monitor.wrap(lambda i, w, x: jax.grad(f)(w, x), step=lambda i, w, x: i))
+    step = monitor.wrap(jax.grad(f))
     w = np.full((4, 2), 0.5, np.float32)
     x = np.arange(12, dtype=np.float32).reshape(3, 4)  # exact in bfloat16
     for i in range(7):
@@ -47,14 +47,28 @@ def test_autocast_values_are_measured_on_check_steps_only():
     assert "proj" in monitor.table()
 
 
-def test_the_steps_between_checks_run_the_step_without_a_callback():
+def test_the_steps_between_checks_run_the_plain_step():
     f = mpjax.autocast(_loss, "mixed_bfloat16")
     monitor = mpjax.PrecisionMonitor(every=100)
-    step = monitor.wrap(lambda i, w, x: jax.grad(f)(w, x), step=lambda i, w, x: i)
-    jaxpr = jax.make_jaxpr(step)(0, jnp.ones((4, 2)), jnp.ones((3, 4))).jaxpr
-    (cond,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
-    plain, measured = (b.jaxpr for b in mpjax.jax_compat.cond_branches(cond))
-    assert _callbacks(plain) == 0 and _callbacks(measured) >= 1
+    calls = []
+
+    def step_fn(w, x):
+        calls.append("traced")
+        return jax.grad(f)(w, x)
+
+    step = monitor.wrap(step_fn)
+    w, x = jnp.ones((4, 2)), jnp.ones((3, 4))
+    assert _callbacks(jax.make_jaxpr(step_fn)(w, x).jaxpr) == 0
+    traced = len(calls)
+    for i in range(1, 4):  # steps between checks: the plain step, traced once at most
+        step(i, w, x)
+    jax.effects_barrier()
+    assert monitor.checks == [] and len(calls) - traced <= 1
+    step(100, w, x)
+    jax.effects_barrier()
+    assert {c.step for c in monitor.checks} == {100}
+    with pytest.raises(TypeError, match="step must be the step number as an int"):
+        jax.jit(step)(jnp.int32(0), w, x)
 
 
 class RMSNorm(nn.Module):
@@ -76,10 +90,10 @@ def test_a_linen_models_modules_are_measured_and_its_overflow_counted(tmp_path):
     variables = model.init(jax.random.key(0), x)
     monitor = mpjax.PrecisionMonitor(every=2)
 
-    def train_step(i, variables, x):
+    def train_step(variables, x):
         return jax.grad(lambda v: jnp.sum(model.apply(v, x)))(variables)
 
-    step = jax.jit(monitor.wrap(train_step, step=lambda i, v, x: i))
+    step = monitor.wrap(train_step)
     for i in range(3):
         step(i, variables, x)
     jax.effects_barrier()
@@ -104,10 +118,10 @@ def test_an_nnx_models_modules_are_measured():
     graphdef, state = nnx.split(model)
     monitor = mpjax.PrecisionMonitor(every=1)
 
-    def train_step(i, state, x):
+    def train_step(state, x):
         return jax.grad(lambda s: nnx.merge(graphdef, s)(x))(state)
 
-    jax.jit(monitor.wrap(train_step, step=lambda i, s, x: i))(0, state, jnp.ones((2, 4)))
+    monitor.wrap(train_step)(0, state, jnp.ones((2, 4)))
     jax.effects_barrier()
     kernel = np.asarray(model.proj.kernel.get_value())
     proj = {c.module: c for c in monitor.latest()}["proj"]
@@ -118,5 +132,5 @@ def test_an_nnx_models_modules_are_measured():
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="every"):
         mpjax.PrecisionMonitor(every=0)
-    with pytest.raises(TypeError, match="step=...\\) must be a function"):
-        mpjax.PrecisionMonitor(every=2).wrap(jnp.sum, step=3)
+    with pytest.raises(TypeError, match="step_fn must be the train step function"):
+        mpjax.PrecisionMonitor(every=2).wrap(3)
