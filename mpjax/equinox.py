@@ -56,7 +56,7 @@ from mpjax.rules import Rules, RulesLike, RuleWarning, as_rules, register_norm_r
 
 __all__ = ["MixedPrecision", "apply_policy", "filter_value_and_grad", "module_paths"]
 
-register_norm_rules("equinox", eqx.nn.LayerNorm, eqx.nn.RMSNorm, eqx.nn.GroupNorm, eqx.nn.BatchNorm)
+register_norm_rules("equinox", eqx.nn.LayerNorm, eqx.nn.RMSNorm, eqx.nn.BatchNorm, eqx.nn.GroupNorm)
 
 
 def _is_module(x: Any) -> bool:

@@ -4,6 +4,7 @@ problem reports; and the precision report table."""
 import re
 import sys
 
+import equinox as eqx
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
@@ -182,7 +183,7 @@ def test_integrations_register_their_norms_in_order_with_stable_names():
     names = [r.name for r in Rules().rules]
     assert names == [
         f"builtin: {lib}.{norm} in f32"
-        for lib in ("linen", "nnx")
+        for lib in ("linen", "nnx", "equinox")
         for norm in ("LayerNorm", "RMSNorm", "BatchNorm", "GroupNorm")
     ]
     assert [r.key for r in Rules().rules] == [
@@ -194,6 +195,10 @@ def test_integrations_register_their_norms_in_order_with_stable_names():
         nnx.RMSNorm,
         nnx.BatchNorm,
         nnx.GroupNorm,
+        eqx.nn.LayerNorm,
+        eqx.nn.RMSNorm,
+        eqx.nn.BatchNorm,
+        eqx.nn.GroupNorm,
     ]
 
 
@@ -273,14 +278,15 @@ def test_precision_report_table_and_totals():
 def test_describe_rejects_what_it_cannot_describe_listing_what_it_can():
     with pytest.raises(TypeError, match=r"describe\(\) takes .*; got <object") as error:
         mpjax.describe(object())
-    for kind in ("a function made by mpjax.autocast", "a flax.linen module", "a flax.nnx module"):
+    kinds = ("a function made by mpjax.autocast", "a flax.linen module", "a flax.nnx module")
+    for kind in (*kinds, "an equinox module"):
         assert kind in str(error.value)
 
 
 def test_describe_says_which_import_describes_flax_modules(monkeypatch):
     # As with Flax installed but neither mpjax.linen nor mpjax.nnx imported.
     describing = sys.modules["mpjax.describe"]
-    unregistered = [d for d in describing._describers if "flax" not in d.kind]
+    unregistered = [d for d in describing._describers if "autocast" in d.kind]
     monkeypatch.setattr(describing, "_describers", unregistered)
     monkeypatch.setattr(describing, "_packages", set())
     for model in (nn.Dense(2), nnx.Linear(2, 2, rngs=nnx.Rngs(0))):
