@@ -63,10 +63,15 @@ SLOW = {
     "fp8.md": "compiles fp8 training steps",
     "from_pytorch.md": "compiles a float16 train step twice",
     "getting_started.md": "trains 300 steps and compiles a Flax model",
+    "inspection.md": "compiles a gradient and runs the precision doctor",
     "linen.md": "compiles several Flax models forward and backward",
     "nnx.md": "compiles NNX train steps",
     "optimizer_memory.md": "runs 300 optimizer updates eagerly",
 }
+
+
+# Pages whose code a test of their own runs, with more asserts: not run twice.
+OWN_TESTS = {"precision_doctor.md": "test_precision_doctor_guide.py"}
 
 
 def _blocks(page: pathlib.Path) -> list[tuple[int, str]]:
@@ -79,7 +84,7 @@ def _blocks(page: pathlib.Path) -> list[tuple[int, str]]:
 
 
 def _pages() -> list[pathlib.Path]:
-    return sorted(p for p in DOCS.glob("*.md") if _blocks(p))
+    return sorted(p for p in DOCS.glob("*.md") if _blocks(p) and p.name not in OWN_TESTS)
 
 
 def _missing(code: str) -> str | None:
@@ -137,6 +142,8 @@ def test_every_page_is_in_the_site_and_the_slow_list_is_current():
     for page in DOCS.glob("*.md"):
         assert page.stem in listed, f"docs/{page.name} is in no toctree of docs/index.rst"
     assert set(SLOW) <= {p.name for p in _pages()}, set(SLOW) - {p.name for p in _pages()}
+    for page, test in OWN_TESTS.items():
+        assert f"docs/{page}" in (ROOT / "tests" / test).read_text(), (page, test)
     assert len(_pages()) >= 15
 
 
