@@ -48,7 +48,7 @@ except ImportError as error:
 
 from mpjax import regions
 from mpjax.autocast import run_in_regions, tracing
-from mpjax.describe import register_describer
+from mpjax.describe import Runner, register_describer
 from mpjax.loss_scaling import make_scaled_value_and_grad
 from mpjax.policy import Policy, PolicyLike, cast_floating
 from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
@@ -556,4 +556,29 @@ def _report_of(model: Any, *, rules: Rules | PolicyLike | None) -> Callable[...,
     return report
 
 
-register_describer(eqx.Module, _report_of, kind="an equinox module", options=("rules",))
+def _runner_of(model: Any) -> Runner:
+    """The :class:`mpjax.describe.Runner` of an Equinox model, for :func:`mpjax.diagnose`:
+    ``under(rules)`` takes the model's floating arrays first (the rest of the model is held
+    static) and calls the model wrapped by ``rules``."""
+    inner = _check_model(model, "diagnose")
+    params, static = eqx.partition(inner, eqx.is_inexact_array)
+
+    def under(rules: Rules) -> Callable[..., Any]:
+        def call(params, *args, **kwargs):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuleWarning)  # apply_policy already warned
+                wrapped = MixedPrecision(eqx.combine(params, static), rules)
+            return wrapped(*args, **kwargs)
+
+        return call
+
+    def arguments(inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return (params, *inputs), kwargs
+
+    rules = model.rules if isinstance(model, MixedPrecision) else None
+    return Runner(rules, under, arguments)
+
+
+register_describer(
+    eqx.Module, _report_of, kind="an equinox module", options=("rules",), runner=_runner_of
+)

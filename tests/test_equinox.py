@@ -622,6 +622,17 @@ def test_inspect_matmuls_names_equinox_regions():
     assert [(m.region, m.lhs_dtype) for m in report] == [("layers[0]", BF16), ("layers[1]", BF16)]
 
 
+def test_the_precision_doctor_names_equinox_paths_and_its_rules_fix_the_overflow():
+    mlp = eqx.nn.MLP(8, 1, 8, depth=1, key=key())
+    # 8 * 100 * 3000 = 2.4e6: past float16's 65504 in the first layer's matmul.
+    mlp = eqx.tree_at(lambda m: m.layers[0].weight, mlp, jnp.full((8, 8), 3000.0))
+    x = jnp.full(8, 100.0)
+    report = mpjax.diagnose(mpe.apply_policy(mlp, "mixed_float16"))(x)
+    assert (report.birth.module, report.birth.primitive) == ("layers[0]", "dot_general")
+    assert "layers[0]" in [r.key for r in report.rules.rules if not r.builtin]
+    assert mpjax.diagnose(mpe.apply_policy(mlp, report.rules))(x).birth is None
+
+
 # --- Bad input. ---------------------------------------------------------------------------------
 
 
