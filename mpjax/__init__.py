@@ -10,7 +10,6 @@ rules, their :func:`describe` support and the loss scales' ``flax.serialization`
 from typing import Any
 
 from mpjax import autocast as _autocast_module
-from mpjax import loss_scaling as _loss_scaling_module
 from mpjax.attention import dot_product_attention
 from mpjax.autocast import (
     AutocastReport,
@@ -43,17 +42,13 @@ from mpjax.inspection import (
     hlo_op_counts,
     inspect_matmuls,
 )
-from mpjax.loss_scaling import (
-    DynamicLossScale,
-    LossScale,
+from mpjax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from mpjax.loss_scaling import LossScalingState, loss_scaling
+from mpjax.loss_scaling_readers import (
     LossScalingInfo,
-    LossScalingState,
-    NoOpLossScale,
     PersistentOverflowError,
-    StaticLossScale,
     check_loss_scaling,
     check_overflow,
-    loss_scaling,
     loss_scaling_info,
     scale_loss,
     scaled_value_and_grad,
@@ -103,9 +98,6 @@ __version__ = "0.1.0"
 # Deprecated names, kept for one release: each warns when called and names its replacement.
 _DEPRECATED = {
     "autocast_report": _autocast_module,
-    "find_loss_scaling_state": _loss_scaling_module,
-    "get_loss_scale": _loss_scaling_module,
-    "loss_scale_for": _loss_scaling_module,
 }
 _NEED_FLAX = ("linen", "nnx", "flax_serialization")
 

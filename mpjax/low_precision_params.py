@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from mpjax.gradient_checks import check_params, check_transformation, check_update
-from mpjax.loss_scaling import step_applied
+from mpjax.loss_scaling_readers import step_applied
 from mpjax.policy import is_low_precision
 from mpjax.rounding import (
     check_rounding,

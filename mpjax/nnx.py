@@ -63,7 +63,7 @@ from mpjax.autocast import (
 )
 from mpjax.deprecation import warn_deprecated
 from mpjax.describe import Runner, register_describer
-from mpjax.loss_scaling import check_argnums, make_scaled_value_and_grad
+from mpjax.loss_scaling_readers import check_argnums, make_scaled_value_and_grad
 from mpjax.policy import Policy, PolicyLike, is_floating
 from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
 from mpjax.rules import (

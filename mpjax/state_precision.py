@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from mpjax.gradient_checks import InitTrees, check_params, check_transformation, check_update
-from mpjax.loss_scaling import step_applied
+from mpjax.loss_scaling_readers import step_applied
 from mpjax.policy import is_floating, storage_dtype
 from mpjax.rounding import (
     ROUNDINGS,

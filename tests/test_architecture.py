@@ -29,7 +29,9 @@ LAYERS = (
         "hlo_text",
         "gpu_plan",
         "gradient_checks",
+        "loss_scale",
         "loss_scaling",
+        "loss_scaling_readers",
         "master_weights",
         "rounding",
         "range_stats",
@@ -68,7 +70,9 @@ FLAX_FREE = (
 # The optimizer side, which must not need Flax either.
 OPTIMIZER_SIDE = (
     "gradient_checks",
+    "loss_scale",
     "loss_scaling",
+    "loss_scaling_readers",
     "master_weights",
     "rounding",
     "state_precision",

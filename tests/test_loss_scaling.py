@@ -1,8 +1,9 @@
 """Loss scaling: the scale values, the loss_scaling optax transform and the readers of its
 state: trajectories, skips, pytree behaviour, jit, sharding, checkpoints, MultiSteps, bad input
-and the deprecated aliases."""
+and the names that are gone."""
 
 import functools
+import importlib
 import re
 import warnings
 
@@ -999,47 +1000,18 @@ def test_readme_loss_scaling_example_runs(capsys):
 
 
 # ---------------------------------------------------------------------------------------------
-# Deprecated aliases: they warn, naming the replacement, and still work
+# One name per concept
 
 
-def test_get_loss_scale_is_deprecated_and_still_works():
-    with pytest.warns(
-        mpjax.MpjaxDeprecationWarning,
-        match=r"get_loss_scale\(spec\) is deprecated.*mpjax.loss_scaling\(inner, loss_scale=spec\)",
-    ):
-        ls = mpjax.get_loss_scale("static:512")
-    assert isinstance(ls, StaticLossScale) and float(ls.loss_scale) == 512.0
-    with (
-        pytest.warns(mpjax.MpjaxDeprecationWarning),
-        pytest.raises(ValueError, match="Unknown loss_scale 'dynamc'"),
-    ):
-        mpjax.get_loss_scale("dynamc")
-
-
-def test_loss_scale_for_is_deprecated_and_still_works():
-    with pytest.warns(
-        mpjax.MpjaxDeprecationWarning,
-        match=r"loss_scale_for\(policy\) is deprecated.*policy.needs_loss_scaling",
-    ):
-        ls = mpjax.loss_scale_for("mixed_float16")
-    assert type(ls) is DynamicLossScale and float(ls.loss_scale) == 2.0**15
-    with pytest.warns(mpjax.MpjaxDeprecationWarning):
-        assert type(mpjax.loss_scale_for("bf16")) is NoOpLossScale
-
-
-def test_find_loss_scaling_state_is_deprecated_and_still_works():
-    params = jnp.ones(1)
-    state = optax.chain(optax.clip(1.0), loss_scaling(optax.sgd(1.0), "static:8")).init(params)
-    with pytest.warns(
-        mpjax.MpjaxDeprecationWarning,
-        match=r"find_loss_scaling_state\(opt_state\) is deprecated.*loss_scaling_info",
-    ):
-        found = mpjax.find_loss_scaling_state(state)
-    assert isinstance(found, LossScalingState) and float(found.scale) == 8.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        with pytest.raises(ValueError, match="exactly one LossScalingState, found 0"):
-            mpjax.find_loss_scaling_state(optax.adam(1.0).init(params))
+@pytest.mark.parametrize("name", ["get_loss_scale", "loss_scale_for", "find_loss_scaling_state"])
+def test_the_unreleased_aliases_are_gone(name):
+    # Their concepts have one name each: loss_scaling's loss_scale spec (or the scale classes),
+    # Policy.needs_loss_scaling, loss_scaling_info.
+    assert name not in mpjax.__all__
+    with pytest.raises(AttributeError, match=name):
+        getattr(mpjax, name)
+    for module in ("loss_scale", "loss_scaling", "loss_scaling_readers"):
+        assert not hasattr(importlib.import_module(f"mpjax.{module}"), name), module
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,13 +29,16 @@ package.__path__ = [str(pathlib.Path(sys.argv[1]) / "mpjax")]
 sys.modules["mpjax"] = package
 
 import jax, jax.numpy as jnp, numpy as np, optax
-import mpjax.policy, mpjax.loss_scaling, mpjax.master_weights
-from mpjax.loss_scaling import DynamicLossScale, loss_scaling, loss_scaling_info, scale_loss
+import mpjax.policy, mpjax.loss_scaling_readers, mpjax.master_weights
+from mpjax.loss_scale import DynamicLossScale
+from mpjax.loss_scaling import loss_scaling
+from mpjax.loss_scaling_readers import loss_scaling_info, scale_loss
 from mpjax.master_weights import master_weights
 
 loaded = sorted(m for m in sys.modules if m.startswith("mpjax."))
-assert loaded == ["mpjax.deprecation", "mpjax.fp8", "mpjax.gradient_checks", "mpjax.jax_compat",
-                  "mpjax.loss_scaling", "mpjax.master_weights", "mpjax.policy"], loaded
+assert loaded == ["mpjax.fp8", "mpjax.gradient_checks", "mpjax.jax_compat", "mpjax.loss_scale",
+                  "mpjax.loss_scaling", "mpjax.loss_scaling_readers", "mpjax.master_weights",
+                  "mpjax.policy"], loaded
 assert not [m for m, v in sys.modules.items() if m.split(".")[0] == "flax" and v is not None]
 
 policy = mpjax.policy.get_policy("float16")
@@ -96,7 +99,7 @@ def test_policy_loss_scaling_and_master_weights_train_with_flax_blocked():
 # `import mpjax` itself, with Flax blocked: the core works and the integrations say what is
 # missing.
 IMPORT_WITHOUT_FLAX = r"""
-import sys, warnings
+import sys
 
 sys.modules["flax"] = None
 import jax, jax.numpy as jnp, optax
@@ -127,10 +130,6 @@ try:
     mpjax.describe(object())
 except TypeError as error:
     assert "mpjax.autocast" in str(error), error
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    mpjax.get_loss_scale("dynamic")
-assert caught and issubclass(caught[0].category, mpjax.MpjaxDeprecationWarning)
 print("mpjax without flax")
 """
 
