@@ -160,7 +160,7 @@ def _check_complete(app, env):
     """Warn (an error under ``-W``) for every name of ``mpjax.__all__`` on no page."""
     documented = set(env.domaindata["py"]["objects"])
     for name in mpjax.__all__:
-        if name not in vars(mpjax):  # a deprecated alias a module __getattr__ serves
+        if name not in vars(mpjax):  # an integration the package's __getattr__ serves
             continue
         obj = vars(mpjax)[name]
         if isinstance(obj, type(mpjax)):  # a submodule: documented as a module

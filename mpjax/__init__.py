@@ -9,7 +9,6 @@ rules, their :func:`describe` support and the loss scales' ``flax.serialization`
 
 from typing import Any
 
-from mpjax import autocast as _autocast_module
 from mpjax.attention import dot_product_attention
 from mpjax.autocast import (
     AutocastReport,
@@ -19,7 +18,6 @@ from mpjax.autocast import (
     fp8_state,
     with_fp8_state,
 )
-from mpjax.deprecation import MpjaxDeprecationWarning
 from mpjax.describe import describe
 from mpjax.diagnosis import DiagnosisReport, Doctor, diagnose
 from mpjax.fp8 import Fp8Recipe
@@ -95,16 +93,10 @@ else:
 
 __version__ = "0.1.0"
 
-# Deprecated names, kept for one release: each warns when called and names its replacement.
-_DEPRECATED = {
-    "autocast_report": _autocast_module,
-}
 _NEED_FLAX = ("linen", "nnx", "flax_serialization")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _DEPRECATED:
-        return getattr(_DEPRECATED[name], name)
     if name in _NEED_FLAX and _flax is None:
         raise ImportError(
             f'mpjax.{name} needs Flax, which is not installed: pip install "mpjax[flax]".'
@@ -151,7 +143,6 @@ __all__ = [
     "MemoryRow",
     "ModuleCheck",
     "ModuleRow",
-    "MpjaxDeprecationWarning",
     "NoOpLossScale",
     "PARAM_ROUNDINGS",
     "PersistentOverflowError",

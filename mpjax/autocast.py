@@ -33,7 +33,6 @@ from jax import lax
 
 from mpjax import fp8
 from mpjax import jax_compat as compat
-from mpjax.deprecation import warn_deprecated
 from mpjax.op_categories import F32, KEEP, LOWER, ORIGINAL, PROMOTE, merge_categories
 from mpjax.policy import Policy, PolicyLike, get_policy, is_floating, short_dtype_name
 from mpjax.regions import Region, boundary_dtype, innermost
@@ -1386,35 +1385,4 @@ def describe_autocast(fn: Callable[..., Any]) -> Callable[..., AutocastReport]:
         _abstractly(lambda a, k: info.call(a, k, _DelayedScaling(None), record), args, kwargs)
         return AutocastReport(AutocastRow(*key, count) for key, count in record.items())
 
-    return report
-
-
-# --- Deprecated -------------------------------------------------------------------------------
-
-
-def autocast_report(
-    fn: Callable[..., Any], *args, print_table: bool = True, **kwargs
-) -> AutocastReport:
-    """Deprecated: use ``mpjax.describe(fn)(*args, **kwargs)`` (and print the report).
-
-    Returns, and by default prints, the :class:`AutocastReport` of ``fn``, a function made by
-    :func:`autocast`, for the example arguments. Its ``print_table`` keyword takes the name
-    from ``fn``'s own keywords; the replacement takes ``fn``'s arguments exactly.
-
-    Raises:
-      TypeError: if ``fn`` was not made by :func:`autocast`.
-    """
-    warn_deprecated(
-        "mpjax.autocast_report(fn, *args, **kwargs)",
-        "mpjax.describe(fn)(*args, **kwargs), which returns the report without printing it "
-        "(print it, or call its .table())",
-    )
-    if not is_autocast(fn):
-        raise TypeError(
-            f"autocast_report takes a function made by mpjax.autocast; got {fn!r}. Wrap it "
-            "first: mpjax.describe(mpjax.autocast(fn))(*args)."
-        )
-    report = describe_autocast(fn)(*args, **kwargs)
-    if print_table:
-        print(report)
     return report

@@ -12,13 +12,12 @@ import collections
 import dataclasses
 import re
 from collections.abc import Callable, Iterator
-from typing import Any, overload
+from typing import Any
 
 import jax
 import numpy as np
 
 from mpjax import jax_compat
-from mpjax.deprecation import warn_deprecated
 from mpjax.regions import innermost
 from mpjax.table import format_table
 
@@ -190,25 +189,15 @@ def _matmuls(
     return MatmulReport(found)
 
 
-def _warn_uncurried(name: str, option: str) -> None:
-    warn_deprecated(
-        f"{name}(fn, *args, **kwargs)",
-        f"{name}(fn)(*args, **kwargs) (and {name}(fn, {option}=...)(*args, **kwargs) for the "
-        "option), so that none of fn's own keywords is taken for an option",
-        stacklevel=3,
-    )
-
-
-@overload
-def inspect_matmuls(
-    fn: Callable[..., Any], /, *, primitives: frozenset[str] = ...
-) -> Callable[..., MatmulReport]: ...
-
-
-@overload
-def inspect_matmuls(
-    fn: Callable[..., Any], arg: Any, /, *args: Any, primitives: frozenset[str] = ..., **kwargs: Any
-) -> MatmulReport: ...
+def _refuse_uncurried(name: str, option: str, args: tuple, kwargs: dict) -> None:
+    """Refuses example arguments passed with ``fn`` (``name(fn, *args)``): the inspection is
+    curried, so that none of ``fn``'s own keywords is taken for ``option``."""
+    if args or kwargs:
+        raise TypeError(
+            f"{name} takes the function alone and returns a function of its arguments: call "
+            f"{name}(fn)(*args, **kwargs) (and {name}(fn, {option}=...)(*args, **kwargs) for "
+            f"the option), not {name}(fn, *args, **kwargs)."
+        )
 
 
 def inspect_matmuls(
@@ -217,7 +206,7 @@ def inspect_matmuls(
     *args: Any,
     primitives: frozenset[str] = MATMUL_PRIMITIVES,
     **kwargs: Any,
-) -> Callable[..., MatmulReport] | MatmulReport:
+) -> Callable[..., MatmulReport]:
     """Lists every matmul/convolution ``fn`` performs, with dtypes; curried like
     ``jax.make_jaxpr``: ``inspect_matmuls(fn)(*args, **kwargs)``.
 
@@ -234,8 +223,10 @@ def inspect_matmuls(
       traces it (nothing is computed) and returns a :class:`MatmulReport` (a tuple of
       :class:`MatmulInfo`, printed as a table).
 
-    The form ``inspect_matmuls(fn, *args, **kwargs)``, with the example arguments after ``fn``,
-    still returns the report directly for one release, with a ``DeprecationWarning``.
+    Raises:
+      TypeError: for a ``fn`` that is not callable, ``primitives`` that are not names, and
+        example arguments passed with ``fn`` (``inspect_matmuls(fn, x)``; the curried form
+        keeps every keyword for ``fn``).
 
     >>> import jax.numpy as jnp
     >>> x, w = jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 4), jnp.bfloat16)
@@ -252,9 +243,7 @@ def inspect_matmuls(
             f"mpjax.inspection.MATMUL_PRIMITIVES), got {primitives!r}."
         )
     primitives = frozenset(primitives)
-    if args or kwargs:
-        _warn_uncurried("inspect_matmuls", "primitives")
-        return _matmuls(fn, primitives, args, kwargs)
+    _refuse_uncurried("inspect_matmuls", "primitives", args, kwargs)
 
     def report(*args: Any, **kwargs: Any) -> MatmulReport:
         return _matmuls(fn, primitives, args, kwargs)
@@ -280,25 +269,13 @@ def _hlo_op_counts(
     return counts
 
 
-@overload
-def hlo_op_counts(
-    fn: Callable[..., Any], /, *, compiled: bool = ...
-) -> Callable[..., collections.Counter]: ...
-
-
-@overload
-def hlo_op_counts(
-    fn: Callable[..., Any], arg: Any, /, *args: Any, compiled: bool = ..., **kwargs: Any
-) -> collections.Counter: ...
-
-
 def hlo_op_counts(
     fn: Callable[..., Any],
     /,
     *args: Any,
     compiled: bool = True,
     **kwargs: Any,
-) -> Callable[..., collections.Counter] | collections.Counter:
+) -> Callable[..., collections.Counter]:
     """Counts HLO instructions by opcode in ``jax.jit(fn)``; curried like ``jax.make_jaxpr``:
     ``hlo_op_counts(fn)(*args, **kwargs)``.
 
@@ -315,12 +292,11 @@ def hlo_op_counts(
       A function that takes example arguments of ``fn``, exactly as ``fn`` takes them, lowers
       ``jax.jit(fn)`` for them and returns a ``collections.Counter`` of opcodes.
 
-    The form ``hlo_op_counts(fn, *args, **kwargs)``, with the example arguments after ``fn``,
-    still returns the counts directly for one release, with a ``DeprecationWarning``.
-
     Raises:
       TypeError: for a ``fn`` that is not callable or a ``compiled`` that is not a bool, here
-        rather than when the returned function is called.
+        rather than when the returned function is called, and for example arguments passed
+        with ``fn`` (``hlo_op_counts(fn, x)``; the curried form keeps every keyword for
+        ``fn``).
 
     >>> import jax.numpy as jnp
     >>> hlo_op_counts(jnp.sin, compiled=False)(jnp.ones(3))["sine"]
@@ -332,9 +308,7 @@ def hlo_op_counts(
             f"hlo_op_counts(..., compiled=...) must be a bool (True: the optimized HLO, False: "
             f"the HLO JAX emits), got {compiled!r} of type {type(compiled).__name__}."
         )
-    if args or kwargs:
-        _warn_uncurried("hlo_op_counts", "compiled")
-        return _hlo_op_counts(fn, compiled, args, kwargs)
+    _refuse_uncurried("hlo_op_counts", "compiled", args, kwargs)
 
     def counts(*args: Any, **kwargs: Any) -> collections.Counter:
         return _hlo_op_counts(fn, compiled, args, kwargs)

@@ -57,7 +57,6 @@ from mpjax.autocast import (
     run_in_regions_finding_fp8_state,
     run_in_regions_with_fp8_state,
 )
-from mpjax.deprecation import warn_deprecated
 from mpjax.describe import Runner, register_describer
 from mpjax.policy import Policy, PolicyLike, cast_floating
 from mpjax.report import ModuleRow, PrecisionReport, eval_shape_of, matmuls_by_region
@@ -70,7 +69,7 @@ from mpjax.rules import (
     register_norm_rules,
 )
 
-__all__ = ["FP8_COLLECTION", "apply_policy", "describe"]
+__all__ = ["FP8_COLLECTION", "apply_policy"]
 
 FP8_COLLECTION = "fp8"
 """The variable collection that holds the delayed-scaling fp8 state of a wrapped model: its
@@ -497,40 +496,6 @@ def _report_of(
         problems = state.rules.problems((path, cls) for path, (cls, _) in seen.items())
         return PrecisionReport(tuple(rows), tuple(problems))
 
-    return report
-
-
-def describe(
-    model: nn.Module,
-    *args,
-    rules: Rules | PolicyLike | None = None,
-    variables: Any = None,
-    rngs: Any = None,
-    method: Callable[..., Any] | str | None = None,
-    print_table: bool = True,
-    **kwargs,
-) -> PrecisionReport:
-    """Deprecated: use ``mpjax.describe(model, rules=..., variables=..., rngs=...,
-    method=...)(*args, **kwargs)`` (and print the report).
-
-    Returns, and by default prints, the :class:`mpjax.PrecisionReport` of a linen model for the
-    example inputs ``*args, **kwargs``; see :func:`mpjax.describe`. Its keywords take their
-    names from the model's own keywords; the replacement takes the inputs exactly.
-
-    Raises:
-      TypeError: if ``model`` is not a linen module.
-      ValueError: if ``model`` is wrapped and ``rules`` is given, or unwrapped and it is not.
-    """
-    warn_deprecated(
-        "mpjax.linen.describe(model, *args, rules=..., **kwargs)",
-        "mpjax.describe(model, rules=...)(*args, **kwargs), which returns the report without "
-        "printing it (print it, or call its .table())",
-    )
-    report = _report_of(model, rules=rules, variables=variables, rngs=rngs, method=method)(
-        *args, **kwargs
-    )
-    if print_table:
-        print(report)
     return report
 
 

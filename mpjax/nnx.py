@@ -61,7 +61,6 @@ from mpjax.autocast import (
     run_in_regions_with_fp8_state,
     tracing,
 )
-from mpjax.deprecation import warn_deprecated
 from mpjax.describe import Runner, register_describer
 from mpjax.loss_scaling_readers import check_argnums, make_scaled_value_and_grad
 from mpjax.policy import Policy, PolicyLike, is_floating
@@ -78,8 +77,6 @@ from mpjax.rules import (
 __all__ = [
     "FP8_ATTRIBUTE",
     "Fp8State",
-    "apply_policy",
-    "describe",
     "init_fp8_state",
     "scaled_value_and_grad",
     "set_policy",
@@ -391,7 +388,19 @@ def set_policy(model: nnx.Module, policy_or_rules: RulesLike) -> None:
     >>> mpjax.inspect_matmuls(model)(jnp.ones((1, 4))).operand_dtypes()
     Counter({('bfloat16', 'bfloat16'): 1})
     """
-    _set_policy(model, policy_or_rules, "set_policy")
+    _check_model(model, "set_policy")
+    rules = as_rules(policy_or_rules)
+    nodes = _walk(model)
+    resolved = _resolve(nodes, rules)
+    for problem in rules.problems((n.path, _base_class(n.module)) for n in nodes):
+        warnings.warn(problem, RuleWarning, stacklevel=2)
+    for node in nodes:
+        resolution = resolved[node.path]
+        _configure(node, resolution)
+        policy = resolution.policy
+        root = node.parent is None
+        boundary = node.parent is None or resolved[node.parent].policy != policy
+        _set_plan(node.module, _Plan(policy, node.path, boundary, rules if root else None))
 
 
 def scaled_value_and_grad(
@@ -438,41 +447,6 @@ def scaled_value_and_grad(
     where = "mpjax.nnx.scaled_value_and_grad"
     check_argnums(argnums, where, also=(nnx.DiffState,), what=" or nnx.DiffState")
     return make_scaled_value_and_grad(fun, argnums, has_aux, nnx.value_and_grad, where)
-
-
-def apply_policy(model: nnx.Module, policy_or_rules: RulesLike) -> nnx.Module:
-    """Deprecated: use :func:`set_policy`, which configures ``model`` in place and returns None.
-
-    Calls ``set_policy(model, policy_or_rules)`` and returns ``model``.
-
-    Warns:
-      MpjaxDeprecationWarning: always.
-    """
-    warn_deprecated(
-        "mpjax.nnx.apply_policy(model, policy_or_rules)",
-        "mpjax.nnx.set_policy(model, policy_or_rules), which configures the model in place and "
-        "returns None",
-    )
-    _set_policy(model, policy_or_rules, "apply_policy", stacklevel=3)
-    return model
-
-
-def _set_policy(
-    model: nnx.Module, policy_or_rules: RulesLike, function: str, stacklevel: int = 2
-) -> None:
-    _check_model(model, function)
-    rules = as_rules(policy_or_rules)
-    nodes = _walk(model)
-    resolved = _resolve(nodes, rules)
-    for problem in rules.problems((n.path, _base_class(n.module)) for n in nodes):
-        warnings.warn(problem, RuleWarning, stacklevel=stacklevel + 1)
-    for node in nodes:
-        resolution = resolved[node.path]
-        _configure(node, resolution)
-        policy = resolution.policy
-        root = node.parent is None
-        boundary = node.parent is None or resolved[node.parent].policy != policy
-        _set_plan(node.module, _Plan(policy, node.path, boundary, rules if root else None))
 
 
 def _applied_rules(model: nnx.Module) -> Rules:
@@ -551,33 +525,6 @@ def _report_of(
         problems = rules.problems((n.path, _base_class(n.module)) for n in nodes)
         return PrecisionReport(tuple(rows), tuple(problems), matmuls_traced=traced)
 
-    return report
-
-
-def describe(
-    model: nnx.Module,
-    rules: Rules | PolicyLike | None = None,
-    *,
-    inputs: tuple = (),
-    print_table: bool = True,
-) -> PrecisionReport:
-    """Deprecated: use ``mpjax.describe(model, rules=...)(*inputs)`` (and print the report).
-
-    Returns, and by default prints, the :class:`mpjax.PrecisionReport` of an NNX model; see
-    :func:`mpjax.describe`. ``inputs`` are example positional arguments of ``model(...)``.
-
-    Raises:
-      TypeError: ``model`` is not an ``nnx.Module`` instance.
-      ValueError: ``rules`` is None and no policy was applied to ``model``.
-    """
-    warn_deprecated(
-        "mpjax.nnx.describe(model, rules, inputs=(...))",
-        "mpjax.describe(model, rules=...)(*inputs), which returns the report without printing "
-        "it (print it, or call its .table())",
-    )
-    report = _report_of(model, rules=rules)(*inputs)
-    if print_table:
-        print(report)
     return report
 
 

@@ -18,7 +18,7 @@ PACKAGE = ROOT / "mpjax"
 LAYERS = (
     {"jax_compat"},  # every reader of JAX internals and every difference between versions
     {"fp8"},  # the fp8 numerics a policy's recipe names
-    {"policy", "deprecation"},
+    {"policy"},
     {"rules"},
     # The casting engine's parts, the inspection of jaxprs, and the optimizer side.
     {
@@ -52,7 +52,6 @@ LAYER = {module: i for i, layer in enumerate(LAYERS) for module in layer}
 FLAX_FREE = (
     "fp8",
     "policy",
-    "deprecation",
     "rules",
     "regions",
     "op_categories",

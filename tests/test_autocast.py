@@ -2,6 +2,7 @@
 
 import functools
 import json
+import sys
 import warnings
 
 import flax.linen as nn
@@ -662,19 +663,12 @@ def test_describe_rejects_autocast_functions_it_did_not_make_and_options():
         mpjax.describe(auto, rules="float32")
 
 
-def test_deprecated_autocast_report_warns_prints_and_returns_the_report(capsys):
-    auto = mpjax.autocast(lambda w, x: jax.nn.softmax(x @ w))
-    with pytest.warns(
-        mpjax.MpjaxDeprecationWarning, match=r"use mpjax\.describe\(fn\)\(\*args, \*\*kwargs\)"
-    ):
-        report = mpjax.autocast_report(auto, W, X)
-    assert capsys.readouterr().out == str(report) + "\n"
-    assert report == mpjax.describe(auto)(W, X)
-    with pytest.warns(mpjax.MpjaxDeprecationWarning):
-        quiet = mpjax.autocast_report(auto, W, X, print_table=False)
-    assert quiet == report and capsys.readouterr().out == ""
-    with pytest.warns(mpjax.MpjaxDeprecationWarning), pytest.raises(TypeError, match="autocast"):
-        mpjax.autocast_report(jnp.sin, X)
+def test_the_unreleased_autocast_report_alias_is_gone():
+    # One name per concept: mpjax.describe(fn)(*args) reports an autocast function.
+    assert "autocast_report" not in mpjax.__all__
+    with pytest.raises(AttributeError, match="autocast_report"):
+        mpjax.autocast_report  # noqa: B018
+    assert not hasattr(sys.modules["mpjax.autocast"], "autocast_report")
 
 
 # --- The cost: no more converts than a transformer block written with dtype=jnp.bfloat16. ----

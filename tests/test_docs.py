@@ -99,14 +99,12 @@ def _missing(code: str) -> str | None:
 
 @contextlib.contextmanager
 def _reader_environment(name: str):
-    """A fresh module to run the page in, JAX's standard dtype promotion (the test suite's is
-    strict; a reader's is not), and mpjax's deprecations as errors (a guide shows only the
-    current API)."""
+    """A fresh module to run the page in, with JAX's standard dtype promotion (the test suite's
+    is strict; a reader's is not)."""
     module = types.ModuleType(name)
     sys.modules[name] = module  # dataclasses (Flax modules) look their module up
     try:
         with warnings.catch_warnings(), jax.numpy_dtype_promotion("standard"):
-            warnings.simplefilter("error", mpjax.MpjaxDeprecationWarning)
             yield module.__dict__
     finally:
         del sys.modules[name]

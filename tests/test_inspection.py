@@ -192,22 +192,12 @@ def test_options_go_with_the_function():
     assert lowered["convert"] == 2
 
 
-def test_uncurried_calls_still_work_with_a_deprecation_warning():
+def test_uncurried_calls_are_a_type_error_naming_the_curried_form():
     x, w = _x_w()
-    with pytest.warns(
-        mpjax.MpjaxDeprecationWarning, match=r"use inspect_matmuls\(fn\)\(\*args, \*\*kwargs\)"
-    ):
-        (m,) = mpjax.inspect_matmuls(lambda x, w: x @ w, x, w)
-    assert m.operand_dtypes == (BF16, BF16)
-    with pytest.warns(mpjax.MpjaxDeprecationWarning, match=r"inspect_matmuls\(fn\)"):
-        assert (
-            mpjax.inspect_matmuls(
-                lambda x, *, w: x @ w, x, w=w, primitives=frozenset({"conv_general_dilated"})
-            )
-            == ()
-        )
-    with pytest.warns(
-        mpjax.MpjaxDeprecationWarning, match=r"use hlo_op_counts\(fn\)\(\*args, \*\*kwargs\)"
-    ):
-        counts = mpjax.hlo_op_counts(lambda x, w: x @ w, x, w, compiled=False)
-    assert counts == mpjax.hlo_op_counts(lambda x, w: x @ w, compiled=False)(x, w)
+    curried = r"call inspect_matmuls\(fn\)\(\*args, \*\*kwargs\)"
+    with pytest.raises(TypeError, match=curried):
+        mpjax.inspect_matmuls(lambda x, w: x @ w, x, w)
+    with pytest.raises(TypeError, match=curried):
+        mpjax.inspect_matmuls(lambda x, *, w: x @ w, w=w, primitives=frozenset())
+    with pytest.raises(TypeError, match=r"call hlo_op_counts\(fn\)\(\*args, \*\*kwargs\)"):
+        mpjax.hlo_op_counts(lambda x, w: x @ w, x, w, compiled=False)

@@ -687,17 +687,9 @@ def test_describe_counts_given_variables_in_their_stored_dtype():
     assert unwrapped.rows == report.rows
 
 
-def test_deprecated_linen_describe_warns_prints_and_returns_the_report(capsys):
-    x = jnp.ones((1, 3))
-    with pytest.warns(
-        mpjax.MpjaxDeprecationWarning, match=r"use mpjax\.describe\(model, rules=\.\.\.\)"
-    ):
-        report = mpl.describe(Tiny(), x, rules="mixed_bfloat16")
-    assert capsys.readouterr().out == str(report) + "\n"
-    assert report == mpjax.describe(Tiny(), rules="mixed_bfloat16")(x)
-    with pytest.warns(mpjax.MpjaxDeprecationWarning):
-        mpl.describe(Tiny(), x, rules="mixed_bfloat16", print_table=False)
-    assert capsys.readouterr().out == ""
+def test_the_unreleased_describe_alias_is_gone():
+    # One name per concept: mpjax.describe(model, rules=...)(*inputs) reports a linen model.
+    assert "describe" not in mpl.__all__ and not hasattr(mpl, "describe")
 
 
 # --- Bad input. --------------------------------------------------------------------------------

@@ -256,16 +256,10 @@ def test_set_policy_configures_in_place_and_returns_none():
     assert dtypes_of(mpjax.inspect_matmuls(loss)(model, x)) == {("bfloat16", "bfloat16")}
 
 
-def test_apply_policy_is_a_deprecated_alias_that_returns_the_model():
-    model, x = Block(nnx.Rngs(0)), x_seq()
-    with pytest.warns(
-        DeprecationWarning,
-        match=r"mpjax.nnx.apply_policy\(model, policy_or_rules\) is deprecated.*use "
-        r"mpjax.nnx.set_policy\(model, policy_or_rules\)",
-    ):
-        returned = mpnnx.apply_policy(model, "mixed_bfloat16")
-    assert returned is model and type(model).__mro__[1] is Block
-    assert dtypes_of(mpjax.inspect_matmuls(loss)(model, x)) == {("bfloat16", "bfloat16")}
+@pytest.mark.parametrize("name", ["apply_policy", "describe"])
+def test_the_unreleased_aliases_are_gone(name):
+    # One name per concept: set_policy configures a model, mpjax.describe reports one.
+    assert name not in mpnnx.__all__ and not hasattr(mpnnx, name)
 
 
 @pytest.mark.parametrize("spec", [{"fc2": "mixed_bfloat16"}, [("fc2", "mixed_bfloat16")]])
@@ -670,19 +664,6 @@ def test_describe_rejects_linen_options_for_nnx_models():
             r"flax\.nnx module \(ConvNet\); it takes only rules",
         ):
             mpjax.describe(model, rules="mixed_bfloat16", **{option: {}})
-
-
-def test_deprecated_nnx_describe_warns_prints_and_returns_the_report(capsys):
-    x = jax.ShapeDtypeStruct((2, 6, 6, 3), jnp.float32)
-    with pytest.warns(
-        mpjax.MpjaxDeprecationWarning, match=r"use mpjax\.describe\(model, rules=\.\.\.\)"
-    ):
-        report = mpnnx.describe(ConvNet(nnx.Rngs(0)), "mixed_bfloat16", inputs=(x,))
-    assert capsys.readouterr().out == str(report) + "\n"
-    assert report == mpjax.describe(ConvNet(nnx.Rngs(0)), rules="mixed_bfloat16")(x)
-    with pytest.warns(mpjax.MpjaxDeprecationWarning):
-        quiet = mpnnx.describe(ConvNet(nnx.Rngs(0)), "mixed_bfloat16", print_table=False)
-    assert capsys.readouterr().out == "" and not quiet.matmuls_traced
 
 
 def test_describe_paths_go_through_lists():
