@@ -10,14 +10,7 @@ rules, their :func:`describe` support and the loss scales' ``flax.serialization`
 from typing import Any
 
 from mpjax.attention import dot_product_attention
-from mpjax.autocast import (
-    AutocastReport,
-    AutocastRow,
-    AutocastWarning,
-    autocast,
-    fp8_state,
-    with_fp8_state,
-)
+from mpjax.autocast import AutocastReport, AutocastRow, autocast, fp8_state, with_fp8_state
 from mpjax.describe import describe
 from mpjax.diagnosis import DiagnosisReport, Doctor, diagnose
 from mpjax.fp8 import Fp8Recipe
@@ -74,6 +67,7 @@ from mpjax.report import ModuleRow, PrecisionReport
 from mpjax.rounding import stochastic_round
 from mpjax.rules import Resolution, Rule, Rules, RuleWarning, as_rules, norm_policy
 from mpjax.state_precision import StatePrecisionState, state_precision
+from mpjax.trace_context import AutocastWarning
 
 _flax: Any
 try:

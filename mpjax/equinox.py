@@ -47,12 +47,13 @@ except ImportError as error:
     ) from error
 
 from mpjax import regions
-from mpjax.autocast import run_in_regions, tracing
 from mpjax.describe import Runner, register_describer
+from mpjax.engine import run_in_regions
 from mpjax.loss_scaling_readers import make_scaled_value_and_grad
 from mpjax.policy import Policy, PolicyLike, cast_floating
 from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
 from mpjax.rules import Rules, RulesLike, RuleWarning, as_rules, register_norm_rules
+from mpjax.trace_context import tracing
 
 __all__ = ["MixedPrecision", "apply_policy", "filter_value_and_grad", "module_paths"]
 

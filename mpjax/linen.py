@@ -52,12 +52,12 @@ except ImportError as error:
     ) from error
 
 from mpjax import regions
-from mpjax.autocast import (
+from mpjax.describe import Runner, register_describer
+from mpjax.engine import (
     run_in_regions,
     run_in_regions_finding_fp8_state,
     run_in_regions_with_fp8_state,
 )
-from mpjax.describe import Runner, register_describer
 from mpjax.policy import Policy, PolicyLike, cast_floating
 from mpjax.report import ModuleRow, PrecisionReport, eval_shape_of, matmuls_by_region
 from mpjax.rules import (

@@ -3,7 +3,7 @@ module computes, measured inside a jitted train step every N steps.
 
 :class:`PrecisionMonitor` jits a train step twice: as it is, for the steps between checks
 (nothing measured, nothing sent, no host sync: the same compiled step), and traced with the
-casting engine observing (:func:`mpjax.autocast.observing`), for the check steps: at the end
+casting engine observing (:func:`mpjax.trace_context.observing`), for the check steps: at the end
 of each jaxpr the engine evaluates, its modules' values are reduced to an amax and a
 non-finite count, sent to the host with ``jax.debug.callback``. (Measuring under a
 ``lax.cond`` inside one compiled step costs the steps between checks 25-85% on CPU: the
@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax.autocast import observing
 from mpjax.table import format_table
+from mpjax.trace_context import observing
 
 
 @dataclasses.dataclass(frozen=True)

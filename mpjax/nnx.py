@@ -55,13 +55,12 @@ except ImportError as error:
     ) from error
 
 from mpjax import jax_compat, regions
-from mpjax.autocast import (
+from mpjax.describe import Runner, register_describer
+from mpjax.engine import (
     fp8_state_in_regions,
     run_in_regions,
     run_in_regions_with_fp8_state,
-    tracing,
 )
-from mpjax.describe import Runner, register_describer
 from mpjax.loss_scaling_readers import check_argnums, make_scaled_value_and_grad
 from mpjax.policy import Policy, PolicyLike, is_floating
 from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
@@ -73,6 +72,7 @@ from mpjax.rules import (
     as_rules,
     register_norm_rules,
 )
+from mpjax.trace_context import tracing
 
 __all__ = [
     "FP8_ATTRIBUTE",

@@ -35,10 +35,13 @@ LAYERS = (
         "master_weights",
         "rounding",
         "range_stats",
+        "fp8_sites",  # the delayed fp8 scaling state of an engine run, by matmul site
     },
     # Optimizer transformations that read the loss-scaling state, and the memory report
     # that names their parts.
     {"state_precision", "low_precision_params", "memory"},
+    {"trace_context"},  # what the engine is tracing now, and what traced code may ask of it
+    {"engine"},  # the casting engine: every integration, autocast and the reports run on it
     {"autocast", "report", "monitor"},
     {"attention"},  # an operation that asks the engine for its region's compute dtype
     {"describe"},  # the one report entry point: the integrations register with it
@@ -59,6 +62,9 @@ FLAX_FREE = (
     "table",
     "inspection",
     "attention",
+    "trace_context",
+    "fp8_sites",
+    "engine",
     "autocast",
     "report",
     "describe",
