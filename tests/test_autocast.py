@@ -709,13 +709,13 @@ def test_train_step_has_no_more_converts_than_hand_written_bf16_and_same_matmuls
     assert auto_matmuls == hand_matmuls == {("bfloat16", "bfloat16"): 24}, found
 
 
-def test_readme_autocast_example_runs(capsys):
+def test_the_guides_autocast_example_runs_and_prints_what_it_says(capsys):
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    code = re.search(r"## Autocast\n.*?```python\n(.*?)```", text, re.S).group(1)
-    exec(compile(code, "README.md", "exec"), {})
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "autocast.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    exec(compile(code, "docs/autocast.md", "exec"), {})
     printed = capsys.readouterr().out
     assert "Counter({('bfloat16', 'bfloat16'): 5})" in printed
     assert "dot_general       lower" in printed

@@ -728,12 +728,11 @@ def test_apply_of_a_wrapped_model_names_variables_that_are_not_a_dict(variables)
 
 
 @pytest.mark.slow
-def test_readme_flax_linen_example_runs_and_prints_its_table(capsys):
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("\n## Flax\n", 1)[1].split("\n### NNX", 1)[0].split("\n## ", 1)[0]
-    code = "\n".join(re.findall(r"```python\n(.*?)```", section, re.S))
-    table = re.search(r"```text\n(.*?)```", section, re.S).group(1)
-    exec(compile(code, "README.md", "exec"), {})
+def test_the_linen_guides_example_runs_and_prints_its_table(capsys):
+    guide = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "linen.md").read_text()
+    code = "\n".join(re.findall(r"```python\n(.*?)```", guide, re.S))
+    table = re.search(r"```text\n(.*?)```", guide, re.S).group(1)
+    exec(compile(code, "docs/linen.md", "exec"), {})
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == "float32 {dtype('float32')}"
     assert printed[1] == "Counter({('bfloat16', 'bfloat16'): 21, ('float32', 'float32'): 3})"

@@ -982,20 +982,20 @@ def test_multisteps_around_loss_scaling_would_corrupt_the_accumulator():
 
 
 # ---------------------------------------------------------------------------------------------
-# README
+# The guide
 
 
-def test_readme_loss_scaling_example_runs(capsys):
+def test_the_guides_loss_scaling_example_runs_and_prints_what_it_says(capsys):
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Loss scaling", 1)[1].split("\n## ", 1)[0]
+    guide = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "loss_scaling.md").read_text()
+    section = guide.split("\n## ", 1)[0]
     assert "scale -> grad -> unscale -> clip -> update" in section
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     with standard_promotion(), warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)  # the README uses no deprecated name
-        exec(compile(code, "README.md", "exec"), {})
+        warnings.simplefilter("error", DeprecationWarning)  # the guide uses no deprecated name
+        exec(compile(code, "docs/loss_scaling.md", "exec"), {})
     assert capsys.readouterr().out.split() == ["32768.0", "True", "0"]
 
 

@@ -21,7 +21,7 @@ from mpjax import Policy, Rules, RuleWarning
 from mpjax import nnx as mpnnx
 from mpjax.inspection import iter_equations
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "nnx.md"
 F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
 D = 8  # model width: tiny shapes keep compile times short
 
@@ -696,13 +696,13 @@ def test_bad_input_raises_errors_naming_the_argument():
 
 
 @pytest.mark.slow
-def test_readme_nnx_example_runs_and_prints_its_table(capsys):
-    section = README.read_text().split("### NNX\n", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    printed = re.search(r"```text\n(.*?)```", section, re.S).group(1)
+def test_the_nnx_guides_example_runs_and_prints_its_table(capsys):
+    guide = GUIDE.read_text()
+    code = re.search(r"```python\n(.*?)```", guide, re.S).group(1)
+    printed = re.search(r"```text\n(.*?)```", guide, re.S).group(1)
     with jax.numpy_dtype_promotion("standard"), warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)  # the README uses the current API
-        exec(compile(code, "README.md (NNX)", "exec"), {})  # optax's adam: standard promotion
+        warnings.simplefilter("error", DeprecationWarning)  # the guide uses the current API
+        exec(compile(code, "docs/nnx.md", "exec"), {})  # optax's adam: standard promotion
     assert capsys.readouterr().out == printed
 
 
