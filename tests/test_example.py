@@ -413,7 +413,7 @@ def test_resume_continues_bit_identically(text_file, tmp_path):
 
 @pytest.mark.slow
 def test_data_parallel_on_8_devices_matches_one_device(text_file, tmp_path):
-    assert jax.device_count() == 8
+    assert jax.device_count() >= 8  # conftest gives 8, or the count XLA_FLAGS asks for
     one = tt.train(_cfg(text_file, tmp_path / "one", steps=4, num_devices=1))
     eight = tt.train(_cfg(text_file, tmp_path / "eight", steps=4, num_devices=8))
     params = eight["state"].params
