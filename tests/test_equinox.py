@@ -258,6 +258,7 @@ def test_bf16_storage_keeps_norms_f32_and_grads_in_the_storage_dtype():
     assert eqx.filter_eval_shape(wrapped, tokens()).dtype == BF16
 
 
+@pytest.mark.slow
 def test_path_and_class_rules_with_brackets_literal():
     model = transformer()
     rules = mpjax.Rules(
@@ -289,6 +290,7 @@ def test_path_and_class_rules_with_brackets_literal():
     )
 
 
+@pytest.mark.slow
 def test_a_region_under_another_policy_casts_its_outputs():
     model = eqx.nn.MLP(4, 4, 8, depth=2, key=key())
     wrapped = mpe.apply_policy(model, mpjax.Rules({"layers[1]": "bfloat16"}, default="float32"))
@@ -314,6 +316,7 @@ def test_linear_and_mlp():
     assert assert_matmuls(mpe.apply_policy(linear, POLICY), normal(D)) == {""}
 
 
+@pytest.mark.slow
 def test_convolutions():
     class ConvNet(eqx.Module):
         conv: eqx.nn.Conv2d
@@ -339,6 +342,7 @@ def test_convolutions():
     assert_close_to_f32(wrapped, model, x, reduction_length=27 + 4 + 8 + 12)
 
 
+@pytest.mark.slow
 def test_embedding_gathers_f32_rows_and_its_gradient_is_f32():
     model = transformer(n_layers=1)
     wrapped = mpe.apply_policy(model, POLICY)
@@ -350,6 +354,7 @@ def test_embedding_gathers_f32_rows_and_its_gradient_is_f32():
     assert np.all(np.asarray(grads.model.embed.weight)[used] != 0)
 
 
+@pytest.mark.slow
 def test_batch_norm_with_state_updates_f32_statistics_and_inference_mode_reads_them():
     class Net(eqx.Module):
         linear: eqx.nn.Linear
@@ -402,6 +407,7 @@ def test_batch_norm_with_state_updates_f32_statistics_and_inference_mode_reads_t
     )
 
 
+@pytest.mark.slow
 def test_a_constant_output_comes_back_as_an_array_as_from_the_model_itself():
     """A layer may return a constant (Equinox 0.12's BatchNorm stores jnp.array(False) in its
     state): it stays an array, which eqx.filter_jit returns as an output, not a static value."""
@@ -419,6 +425,7 @@ def test_a_constant_output_comes_back_as_an_array_as_from_the_model_itself():
         assert isinstance(zeros, jax.Array) and zeros.dtype == F32
 
 
+@pytest.mark.slow
 def test_dropout_draws_from_the_key_and_inference_mode_turns_it_off():
     class Net(eqx.Module):
         linear: eqx.nn.Linear
@@ -439,6 +446,7 @@ def test_dropout_draws_from_the_key_and_inference_mode_turns_it_off():
     assert int(jnp.sum(off(x) == 0)) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cell", ["GRUCell", pytest.param("LSTMCell", marks=pytest.mark.slow)])
 def test_recurrent_cells_in_a_scan(cell):
     class RNN(eqx.Module):
@@ -482,6 +490,7 @@ def test_fp8_matmuls_with_current_scaling():
 # --- Equinox's transformations. -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_partition_combine_vmap_and_filter_vmap():
     model = transformer(n_layers=1)
     wrapped = mpe.apply_policy(model, POLICY)
@@ -521,6 +530,7 @@ def test_data_parallel_under_shard_map():
     assert_close_in_norm(out, ref, tolerance(BF16, TRANSFORMER_REDUCTION))
 
 
+@pytest.mark.slow
 def test_scan_over_stacked_layers_keeps_their_region():
     """Equinox's idiom for deep models: one layer's parameters stacked, a lax.scan over them
     (the layer is flattened and rebuilt inside the scan body)."""
@@ -622,6 +632,7 @@ def test_inspect_matmuls_names_equinox_regions():
     assert [(m.region, m.lhs_dtype) for m in report] == [("layers[0]", BF16), ("layers[1]", BF16)]
 
 
+@pytest.mark.slow
 def test_the_precision_doctor_names_equinox_paths_and_its_rules_fix_the_overflow():
     mlp = eqx.nn.MLP(8, 1, 8, depth=1, key=key())
     # 8 * 100 * 3000 = 2.4e6: past float16's 65504 in the first layer's matmul.

@@ -94,6 +94,7 @@ def test_mixed_float16_with_dynamic_loss_scaling_trains():
     assert report and {m.operand_dtypes for m in report} == {(F16, F16)}
 
 
+@pytest.mark.slow
 def test_a_skipped_step_leaves_the_model_and_the_optimizer_bit_identical():
     model, opt_state, step, x, y = float16_run()
     model, opt_state, _ = step(model, opt_state, x, y)  # Adam has moments and a count
@@ -172,6 +173,7 @@ def test_filter_value_and_grad_returns_the_loss_unscaled_and_the_gradients_scale
     assert leaves_equal(grads, eqx.filter_jit(eqx.filter_grad(loss_fn))(model, x, y))
 
 
+@pytest.mark.slow
 def test_filter_value_and_grad_refuses_misplaced_arguments():
     model = mpe.apply_policy(Net(key()), "mixed_float16")
     tx = mpjax.loss_scaling(optax.sgd(0.1))

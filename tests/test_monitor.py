@@ -84,6 +84,7 @@ class Net(nn.Module):
         return nn.Dense(2, name="out")(RMSNorm(name="norm")(nn.Dense(16, name="up")(x)))
 
 
+@pytest.mark.slow
 def test_a_linen_models_modules_are_measured_and_its_overflow_counted(tmp_path):
     model = mpjax.linen.apply_policy(Net(), "mixed_float16")
     x = jnp.full((2, 4), 100.0)
