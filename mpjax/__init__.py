@@ -12,7 +12,8 @@ from typing import Any
 from mpjax.attention import dot_product_attention
 from mpjax.autocast import AutocastReport, AutocastRow, autocast, fp8_state, with_fp8_state
 from mpjax.describe import describe
-from mpjax.diagnosis import DiagnosisReport, Doctor, diagnose
+from mpjax.diagnosis import Doctor, diagnose
+from mpjax.diagnosis_report import DiagnosisReport
 from mpjax.fp8 import Fp8Recipe
 from mpjax.gpu_plan import (
     GpuAttention,

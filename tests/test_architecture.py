@@ -45,6 +45,10 @@ LAYERS = (
     {"autocast", "report", "monitor"},
     {"attention"},  # an operation that asks the engine for its region's compute dtype
     {"describe"},  # the one report entry point: the integrations register with it
+    # The precision doctor's parts: the side-by-side evaluation of a jaxpr under a policy and
+    # in f32, and the report it fills.
+    {"side_by_side", "diagnosis_report"},
+    {"recommendations"},  # what the doctor recommends from the measures
     {"diagnosis"},  # runs what describe takes, side by side under a policy and in f32
     {"linen", "nnx", "flax_serialization", "equinox"},  # the Flax and Equinox integrations
     {"__init__"},
@@ -69,6 +73,9 @@ FLAX_FREE = (
     "report",
     "describe",
     "range_stats",
+    "side_by_side",
+    "diagnosis_report",
+    "recommendations",
     "diagnosis",
     "monitor",
 )
@@ -159,6 +166,16 @@ def test_every_module_has_a_layer():
     modules = {path.stem for path in PACKAGE.glob("*.py")}
     assert modules - set(LAYER) == set(), "give each new module a layer in LAYERS"
     assert set(LAYER) - modules == set(), "LAYERS names modules that no longer exist"
+
+
+# No module has more lines than this, so that each stays one concept a reader can hold.
+MAX_MODULE_LINES = 800
+
+
+def test_no_module_is_longer_than_the_limit():
+    lengths = {path.name: len(path.read_text().splitlines()) for path in PACKAGE.glob("*.py")}
+    assert len(lengths) > 10  # the package was found
+    assert {name: n for name, n in lengths.items() if n > MAX_MODULE_LINES} == {}
 
 
 def test_imports_flow_down_the_layers():

@@ -284,7 +284,7 @@ def test_the_loss_scale_range_keeps_float16_gradients_in_range():
     # subnormal, and 2**-25 would round to zero. Unscaled, what is below 2**-25 flushes.
     assert (advice.low, advice.high) == (6, 11)
     assert _numpy_shares(c, "float16")[2] > 0.1
-    assert _numpy_shares(c, "float16", 2.0**advice.low)[2] <= mpjax.diagnosis.FLUSH_TOLERANCE
+    assert _numpy_shares(c, "float16", 2.0**advice.low)[2] <= mpjax.recommendations.FLUSH_TOLERANCE
     assert _numpy_shares(c, "float16", 2.0 ** (advice.high + 1))[0] > 0
     assert "2**11 overflows none" in advice.why
 
