@@ -188,6 +188,7 @@ def _rounding(x):
         return (y * 2).astype(jnp.float32)
 
 
+@pytest.mark.slow
 def test_the_error_entering_a_module_is_its_own_the_accumulated_one_includes_what_came_in():
     x = np.random.default_rng(3).standard_normal(256).astype(np.float32)
     report = mpjax.diagnose(_rounding, policy="float32")(x)
@@ -297,6 +298,7 @@ def _two_matmuls(x, w):
     return jnp.sum(a) + jnp.sum(b)
 
 
+@pytest.mark.slow
 def test_fp8_fitness_is_judged_from_the_amax_across_batches():
     w = np.ones((4, 2), np.float32)
     x = np.ones((3, 4), np.float32)
@@ -315,6 +317,7 @@ def test_fp8_fitness_is_judged_from_the_amax_across_batches():
 # --- Targets ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_nnx_and_autocast_targets_are_diagnosed_by_module():
     class Block(nnx.Module):
         def __init__(self):
