@@ -142,25 +142,47 @@ def summarize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The statistics of the values of ``x`` as two arrays, computed where ``x`` is traced:
     counts (int32: values, non-finite, zeros, then the finite nonzero magnitudes by binade and,
     within it, by how many of :func:`mantissas` their mantissa reaches) and extremes (float32:
-    the largest finite magnitude, the smallest nonzero one, inf when there is none)."""
-    a = jnp.abs(x.astype(jnp.float32)).ravel()
-    finite = jnp.isfinite(a)
-    # XLA flushes float32 subnormals to zero on CPU and GPU: they count as zeros everywhere.
-    nonzero = finite & (a >= _TINY)
-    n = jnp.int32(a.size)
-    nonfinite = n - jnp.sum(finite, dtype=jnp.int32)
-    zeros = jnp.sum(finite & ~nonzero, dtype=jnp.int32)
-    bits = jax.lax.bitcast_convert_type(a, jnp.uint32)
-    binade = (bits >> 23).astype(jnp.int32) - 127 - LOG2_MIN
+    the largest finite magnitude, the smallest nonzero one, inf when there is none).
+
+    One histogram of the magnitudes' bit patterns gives every count: a float32's exponent field
+    is its binade (0 for zeros and subnormals, which XLA flushes to zero on CPU and GPU: they
+    count as zeros everywhere; all ones for inf and NaN), and comparing its mantissa field with
+    each cut splits the binade. The extremes are one reduction of the bit patterns, which are
+    ordered like the magnitudes.
+    """
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32).ravel()
+    bits = bits & jnp.uint32(0x7FFFFFFF)
+    exponent = (bits >> 23).astype(jnp.int32)
     mantissa = (bits & _MANTISSA).astype(jnp.int32)
     cuts = mantissas()
+    width = len(cuts) + 1
     part = sum((mantissa >= m).astype(jnp.int32) for m in cuts) if cuts else 0
-    index = jnp.where(nonzero, binade * (len(cuts) + 1) + part, _BINS * (len(cuts) + 1))
-    bins = jnp.bincount(index, length=_BINS * (len(cuts) + 1) + 1)[:-1].astype(jnp.int32)
-    counts = jnp.concatenate([jnp.stack([n, nonfinite, zeros]), bins])
-    amax = jnp.max(jnp.where(finite, a, 0.0), initial=0.0)
-    smallest = jnp.min(jnp.where(nonzero, a, jnp.inf), initial=jnp.inf)
-    return counts, jnp.stack([amax, smallest])
+    histogram = jnp.bincount(exponent * width + part, length=256 * width).astype(jnp.int32)
+    inf = jnp.uint32(0x7F800000)
+    largest = jnp.where(exponent < 255, bits, jnp.uint32(0))
+    smallest = jnp.where(exponent > 0, bits, inf)
+    largest, smallest = jax.lax.reduce(
+        (largest, smallest),
+        (jnp.uint32(0), inf),
+        lambda a, b: (jax.lax.max(a[0], b[0]), jax.lax.min(a[1], b[1])),
+        (0,),
+    )
+    # Only inf and NaN above the largest finite value: the smallest nonzero is inf without one.
+    smallest = jnp.minimum(smallest, inf)
+    extremes = jax.lax.bitcast_convert_type(jnp.stack([largest, smallest]), jnp.float32)
+    counts = jnp.concatenate(
+        [
+            jnp.stack(
+                [
+                    jnp.int32(bits.size),
+                    jnp.sum(histogram[255 * width :]),
+                    jnp.sum(histogram[:width]),
+                ]
+            ),
+            histogram[width : 255 * width],
+        ]
+    )
+    return counts, extremes
 
 
 @dataclasses.dataclass(frozen=True)
