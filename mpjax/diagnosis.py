@@ -2,7 +2,7 @@
 precision is lost, where a non-finite value is born, and what to do about it.
 
 The target runs under the policy as one jaxpr (forward and, for a loss, backward), and that
-jaxpr is evaluated twice side by side in one jitted function, as it runs and exactly in
+jaxpr is evaluated twice side by side, equation by equation, as it runs and exactly in
 float32 (:mod:`mpjax.side_by_side`, which says what is measured). The measures of each batch
 become a :class:`mpjax.diagnosis_report.DiagnosisReport` (ranges per module and per
 primitive, the precision lost per module, the first non-finite birth), with the
@@ -26,7 +26,7 @@ from mpjax.policy import is_floating
 from mpjax.range_stats import DTYPES, RangeStats, check_dtypes
 from mpjax.recommendations import fp8_fitness, keep_in_float32, loss_scale_advice
 from mpjax.rules import Rules, RulesLike, as_rules
-from mpjax.side_by_side import Evaluation, to_exact
+from mpjax.side_by_side import Evaluation, Kernels, to_exact
 
 
 def _is_array(leaf: Any) -> bool:
@@ -35,12 +35,22 @@ def _is_array(leaf: Any) -> bool:
 
 @dataclasses.dataclass
 class _Trace:
-    """The jaxpr of the target under the policy for one input structure, and its evaluation."""
+    """The jaxpr of the target under the policy for one input structure, the kernels its
+    evaluations share, and the latest evaluation (what it measured where)."""
 
     closed: Any
     backward: bool
-    evaluate: Callable[[list], dict] = dataclasses.field(init=False)
-    evaluation: Evaluation = dataclasses.field(init=False)  # set when evaluate is traced
+    floating: list[int]  # the positions of the differentiated leaves among the array leaves
+    kernels: Kernels = dataclasses.field(default_factory=Kernels)
+    evaluation: Evaluation | None = None
+
+    def evaluate(self, array_leaves: list, compare: bool) -> dict[str, np.ndarray]:
+        # The jaxpr takes the floating leaves (differentiated), then all the array leaves.
+        flat = [array_leaves[i] for i in self.floating] + list(array_leaves)
+        evaluation = Evaluation(compare, self.kernels)
+        evaluation.run(self.closed, [to_exact(x) for x in flat], flat)
+        self.evaluation = evaluation
+        return evaluation.assemble()
 
 
 class Doctor:
@@ -103,8 +113,7 @@ class Doctor:
             trace = self._trace(leaves, tree, dynamic)
             if key is not None:
                 self._traces[key] = trace
-        measured = jax.tree.map(np.asarray, trace.evaluate([leaves[i] for i in dynamic]))
-        return trace, trace.evaluation.assemble(measured)
+        return trace, trace.evaluate([leaves[i] for i in dynamic], self._compare)
 
     def _trace(self, leaves, tree, dynamic) -> _Trace:
         fn = self._runner.under(self._rules)
@@ -143,24 +152,13 @@ class Doctor:
             return jax.value_and_grad(value)(float_leaves, array_leaves)
 
         closed = jax.make_jaxpr(step)(float_leaves, array_leaves)
-        trace = _Trace(closed, backward)
-        compare = self._compare
-
-        def evaluate(array_leaves):
-            # The jaxpr takes the floating leaves (differentiated), then all the array leaves.
-            flat = [array_leaves[dynamic.index(i)] for i in floating] + list(array_leaves)
-            evaluation = Evaluation(compare)
-            evaluation.run(closed, [to_exact(x) for x in flat], flat, (), False)
-            trace.evaluation = evaluation
-            return evaluation.outputs()
-
-        trace.evaluate = jax.jit(evaluate)
-        return trace
+        return _Trace(closed, backward, [dynamic.index(i) for i in floating])
 
 
 def _report(results, rules: Rules, dtypes, max_error) -> DiagnosisReport:
     trace = results[0][0]
     ev = trace.evaluation
+    assert ev is not None
     sites = ev.sites
     indices = ev.indices()
     # Ranges: every batch's values together, by module and by primitive.

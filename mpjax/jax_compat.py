@@ -47,7 +47,10 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax._src import source_info_util  # the name stack of the trace in progress
+from jax._src import (
+    source_info_util,  # the name stack of the trace in progress
+    xla_bridge,  # the platform name lowering uses ("cuda" for "gpu")
+)
 from jax.experimental import topologies
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as jex_primitives
@@ -308,6 +311,13 @@ def cond_platforms(eqn: Any) -> tuple[tuple[str, ...] | None, ...] | None:
     other branches are never lowered, so they may hold operations that platform cannot run.
     """
     return eqn.params.get("branches_platforms")
+
+
+def lowering_platform() -> str:
+    """The platform name JAX lowers for on the default backend, as ``lax.platform_dependent``
+    and :func:`cond_platforms` name platforms: ``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``
+    (``jax.default_backend()`` says ``"gpu"`` for the GPU ones)."""
+    return xla_bridge.canonicalize_platform(jax.default_backend())
 
 
 @dataclasses.dataclass(frozen=True)

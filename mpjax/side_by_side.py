@@ -1,15 +1,16 @@
-"""The precision doctor's side-by-side evaluation: a jaxpr evaluated twice in one traced
-function, *as it runs* (the policy's casts and dtypes) and *exactly* (the same equations with
-every value in float32: casts to a lower precision become identities and matmuls accumulate in
-float32; this is the float32 reference run of the same function), measuring each equation on
-the way. Each equation is attributed to the module whose precision region it runs in (or its
-named scopes), and to the forward or backward pass.
+"""The precision doctor's side-by-side evaluation: a jaxpr evaluated twice, *as it runs* (the
+policy's casts and dtypes) and *exactly* (the same equations with every value in float32: casts
+to a lower precision become identities and matmuls accumulate in float32; this is the float32
+reference run of the same function), measuring each equation on the way. Each equation is
+attributed to the module whose precision region it runs in (or its named scopes), and to the
+forward or backward pass.
 
 - Ranges come from the exact values: per equation, the summary
   (:func:`mpjax.range_stats.summarize`) of the values it computes (copies such as reshapes and
   casts, ``STRUCTURAL``, left out).
 - A non-finite birth is an equation whose inputs are all finite and whose output is not, as
-  it runs: the counts of both are measured.
+  it runs: the non-finite values of each output are counted where it is computed, and an
+  equation's inputs are the outputs counted before it.
 - The precision lost *in* an equation is measured by running it as the policy runs it on the
   exact inputs cast to the dtypes it takes, against the exact equation on those same inputs:
   that relative error is what enters there, whatever came before (the rounding of the inputs
@@ -17,9 +18,17 @@ named scopes), and to the forward or backward pass.
   the exact one, is what has accumulated.
 - Matmuls have the amax of their two operands (exact) measured, for fp8 fitness.
 
+The evaluation runs equation by equation, outside any trace: each equation, both ways, with
+its measures, is one small jitted *kernel*, compiled once for all the equations that share its
+primitive, params and types (the layers of a model share theirs), and each value is dropped
+once nothing reads it. Compiling a few hundred small kernels is quicker than compiling one
+function of the whole model evaluated three times, and the model's values are never all held
+at once. The measures stay on the device until :meth:`Evaluation.assemble` reads them all.
+
 Higher-order primitives that are calls (``jit``, ``remat``, custom derivatives) are looked
-into; loops and conditionals (``scan``, ``while``, ``cond``) count as one equation whose
-outputs are measured.
+into, and so is the branch a ``lax.platform_dependent`` conditional takes on the platform the
+evaluation runs on; loops and other conditionals (``scan``, ``while``, ``cond``) count as one
+equation whose outputs are measured.
 
 ``__all__`` is what :mod:`mpjax.diagnosis` uses: :class:`Evaluation` (with :class:`Site`, what
 it measured where) and :func:`to_exact`, the exact counterpart of an input.
@@ -29,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +50,7 @@ from mpjax import range_stats
 from mpjax.policy import is_floating
 from mpjax.regions import innermost
 
-__all__ = ["STRUCTURAL", "Evaluation", "Site", "to_exact"]
+__all__ = ["STRUCTURAL", "Evaluation", "Kernels", "Site", "to_exact"]
 
 # Equations whose outputs copy, move or cast their inputs' values: their ranges are those of
 # their inputs. (A cast still can overflow, and loses precision: births and errors see it.)
@@ -87,39 +96,44 @@ def _cast(x: Any, dtype: Any) -> Any:
     return x
 
 
+def _has_nonfinite(*arrays: Any) -> jax.Array:
+    """Whether any of ``arrays`` holds an inf or a NaN: ``x * 0`` is NaN exactly there, and
+    one sum finds it (quicker than counting, which :func:`_nonfinite` does only then)."""
+    return jnp.isnan(sum(jnp.sum(x.astype(jnp.float32) * 0) for x in arrays))
+
+
 def _relative_error(value: Any, exact: Any) -> jax.Array:
     """``||value - exact|| / ||exact||`` over the entries where ``exact`` is finite; inf when
     ``value`` is not finite there."""
     value, exact = value.astype(jnp.float32), exact.astype(jnp.float32)
-    ok = jnp.isfinite(exact)
-    bad = jnp.any(ok & ~jnp.isfinite(value))
-    diff = jnp.where(ok, value - exact, 0.0)
-    norm = jnp.sqrt(jnp.sum(jnp.where(ok, exact, 0.0) ** 2))
-    error = jnp.sqrt(jnp.sum(diff**2)) / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny)
-    return jnp.where(bad, jnp.inf, error)
 
+    def finite(value, exact):
+        diff = value - exact
+        return jnp.sqrt(jnp.sum(diff * diff)), jnp.sqrt(jnp.sum(exact * exact))
 
-def _largest_error(values: list, references: list) -> jax.Array:
-    return jnp.max(jnp.stack([_relative_error(a, b) for a, b in zip(values, references)]))
+    def masked(value, exact):
+        ok = jnp.isfinite(exact)
+        diff = jnp.where(ok, value - exact, 0.0)
+        bad = jnp.any(ok & ~jnp.isfinite(value))
+        norm = jnp.sqrt(jnp.sum(jnp.where(ok, exact, 0.0) ** 2))
+        return jnp.where(bad, jnp.inf, jnp.sqrt(jnp.sum(diff * diff))), norm
+
+    error, norm = lax.cond(_has_nonfinite(value, exact), masked, finite, value, exact)
+    return error / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny)
 
 
 def _nonfinite(x: jax.Array) -> jax.Array:
-    return jnp.sum(~jnp.isfinite(x)).astype(jnp.int32)
+    """How many entries of ``x`` are inf or NaN."""
+    return lax.cond(
+        _has_nonfinite(x),
+        lambda x: jnp.sum(~jnp.isfinite(x), dtype=jnp.int32),
+        lambda x: jnp.int32(0),
+        x,
+    )
 
 
 def _amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
-
-
-# What the evaluation measures of its values, one kind at a time: the values of a kind and
-# shape are stacked and measured by one vmapped call (a few large operations, quick to
-# compile, rather than thousands of small ones).
-_MEASURES: dict[str, Callable[..., Any]] = {
-    "nonfinite": _nonfinite,
-    "summary": range_stats.summarize,
-    "amax": _amax,
-    "error": _relative_error,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,159 +147,347 @@ class Site:
     location: str
 
 
-class Evaluation:
-    """Evaluates a jaxpr exactly and as it runs, side by side, collecting per equation the
-    measures of :mod:`mpjax.side_by_side`: call :meth:`run` inside a traced function and
-    return :meth:`outputs` from it, then :meth:`assemble` the host values and read them by
-    :meth:`indices` into :attr:`sites`."""
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What is measured of one equation with floating outputs (``outputs`` of them): the
+    non-finite values of each as it runs (``counts``: not for a copy, whose outputs hold
+    non-finite values only where its inputs do), the range summary of its exact values, the
+    amax of its first ``operands`` floating operands (matmuls), and the errors (entering, with
+    ``local`` when a lower-precision value takes part, and accumulated)."""
 
-    def __init__(self, compare: bool):
-        self.compare = compare
-        self.sites: list[Site] = []
-        # Per measured site, the slots of its measures: (group, rank in the group).
-        self.births: list[tuple[int, list, list]] = []
-        self.ranges: list[tuple[int, list]] = []
-        self.dots: list[tuple[int, list]] = []
-        self.errors: list[tuple[int, list, list]] = []
-        self.groups: dict[tuple, list[tuple]] = {}
+    outputs: int
+    counts: bool
+    ranges: bool
+    operands: int
+    errors: bool
+    local: bool
 
-    def _measure(self, kind: str, *arrays: Any) -> tuple[tuple, int]:
-        key = (kind, tuple((jax.typeof(a).shape, str(jax.typeof(a).dtype)) for a in arrays))
-        group = self.groups.setdefault(key, [])
-        group.append(arrays)
-        return key, len(group) - 1
 
-    def run(self, closed: Any, exact: Sequence[Any], actual: Sequence[Any], path, backward):
-        jaxpr = closed.jaxpr
-        ex_env: dict[Any, Any] = {}
-        ac_env: dict[Any, Any] = {}
+def _floating(atoms: Sequence[Any]) -> list[int]:
+    return [i for i, v in enumerate(atoms) if is_floating(v.aval.dtype)]
 
-        def read(env, atom, exact_value):
-            if compat.is_literal(atom):
-                return to_exact(atom.val) if exact_value else atom.val
-            return env[atom]
 
-        for var, const in zip(jaxpr.constvars, closed.consts):
-            ex_env[var], ac_env[var] = to_exact(const), const
-        for var, ex, ac in zip(jaxpr.invars, exact, actual):
-            ex_env[var], ac_env[var] = ex, ac
-        for eqn in jaxpr.eqns:
-            where = path + compat.scope_names(eqn)
-            backward_eqn = backward or compat.is_backward(eqn)
-            ex_in = [read(ex_env, a, True) for a in eqn.invars]
-            ac_in = [read(ac_env, a, False) for a in eqn.invars]
-            sub = _inner_jaxpr(eqn)
-            if sub is not None:
-                ex_out, ac_out = self.run(sub, ex_in, ac_in, where, backward_eqn)
+def _plan(eqn: Any, backward: bool, compare: bool) -> _Plan | None:
+    """What to measure of ``eqn``, or None for an equation with no floating output."""
+    floats_out = _floating(eqn.outvars)
+    if not floats_out:
+        return None
+    name = eqn.primitive.name
+    ranges = name not in STRUCTURAL
+    errors = compare and not backward and (ranges or name in _CAST)
+    local = errors and any(_is_low(v.aval.dtype) for v in (*eqn.invars, *eqn.outvars))
+    operands = min(len(_floating(eqn.invars)), 2) if name in _MATMULS else 0
+    counts = ranges or name in _CAST
+    return _Plan(len(floats_out), counts, ranges, operands, errors, local)
+
+
+def _computed(eqn: Any, plan: _Plan | None, ex_in: list, ac_in: list):
+    """``eqn`` both ways: its outputs (exact, as it runs) and, when its errors are measured
+    (:class:`_Plan`), its floating outputs as the policy computes them on exact inputs and
+    the exact ones they are compared with."""
+    ac_out = compat.bind_equation(eqn, ac_in)
+    if plan is None and not _floating(eqn.invars):
+        return ac_out, ac_out, [], []
+    ex_out = _exact_equation(eqn, ex_in)
+    if plan is None or not plan.local:
+        return ex_out, ac_out, [], []
+    # The equation as the policy runs it, on the exact inputs in the dtypes it takes, against
+    # the exact equation on those same inputs: what rounding the inputs loses is counted at
+    # the cast that rounds them, not again at each use. (An equation with no lower-precision
+    # value runs exactly: nothing enters there.)
+    floats_out = _floating(eqn.outvars)
+    local_in = [_cast(x, v.aval.dtype) for x, v in zip(ex_in, eqn.invars)]
+    local = compat.bind_equation(eqn, local_in)
+    if any(_is_low(v.aval.dtype) for v in eqn.invars):
+        reference = _exact_equation(eqn, [to_exact(x) for x in local_in])
+        return ex_out, ac_out, [local[i] for i in floats_out], [reference[i] for i in floats_out]
+    return ex_out, ac_out, [local[i] for i in floats_out], []
+
+
+# The measures, each compiled once per shape and dtype it is given (a model's equations share
+# few), apart from the equations: the many equation kernels stay quick to compile.
+_measure_nonfinite = jax.jit(_nonfinite)
+_measure_range = jax.jit(range_stats.summarize)
+_measure_amax = jax.jit(_amax)
+_measure_error = jax.jit(_relative_error)
+
+
+class _Measures(NamedTuple):
+    """The measures of one equation (device values until :meth:`Evaluation.assemble`), each
+    a list with one entry per floating output or operand, empty where :class:`_Plan` measures
+    nothing: the non-finite count of each output as it ran, the range summaries of the exact
+    ones, the amaxes of its first operands, the error entering each (nothing enters where no
+    value of lower precision takes part) and the error accumulated in each."""
+
+    nonfinite: list
+    ranges: list
+    operands: list
+    entering: list
+    accumulated: list
+
+
+def _aval_key(aval: Any) -> tuple:
+    return (tuple(aval.shape), str(aval.dtype), bool(getattr(aval, "weak_type", False)))
+
+
+def _kernel_key(eqn: Any, plan: _Plan | None) -> Any:
+    """What makes two equations' kernels the same: primitive, params, types and literals.
+    Equations whose params do not hash (rare) get a kernel of their own."""
+    ins = tuple(
+        (str(np.dtype(a.aval.dtype)), np.asarray(a.val).tobytes())
+        if compat.is_literal(a)
+        else _aval_key(a.aval)
+        for a in eqn.invars
+    )
+    key = (
+        eqn.primitive,
+        tuple(sorted(eqn.params.items())),
+        ins,
+        tuple(_aval_key(v.aval) for v in eqn.outvars),
+        plan,
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return ("equation", id(eqn))
+    return key
+
+
+def _make_kernel(eqn: Any, plan: _Plan | None) -> Callable[[list, list], Any]:
+    """:func:`_computed` of ``eqn`` as one jitted function of its non-literal inputs (exact,
+    as they run); the literals are written into it."""
+    literals = {i: a.val for i, a in enumerate(eqn.invars) if compat.is_literal(a)}
+
+    def kernel(ex_in: list, ac_in: list):
+        ex_it, ac_it = iter(ex_in), iter(ac_in)
+        ex_all, ac_all = [], []
+        for i in range(len(eqn.invars)):
+            if i in literals:
+                ex_all.append(to_exact(literals[i]))
+                ac_all.append(literals[i])
             else:
-                ex_out, ac_out = self.equation(eqn, ex_in, ac_in, where, backward_eqn)
-            for var, ex, ac in zip(eqn.outvars, ex_out, ac_out):
-                if not compat.is_dropvar(var):
-                    ex_env[var], ac_env[var] = ex, ac
-        return (
-            [read(ex_env, a, True) for a in jaxpr.outvars],
-            [read(ac_env, a, False) for a in jaxpr.outvars],
-        )
+                ex_all.append(next(ex_it))
+                ac_all.append(next(ac_it))
+        return _computed(eqn, plan, ex_all, ac_all)
 
-    def equation(self, eqn, ex_in, ac_in, path, backward):
-        ac_out = compat.bind_equation(eqn, ac_in)
-        floats_in = [i for i, v in enumerate(eqn.invars) if is_floating(v.aval.dtype)]
-        floats_out = [i for i, v in enumerate(eqn.outvars) if is_floating(v.aval.dtype)]
-        if not floats_in and not floats_out:
-            return ac_out, ac_out
-        ex_out = _exact_equation(eqn, ex_in)
-        if not floats_out:
-            return ex_out, ac_out
-        name = eqn.primitive.name
-        region = innermost(path)
-        site = Site(
-            primitive=name,
-            module=region.path if region is not None else "/".join(path),
-            backward=backward,
-            dtype=np.dtype(eqn.outvars[floats_out[0]].aval.dtype).name,
-            location=compat.source_location(eqn),
-        )
-        index = len(self.sites)
-        self.sites.append(site)
-        ranges = name not in STRUCTURAL
-        errors = self.compare and not backward and (ranges or name in _CAST)
-        local, reference = [], []
-        if errors and any(_is_low(v.aval.dtype) for v in (*eqn.invars, *eqn.outvars)):
-            # The equation as the policy runs it, on the exact inputs in the dtypes it takes,
-            # against the exact equation on those same inputs: what rounding the inputs loses
-            # is counted at the cast that rounds them, not again at each use. (An equation
-            # with no lower-precision value runs exactly: nothing enters there.)
-            local_in = [_cast(x, v.aval.dtype) for x, v in zip(ex_in, eqn.invars)]
-            local = compat.bind_equation(eqn, local_in)
-            rounded = any(_is_low(v.aval.dtype) for v in eqn.invars)
-            reference = _exact_equation(eqn, [to_exact(x) for x in local_in]) if rounded else ex_out
-            local, reference = [local[i] for i in floats_out], [reference[i] for i in floats_out]
-        self.births.append(
-            (
-                index,
-                [self._measure("nonfinite", ac_out[i]) for i in floats_out],
-                [self._measure("nonfinite", ac_in[i]) for i in floats_in],
-            )
-        )
-        if ranges:
-            self.ranges.append((index, [self._measure("summary", ex_out[i]) for i in floats_out]))
-        if name in _MATMULS:
-            self.dots.append((index, [self._measure("amax", ex_in[i]) for i in floats_in[:2]]))
-        if errors:
-            entering = [self._measure("error", a, b) for a, b in zip(local, reference)]
-            accumulated = [self._measure("error", ac_out[i], ex_out[i]) for i in floats_out]
-            self.errors.append((index, entering, accumulated))
-        return ex_out, ac_out
+    return jax.jit(kernel)
 
-    def outputs(self) -> list[Any]:
-        """The measures, one vmapped call per group (in the order of :attr:`groups`)."""
-        found = []
-        for (kind, _), members in self.groups.items():
-            stacked = [jnp.stack(column) for column in zip(*members)]
-            found.append(jax.vmap(_MEASURES[kind])(*stacked))
+
+class Kernels:
+    """The compiled kernels of one traced target, shared by all its evaluations, and what is
+    known of its jaxprs (when each value is read the last time)."""
+
+    def __init__(self):
+        self._kernels: dict[Any, Callable] = {}
+        self._dead: dict[int, tuple[Any, dict[int, list]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._kernels)
+
+    def kernel(self, eqn: Any, plan: _Plan | None) -> Callable:
+        key = _kernel_key(eqn, plan)
+        found = self._kernels.get(key)
+        if found is None:
+            found = self._kernels[key] = _make_kernel(eqn, plan)
         return found
 
-    def assemble(self, measured: list[Any]) -> dict[str, np.ndarray]:
-        """Per site, from the measures (host values): non-finite counts of outputs and inputs,
+    def dead_after(self, jaxpr: Any) -> dict[int, list]:
+        """``{i: the variables no equation after the i-th reads}`` (outputs excepted)."""
+        known = self._dead.get(id(jaxpr))
+        if known is not None and known[0] is jaxpr:
+            return known[1]
+        last: dict[Any, int] = {}
+        for i, eqn in enumerate(jaxpr.eqns):
+            for atom in eqn.invars:
+                if not compat.is_literal(atom):
+                    last[atom] = i
+            for var in eqn.outvars:
+                if not compat.is_dropvar(var):
+                    last.setdefault(var, i)
+        kept = {v for v in jaxpr.outvars if not compat.is_literal(v)}
+        dead: dict[int, list] = {}
+        for var, i in last.items():
+            if var not in kept:
+                dead.setdefault(i, []).append(var)
+        self._dead[id(jaxpr)] = (jaxpr, dead)
+        return dead
+
+
+# A value in the evaluation: exact, as it runs, and where its non-finite count as it runs is:
+# a count known on the host, ("input", index) for a jaxpr's input, ("site", site, output) for
+# an equation's output, or ("copy", refs) for a copy of the values at refs.
+_Value = tuple[Any, Any, Any]
+
+
+class Evaluation:
+    """Evaluates a jaxpr exactly and as it runs, side by side, collecting per equation the
+    measures of :mod:`mpjax.side_by_side`: :meth:`run` it on concrete inputs, then
+    :meth:`assemble` the measures and read them by :meth:`indices` into :attr:`sites`."""
+
+    def __init__(self, compare: bool, kernels: Kernels | None = None):
+        self.compare = compare
+        self.kernels = Kernels() if kernels is None else kernels
+        self.platform = compat.lowering_platform()
+        self.sites: list[Site] = []
+        # Per site: its plan, its measures, and where the non-finite counts of its floating
+        # inputs are (see _Value); and the counts of the jaxprs' inputs.
+        self._plans: list[_Plan] = []
+        self._measures: list[_Measures] = []
+        self._inputs: list[list[Any]] = []
+        self._inputs_counted: list[Any] = []
+
+    def _counted(self, values: Sequence[Any]) -> list[Any]:
+        """Where the non-finite counts of ``values`` (inputs of a jaxpr) are: counted now."""
+        refs: list[Any] = []
+        for x in values:
+            if is_floating(jax.typeof(x).dtype):
+                self._inputs_counted.append(_measure_nonfinite(x))
+                refs.append(("input", len(self._inputs_counted) - 1))
+            else:
+                refs.append(0)
+        return refs
+
+    def run(self, closed: Any, exact: Sequence[Any], actual: Sequence[Any]) -> tuple[list, list]:
+        """Evaluates ``closed`` on its inputs (exact, as they run): its outputs both ways."""
+        refs = self._counted(list(actual))
+        outs = self._closed(closed, list(zip(exact, actual, refs)), (), False)
+        return [v[0] for v in outs], [v[1] for v in outs]
+
+    def _closed(self, closed: Any, inputs: list[_Value], path, backward) -> list[_Value]:
+        consts = list(closed.consts)
+        refs = self._counted(consts)
+        values = [(to_exact(c), c, r) for c, r in zip(consts, refs)]
+        return self._jaxpr(closed.jaxpr, values, inputs, path, backward)
+
+    def _jaxpr(self, jaxpr, consts: list[_Value], inputs: list[_Value], path, backward):
+        env: dict[Any, _Value] = {}
+
+        def read(atom) -> _Value:
+            if compat.is_literal(atom):
+                value = atom.val
+                finite = not is_floating(np.asarray(value).dtype) or np.isfinite(value)
+                return to_exact(value), value, 0 if finite else 1
+            return env[atom]
+
+        env.update(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, inputs))
+        dead = self.kernels.dead_after(jaxpr)
+        for i, eqn in enumerate(jaxpr.eqns):
+            where = path + compat.scope_names(eqn)
+            backward_eqn = backward or compat.is_backward(eqn)
+            ins = [read(a) for a in eqn.invars]
+            inner = self._inner_jaxpr(eqn)
+            if inner is not None:
+                sub, skip = inner
+                outs = self._closed(sub, ins[skip:], where, backward_eqn)
+            else:
+                outs = self._equation(eqn, ins, where, backward_eqn)
+            for var, out in zip(eqn.outvars, outs):
+                if not compat.is_dropvar(var):
+                    env[var] = out
+            for var in dead.get(i, ()):
+                env.pop(var, None)
+        return [read(a) for a in jaxpr.outvars]
+
+    def _inner_jaxpr(self, eqn: Any) -> tuple[Any, int] | None:
+        """The jaxpr an equation evaluates, looked into, and how many of its first inputs it
+        does not take; None for an equation evaluated as one."""
+        sub = _inner_jaxpr(eqn)
+        if sub is not None:
+            return sub, 0
+        platforms = compat.cond_platforms(eqn) if eqn.primitive.name == "cond" else None
+        if platforms is None:
+            return None
+        # lax.platform_dependent: the branch this platform runs (the index input is dropped).
+        branches = compat.cond_branches(eqn)
+        chosen = [i for i, p in enumerate(platforms) if p is not None and self.platform in p]
+        chosen += [i for i, p in enumerate(platforms) if p is None]  # the default branch
+        # With no branch for this platform, lowering fails: the kernel of the whole equation
+        # raises JAX's own error.
+        return (branches[chosen[0]], 1) if chosen else None
+
+    def _equation(self, eqn: Any, ins: list[_Value], path, backward) -> list[_Value]:
+        plan = _plan(eqn, backward, self.compare)
+        kernel = self.kernels.kernel(eqn, plan)
+        dynamic = [i for i, a in enumerate(eqn.invars) if not compat.is_literal(a)]
+        ex_out, ac_out, local, reference = kernel(
+            [ins[i][0] for i in dynamic], [ins[i][1] for i in dynamic]
+        )
+        if plan is None:
+            return [(e, a, 0) for e, a in zip(ex_out, ac_out)]
+        floats_out = _floating(eqn.outvars)
+        actual = [ac_out[i] for i in floats_out]
+        exact = [ex_out[i] for i in floats_out]
+        measures = _Measures(
+            nonfinite=[_measure_nonfinite(x) for x in actual] if plan.counts else [],
+            ranges=[_measure_range(x) for x in exact] if plan.ranges else [],
+            operands=[_measure_amax(ins[i][0]) for i in _floating(eqn.invars)[: plan.operands]],
+            entering=[_measure_error(a, b) for a, b in zip(local, reference or exact)],
+            accumulated=(
+                [_measure_error(a, b) for a, b in zip(actual, exact)] if plan.errors else []
+            ),
+        )
+        region = innermost(path)
+        self.sites.append(
+            Site(
+                primitive=eqn.primitive.name,
+                module=region.path if region is not None else "/".join(path),
+                backward=backward,
+                dtype=np.dtype(eqn.outvars[floats_out[0]].aval.dtype).name,
+                location=compat.source_location(eqn),
+            )
+        )
+        self._plans.append(plan)
+        self._measures.append(measures)
+        inputs = [ins[i][2] for i in _floating(eqn.invars)]
+        self._inputs.append(inputs)
+        site = len(self._measures) - 1
+        refs: list[Any] = [0] * len(ex_out)
+        for rank, i in enumerate(floats_out):
+            refs[i] = ("site", site, rank) if plan.counts else ("copy", inputs)
+        return [(e, a, r) for e, a, r in zip(ex_out, ac_out, refs)]
+
+    def assemble(self) -> dict[str, np.ndarray]:
+        """Per site, the measures as host values: non-finite counts of outputs and inputs,
         range summaries (counts, extremes), matmul operand amaxes, errors (entering,
         accumulated), each stacked in the order of :meth:`indices`."""
-        results = dict(zip(self.groups, measured))
+        inputs_counted, measured = jax.device_get((self._inputs_counted, self._measures))
 
-        def get(slot, part=None):
-            key, rank = slot
-            value = results[key] if part is None else results[key][part]
-            return value[rank]
-
-        def total(slots):
-            return int(sum(int(get(s)) for s in slots))
-
-        def largest(slots):
-            return max((float(get(s)) for s in slots), default=0.0)
+        def count(ref) -> int:
+            if isinstance(ref, int):
+                return ref
+            if ref[0] == "input":
+                return int(inputs_counted[ref[1]])
+            if ref[0] == "copy":  # as many as its inputs hold, as far as births go
+                return sum(count(r) for r in ref[1])
+            return int(measured[ref[1]].nonfinite[ref[2]])
 
         width = range_stats.summary_size()
-        counts = [np.sum([get(s, 0) for s in slots], axis=0) for _, slots in self.ranges]
-        extremes = [
-            [max(float(get(s, 1)[0]) for s in slots), min(float(get(s, 1)[1]) for s in slots)]
-            for _, slots in self.ranges
-        ]
+        counts, extremes, births, errors, dots = [], [], [], [], []
+        for plan, m, inputs in zip(self._plans, measured, self._inputs):
+            held = sum(count(r) for r in inputs)
+            births.append([int(np.sum(m.nonfinite)) if plan.counts else held, held])
+            if plan.ranges:
+                counts.append(np.sum([c for c, _ in m.ranges], axis=0))
+                extremes.append([max(e[0] for _, e in m.ranges), min(e[1] for _, e in m.ranges)])
+            if plan.operands:
+                dots.append(m.operands)
+            if plan.errors:
+                errors.append([max(m.entering, default=0.0), max(m.accumulated)])
         return {
             "range_counts": np.array(counts, np.int64).reshape(-1, width),
             "range_extremes": np.array(extremes, np.float32).reshape(-1, 2),
-            "births": np.array([[total(o), total(i)] for _, o, i in self.births]).reshape(-1, 2),
-            "errors": np.array(
-                [[largest(e), largest(a)] for _, e, a in self.errors], np.float32
-            ).reshape(-1, 2),
-            "dots": np.array(
-                [[float(get(s)) for s in slots] for _, slots in self.dots], np.float32
-            ),
+            "births": np.array(births, np.int64).reshape(-1, 2),
+            "errors": np.array(errors, np.float32).reshape(-1, 2),
+            "dots": np.array(dots, np.float32),
         }
 
     def indices(self) -> dict[str, list[int]]:
         return {
-            "ranges": [i for i, _ in self.ranges],
-            "births": [i for i, _, _ in self.births],
-            "errors": [i for i, _, _ in self.errors],
-            "dots": [i for i, _ in self.dots],
+            "ranges": [i for i, p in enumerate(self._plans) if p.ranges],
+            "births": list(range(len(self._plans))),
+            "errors": [i for i, p in enumerate(self._plans) if p.errors],
+            "dots": [i for i, p in enumerate(self._plans) if p.operands],
         }
 
 

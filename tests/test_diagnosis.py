@@ -1,6 +1,7 @@
 """mpjax.diagnose: every statistic against NumPy on the same values, the non-finite birth, the
 precision lost per module, and recommendations that fix the problem planted for them."""
 
+import collections
 import json
 
 import flax.linen as nn
@@ -13,7 +14,7 @@ from flax import nnx
 from tolerances import assert_close_in_norm, tolerance
 
 import mpjax
-from mpjax import range_stats
+from mpjax import range_stats, side_by_side
 from mpjax.range_stats import DTYPES, RangeStats
 
 
@@ -199,6 +200,87 @@ def test_the_error_entering_a_module_is_its_own_the_accumulated_one_includes_wha
     # Doubling is exact: nothing enters in "after", but its values carry the rounding.
     assert report.error("after").local == 0.0
     assert report.error("after").accumulated == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_non_finite_value_copied_into_an_operation_is_not_born_there():
+    def log_of_flat(x):
+        with jax.named_scope("flat"):
+            flat = x.reshape(-1)
+        with jax.named_scope("log"):
+            return jnp.sum(jnp.log(flat))
+
+    doctor = mpjax.diagnose(log_of_flat, policy="mixed_bfloat16")
+    born = doctor(np.array([[1.0, 0.0], [2.0, 3.0]], np.float32)).birth
+    assert (born.module, born.primitive, born.nonfinite) == ("log", "log", 1)
+    # An inf given as input reaches the log through the reshape: nothing is born.
+    assert doctor(np.array([[1.0, np.inf], [2.0, 3.0]], np.float32)).birth is None
+
+
+# --- How the evaluation runs -------------------------------------------------------------------
+
+
+def _layered(n):
+    def f(x, ws):
+        for i in range(n):
+            with jax.named_scope(f"layer{i}"):
+                x = jnp.tanh(x @ ws[i])
+        return jnp.sum(x)
+
+    return f
+
+
+def _evaluate(n):
+    x, ws = np.ones((4, 8), np.float32), [np.full((8, 8), 0.1, np.float32)] * n
+    f = jax.value_and_grad(mpjax.autocast(_layered(n), "mixed_bfloat16"))
+    closed = jax.make_jaxpr(f)(x, ws)
+    kernels = side_by_side.Kernels()
+    evaluation = side_by_side.Evaluation(True, kernels)
+    flat = [x, *ws]
+    outs = evaluation.run(closed, [side_by_side.to_exact(v) for v in flat], flat)
+    return evaluation, kernels, outs
+
+
+def test_layers_alike_share_their_compiled_kernels():
+    two, kernels_two, _ = _evaluate(2)
+    five, kernels_five, (exact, actual) = _evaluate(5)
+    assert len(kernels_five) == len(kernels_two)
+    # Every layer is measured (the first also casts the float32 input, the last feeds the sum).
+    per_layer = collections.Counter(s.module for s in five.sites)
+    assert per_layer["layer1"] == per_layer["layer2"] == per_layer["layer3"] > 0
+    # The evaluation's outputs are the function's, exactly and as it ran.
+    value, grads = jax.value_and_grad(_layered(5))(
+        np.ones((4, 8), np.float32), [np.full((8, 8), 0.1, np.float32)] * 5
+    )
+    np.testing.assert_allclose(exact[0], value, rtol=tolerance(jnp.float32, 8))
+    np.testing.assert_allclose(actual[0], value, rtol=tolerance(jnp.bfloat16, 8) * 5)
+
+
+def test_each_value_is_dropped_after_the_last_equation_that_reads_it():
+    closed = jax.make_jaxpr(lambda x: (jnp.sin(x) * 2 + jnp.cos(x), x))(1.0)
+    jaxpr = closed.jaxpr
+    dead = side_by_side.Kernels().dead_after(jaxpr)
+    for i, eqn in enumerate(jaxpr.eqns):
+        for var in eqn.outvars:
+            readers = [j for j, e in enumerate(jaxpr.eqns) if var in e.invars]
+            if var in jaxpr.outvars:
+                assert all(var not in d for d in dead.values())
+            else:
+                assert var in dead[max(readers, default=i)]
+    # The input is read by sin and cos, and returned: it stays too.
+    assert all(jaxpr.invars[0] not in d for d in dead.values())
+
+
+def test_a_platform_dependent_attention_is_measured_in_the_branch_this_platform_runs():
+    q = np.random.default_rng(4).standard_normal((1, 16, 2, 8)).astype(np.float32)
+
+    def attend(q):
+        with jax.named_scope("attn"):
+            return jnp.sum(mpjax.dot_product_attention(q, q, q, is_causal=True))
+
+    report = mpjax.diagnose(attend, policy="mixed_bfloat16")(q)
+    ops = {r.where for r in report.ops}
+    assert "cond" not in ops and {"dot_general", "exp"} <= ops
+    assert report.module("attn").stats.count > 0
 
 
 # --- Recommendations ------------------------------------------------------------------------

@@ -114,6 +114,19 @@ def test_cond_platforms_are_those_of_a_platform_dependent_cond_only():
     assert jax_compat.cond_platforms(plain) is None
 
 
+def test_lowering_platform_names_the_default_backend_as_platform_dependent_does():
+    # jax.default_backend() says "gpu" on a CUDA GPU; platform_dependent's branches say "cuda".
+    platform = jax_compat.lowering_platform()
+    assert platform in {"cpu", "cuda", "rocm", "tpu"}
+
+    def per_platform(x):
+        return lax.platform_dependent(x, **{platform: jnp.cos}, default=jnp.sin)
+
+    eqn = _eqn(per_platform, W, primitive="cond")
+    assert jax_compat.cond_platforms(eqn) == ((platform,), None)
+    np.testing.assert_array_equal(per_platform(W), jnp.cos(W))
+
+
 def test_current_scope_names_are_the_scopes_of_the_trace_in_progress():
     seen = {}
 
