@@ -160,6 +160,15 @@ class Interpreter:
                 for name in paths[i][len(path) :]:
                     stack.enter_context(jax.named_scope(name))
                 outs = self.equation(eqn, invals, avals, paths[i], casts, i in widened)
+            if observers() and eqn.primitive.name not in self.handlers:
+                floats = [k for k, x in enumerate(outs) if is_floating(jax.typeof(x).dtype)]
+                if floats:
+                    module = self.settings.region(paths[i]).path
+                    tapped = observers()[-1].tap(module, [outs[k] for k in floats])
+                    outs = list(outs)
+                    for k, x in zip(floats, tapped):
+                        outs[k] = x
+                    observed[module] += tapped
             from_constants = eqn.primitive.name not in self.handlers and all(
                 compat.is_literal(a) or a in constant for a in eqn.invars
             )
@@ -168,12 +177,8 @@ class Interpreter:
                     env[var] = out
                     if from_constants:
                         constant.add(var)
-            if observers() and eqn.primitive.name not in self.handlers:
-                floats = [x for x in outs if is_floating(jax.typeof(x).dtype)]
-                if floats:
-                    observed[self.settings.region(paths[i]).path] += floats
         if observed:
-            observers()[-1](dict(observed))
+            observers()[-1].values(dict(observed))
         return [read(a) for a in jaxpr.outvars]
 
     def _widened(self, jaxpr: Any, paths: list[tuple[str, ...]]) -> set[int]:
@@ -247,7 +252,10 @@ class Interpreter:
                 category = F32
             label = category
         compute = region.policy.compute_dtype if region.policy is not None else None
-        invals, params, ran = self._cast_inputs(eqn, invals, avals, category, compute, casts)
+        # Observed (the precision monitor), a cast is a value the region computes: its
+        # gradient (a weight's, in the compute dtype) is measured there.
+        tap = functools.partial(observers()[-1].tap, region.path) if observers() else None
+        invals, params, ran = self._cast_inputs(eqn, invals, avals, category, compute, casts, tap)
         dot = self._fp8_dot(eqn, region, category, compute, ran, path)
         if dot is not None:
             label, ran = "fp8", [jax.ShapeDtypeStruct(a.shape, fp8.E4M3) for a in ran]
@@ -316,8 +324,9 @@ class Interpreter:
             precision=p.precision,
         )
 
-    def _cast_inputs(self, eqn, invals, avals, category, compute, casts):
-        """Casts the floating inputs of a first-order equation by its category.
+    def _cast_inputs(self, eqn, invals, avals, category, compute, casts, tap=None):
+        """Casts the floating inputs of a first-order equation by its category, each cast
+        through ``tap`` (a function of a list of values, returning them) if given.
 
         Returns the new inputs, the params to bind with, and the avals they run in.
         """
@@ -348,7 +357,8 @@ class Interpreter:
                     new[i] = lax.convert_element_type(invals[i], dtype)
                     continue
                 if (atom, dtype) not in casts:
-                    casts[atom, dtype] = lax.convert_element_type(invals[i], dtype)
+                    cast = lax.convert_element_type(invals[i], dtype)
+                    casts[atom, dtype] = cast if tap is None else tap([cast])[0]
                 new[i] = casts[atom, dtype]
         params = self._params(eqn, category, lowered, compute, targets)
         ran = [jax.ShapeDtypeStruct(a.shape, targets.get(i, a.dtype)) for i, a in enumerate(avals)]

@@ -20,7 +20,7 @@ import dataclasses
 import threading
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -36,6 +36,7 @@ __all__ = [
     "TraceCache",
     "Traced",
     "abstractly",
+    "Observer",
     "observers",
     "observing",
     "trace",
@@ -54,7 +55,7 @@ class _Tracing(threading.local):
         # The settings of each engine trace in progress on this thread, innermost last.
         self.settings: list[Settings] = []
         # The observers (see observing()) of the engine runs traced now, innermost last.
-        self.observers: list[Callable[[dict[str, list]], None]] = []
+        self.observers: list[Observer] = []
 
 
 _tracing = _Tracing()
@@ -69,14 +70,30 @@ def tracing() -> bool:
     return bool(_tracing.settings)
 
 
+class Observer(Protocol):
+    """What :func:`observing` hands the values of the engine runs to."""
+
+    def tap(self, module: str, values: list) -> list:
+        """Called with the floating outputs of each first-order equation as it is evaluated,
+        and the path of the region it ran in; returns what the rest of the jaxpr uses instead
+        (the same values, through an identity whose derivative measures their gradients, say)."""
+        ...
+
+    def values(self, values: dict[str, list]) -> None:
+        """Called at the end of each jaxpr the engine evaluates with what :meth:`tap` returned,
+        by module path."""
+        ...
+
+
 @contextlib.contextmanager
-def observing(observer: Callable[[dict[str, list]], None]):
+def observing(observer: Observer):
     """While open, every engine run traced on this thread hands ``observer`` the values it
-    computed: at the end of each jaxpr it evaluates (the function, and each body of a loop,
-    ``jit``, ``remat`` or custom derivative inside), ``observer({module path: [outputs]})``
-    with the floating outputs of its first-order equations, by the path of the region they
-    ran in. The values belong to the trace of that jaxpr: the observer reduces them there
-    (and sends the results out with ``jax.debug.callback``, say).
+    computes: each first-order equation's floating outputs go through ``observer.tap(module
+    path, outputs)`` as they are computed, and at the end of each jaxpr the engine evaluates
+    (the function, and each body of a loop, ``jit``, ``remat`` or custom derivative inside),
+    ``observer.values({module path: [outputs]})`` gets them all, by the path of the region they
+    ran in. The values belong to the trace of that jaxpr: the observer reduces them there (and
+    sends the results out with ``jax.debug.callback``, say).
 
     Nested functions that autocast caches are not reused while observing, nor left behind.
     """
@@ -105,7 +122,7 @@ def traced_compute_dtype() -> np.dtype | None:
     return None if policy is None else np.dtype(policy.compute_dtype)
 
 
-def observers() -> list[Callable[[dict[str, list]], None]]:
+def observers() -> list[Observer]:
     """The observers (:func:`observing`) open on this thread, innermost last. An observed run
     builds its own nested functions rather than reuse, or leave behind, ones that observe
     elsewhere."""

@@ -45,6 +45,10 @@ def test_diagnose_every_writes_each_modules_ranges_next_to_the_log(data, tmp_pat
     assert {r["step"] for r in rows} == {0, 2, 4}
     modules = {r["module"] for r in rows}
     assert {"h0/mlp/fc", "h0/attn/qkv", "h0/ln1"} <= modules
+    # Each module's values and their gradients (the backward pass's values there).
+    assert {("h0/mlp/fc", False), ("h0/mlp/fc", True)} <= {
+        (r["module"], r["backward"]) for r in rows
+    }
     assert all(r["nonfinite"] == 0 and r["amax"] > 0 for r in rows)
     log = (tmp_path / "run" / "log.jsonl").read_text().splitlines()
     assert len(log) == 5  # every step trained and logged, checks included

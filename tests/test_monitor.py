@@ -38,13 +38,20 @@ def test_autocast_values_are_measured_on_check_steps_only():
         step(i, w, x)
     jax.effects_barrier()
     assert sorted({c.step for c in monitor.checks}) == [0, 3, 6]
-    proj = [c for c in monitor.checks if c.module == "proj"]
+    proj = [c for c in monitor.checks if c.module == "proj" and not c.backward]
     # proj computes x, w in bfloat16 and x @ w: its largest value is the last row's sum, 19.
     assert [c.amax for c in proj] == [float(np.max(x @ w))] * 3
     assert all(c.nonfinite == 0 for c in monitor.checks)
-    act = {c.module: c for c in monitor.latest()}["act"]
-    assert act.amax == pytest.approx(np.sum(np.tanh(x @ w)), rel=1e-2)
-    assert "proj" in monitor.table()
+    latest = {(c.module, c.backward): c for c in monitor.latest()}
+    assert latest["act", False].amax == pytest.approx(np.sum(np.tanh(x @ w)), rel=1e-2)
+    # Backward: the gradients of what proj computes, x @ w (1 - tanh**2, at most 1) and the
+    # bfloat16 w (x.T @ that); x is not differentiated. Those of act's tanh and sum are ones.
+    dh = 1 - np.tanh(x @ w) ** 2
+    assert latest["proj", True].amax == pytest.approx(np.max(np.abs(x.T @ dh)), rel=1e-2)
+    assert latest["proj", True].count == dh.size + w.size
+    assert latest["act", True].amax == 1.0
+    assert [c.backward for c in monitor.latest()] == [False, False, True, True]
+    assert "proj" in monitor.table() and "backward" in monitor.table()
 
 
 def test_the_steps_between_checks_run_the_plain_step():
@@ -98,9 +105,13 @@ def test_a_linen_models_modules_are_measured_and_its_overflow_counted(tmp_path):
     for i in range(3):
         step(i, variables, x)
     jax.effects_barrier()
-    latest = {c.module: c for c in monitor.latest()}
-    assert {"up", "norm", "out"} <= set(latest)
-    assert latest["norm"].nonfinite > 0 and latest["up"].nonfinite == 0
+    forward = {c.module: c for c in monitor.latest() if not c.backward}
+    assert {"up", "norm", "out"} <= set(forward)
+    assert forward["norm"].nonfinite > 0 and forward["up"].nonfinite == 0
+    # The gradients of every module's values: the up kernel's among them, cast to float16.
+    backward = {c.module: c for c in monitor.latest() if c.backward}
+    assert {"up", "norm", "out"} <= set(backward)
+    assert backward["up"].count >= variables["params"]["up"]["kernel"].size
     monitor.write(tmp_path / "ranges.jsonl")
     lines = (tmp_path / "ranges.jsonl").read_text().splitlines()
     assert len(lines) == len(monitor.checks) and '"module": "norm"' in "".join(lines)
@@ -125,9 +136,11 @@ def test_an_nnx_models_modules_are_measured():
     monitor.wrap(train_step)(0, state, jnp.ones((2, 4)))
     jax.effects_barrier()
     kernel = np.asarray(model.proj.kernel.get_value())
-    proj = {c.module: c for c in monitor.latest()}["proj"]
+    latest = {(c.module, c.backward): c for c in monitor.latest()}
     expected = max(np.max(np.abs(kernel)), np.max(np.abs(np.ones((2, 4)) @ kernel)))
-    assert proj.amax == pytest.approx(expected, rel=1e-2)
+    assert latest["proj", False].amax == pytest.approx(expected, rel=1e-2)
+    # The gradient of the sum: ones for proj's output, x.T @ ones (2 everywhere) for its kernel.
+    assert latest["proj", True].amax == 2.0
 
 
 def test_bad_arguments_are_refused():
