@@ -329,6 +329,80 @@ class DiagnosisReport:
             lines.append(f"2^{e:>4}  {bar:<{width}}  {n}{note}")
         return "\n".join(lines)
 
+    def plot(self, *where: str, backward: bool = False, ax: Any = None) -> Any:
+        """The log2-magnitude histograms of the values of the modules (or else primitives)
+        named, in one pass, as the share of the finite values in each power of two, with
+        where each of :attr:`dtypes` stops (``--``, its largest value: above it overflows),
+        turns subnormal (``-.``, its smallest normal) and flushes to zero (``:``) drawn as
+        vertical lines: how far a gradient histogram sits below float16's subnormals shows
+        the loss scale it needs. With no name, all the values of the pass. Needs matplotlib.
+
+        Args:
+          where: module paths or primitive names, as in :attr:`modules` and :attr:`ops`.
+          backward: the gradient pass rather than the forward one.
+          ax: the matplotlib Axes to draw in; a new figure's by default.
+
+        Returns:
+          The Axes.
+
+        Raises:
+          KeyError: for a name with no values in that pass.
+          ImportError: without matplotlib.
+        """
+        pass_name = "backward" if backward else "forward"
+        if where:
+            found = []
+            for name in where:
+                row = next(
+                    (
+                        r
+                        for r in (*self.modules, *self.ops)
+                        if r.where == name and r.backward == backward
+                    ),
+                    None,
+                )
+                if row is None:
+                    raise KeyError(f"No {pass_name} values for {name!r}.")
+                found.append((name or "<root>", row.stats))
+        else:
+            parts = [r.stats for r in self.modules if r.backward == backward]
+            if not parts:
+                raise KeyError(f"No {pass_name} values in this report.")
+            found = [(f"all {pass_name} values", RangeStats.merge(parts))]
+        if ax is None:
+            try:
+                import matplotlib.pyplot as plt  # optional: only plots need it
+            except ImportError as error:
+                raise ImportError(
+                    "DiagnosisReport.plot needs matplotlib: pip install matplotlib"
+                ) from error
+            _, ax = plt.subplots(figsize=(8, 4))
+        for label, stats in found:
+            share = stats.histogram / max(stats.finite, 1)
+            log2 = np.arange(share.size) + range_stats.LOG2_MIN
+            ax.step(log2, share, where="post", label=f"{label} ({stats.finite:,} values)")
+        styles = {"overflow": "--", "normal": "-.", "nonzero": ":"}
+        for i, dtype in enumerate(self.dtypes):
+            b = bounds(dtype)
+            for field, style in styles.items():
+                ax.axvline(
+                    float(np.log2(getattr(b, field))),
+                    linestyle=style,
+                    color=f"C{len(found) + i}",
+                    linewidth=1,
+                    label=f"{_SHORT[dtype]} {'max' if field == 'overflow' else field}",
+                )
+        ranges = [s.log2_range() for _, s in found]
+        known = [r for r in ranges if r is not None]
+        if known:
+            ax.set_xlim(min(r[0] for r in known) - 4, max(r[1] for r in known) + 5)
+            ax.set_yscale("log")
+        ax.set_xlabel("log2 |value|")
+        ax.set_ylabel("share of the values")
+        ax.set_title(f"{pass_name} values under {self.policy.default}")
+        ax.legend(fontsize="small", ncol=2)
+        return ax
+
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-serialisable data."""
         return {

@@ -108,11 +108,13 @@ def test_required_dependencies_are_what_the_package_imports_and_the_rest_are_ext
     project = _project()
     extras = project["optional-dependencies"]
     required = _names(project["dependencies"])
-    optional = _names(extras["flax"] + extras["jmp"] + extras["equinox"])
-    assert required == {"jax", "optax", "numpy"} and optional == {"flax", "jmp", "equinox"}
+    parts = extras["flax"] + extras["jmp"] + extras["equinox"] + extras["plot"]
+    optional = _names(parts)
+    assert required == {"jax", "optax", "numpy"}
+    assert optional == {"flax", "jmp", "equinox", "matplotlib"}
     assert _imported_packages() == required | optional
     # The tests exercise the optional parts; the examples are Flax models.
-    assert set(extras["flax"] + extras["jmp"] + extras["equinox"]) <= set(extras["test"])
+    assert set(parts) <= set(extras["test"])
     assert set(extras["flax"]) <= set(extras["examples"])
 
 

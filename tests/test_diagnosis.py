@@ -3,10 +3,12 @@ precision lost per module, and recommendations that fix the problem planted for 
 
 import collections
 import json
+import sys
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import matplotlib
 import ml_dtypes
 import numpy as np
 import pytest
@@ -153,6 +155,30 @@ def test_ranges_per_module_and_operation_match_numpy_forward_and_backward():
     text = report.table()
     assert "proj" in text and "bf16 over/sub/ftz" in text
     assert "<- f16 max" in report.histogram("proj") or "2^" in report.histogram("proj")
+
+
+def test_the_histogram_plot_draws_each_share_and_the_dtypes_limits(monkeypatch):
+    matplotlib.use("Agg")
+    x, w = _exact_inputs()
+    report = mpjax.diagnose(_layers, policy="mixed_float16")(x, w)
+    ax = report.plot("proj", "act")
+    for line, where in zip(ax.lines, ("proj", "act")):
+        stats = report.module(where).stats
+        np.testing.assert_array_equal(line.get_ydata(), stats.histogram / stats.finite)
+        assert line.get_xdata()[0] == range_stats.LOG2_MIN
+    limits = {line.get_label(): line.get_xdata()[0] for line in ax.lines[2:]}
+    assert limits["f16 max"] == np.log2(np.float32(65520.0))
+    # Just below 2**-14 (float16's smallest normal), values round up to it.
+    assert limits["f16 normal"] == np.log2(range_stats.bounds("float16").normal)
+    assert -14.001 < limits["f16 normal"] < -14
+    assert len(limits) == 3 * len(report.dtypes)
+    everything = report.plot(backward=True).lines[0]
+    assert everything.get_label().startswith("all backward values")
+    with pytest.raises(KeyError, match="No backward values for 'nowhere'"):
+        report.plot("nowhere", backward=True)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        report.plot("proj")
 
 
 # --- Non-finite birth and precision lost ----------------------------------------------------

@@ -15,8 +15,11 @@ def test_the_guide_shows_the_failure_the_report_and_the_fix():
 
 
 @pytest.mark.slow
-def test_the_guides_code_runs():
+def test_the_guides_code_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the guide saves its figures
     namespace: dict = {}
     for block in re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S):
         exec(compile(block, str(GUIDE), "exec"), namespace)  # noqa: S102
     assert namespace["again"].birth is None
+    assert (tmp_path / "norm_ranges.png").stat().st_size > 0
+    assert (tmp_path / "gradient_ranges.png").stat().st_size > 0
