@@ -131,8 +131,10 @@ class PrecisionMonitor:
     >>> for i in range(3):
     ...     _ = step(i, jnp.ones((2, 2)), jnp.full((1, 2), 3.0))
     >>> jax.effects_barrier()
-    >>> [(c.step, c.module, c.amax) for c in monitor.checks if c.module == "proj"]
-    [(0, 'proj', 6.0), (2, 'proj', 6.0)]
+    >>> [(c.step, c.amax) for c in monitor.checks if c.module == "proj" and not c.backward]
+    [(0, 6.0), (2, 6.0)]
+    >>> [(c.module, c.backward, c.amax) for c in monitor.latest()]  # the gradients: sum's ones
+    [('proj', False, 6.0), ('proj', True, 1.0)]
     """
 
     def __init__(self, every: int):

@@ -21,6 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import benchmark_diagnose  # noqa: E402
 import benchmark_train_step as bench  # noqa: E402
 import gpt  # noqa: E402
 import train_transformer as tt  # noqa: E402
@@ -404,3 +405,21 @@ def test_fp8_rows_build_a_step_whose_dense_matmuls_are_fp8():
         dots = mpjax.hlo_dots(jax.grad(loss, argnums=(0, 1)))(state.params, state.fp8)
         # Per block: qkv, proj, fc and proj, forward and both gradients; the head stays bf16.
         assert sum(d.fp8 for d in dots) == 3 * 4 * n_layer, str(dots)
+
+
+@pytest.mark.slow
+def test_the_diagnose_benchmark_records_both_costs_side_by_side(tmp_path):
+    argv = ["--preset", "tiny", "--seq-len", "16", "--batches", "2", "--repeats", "1"]
+    benchmark_diagnose.main([*argv, "--every", "2", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "cpu_diagnose_tiny.json").read_text())
+    cost = result["diagnose"]
+    for call in ("first_call_s", "later_call_s"):
+        assert set(cost[call]) == {"plain", "diagnose", "diagnose_ranges_only"}
+        assert all(seconds > 0 for seconds in cost[call].values())
+    assert cost["ratio_later_call"]["diagnose"] == pytest.approx(
+        cost["later_call_s"]["diagnose"] / cost["later_call_s"]["plain"]
+    )
+    monitor = result["monitor"]
+    assert monitor["every"] == 2 and set(monitor["step_s"]) == {"plain", "between", "check"}
+    # Every module's forward values and gradients: two rows per module.
+    assert monitor["modules_measured"] > 2 * gpt.PRESETS["tiny"].n_layer
