@@ -95,7 +95,10 @@ def monitor_overhead(model, params, batches, every: int, repeats: int) -> dict:
             return train_transformer.loss_fn(model, p, x, y)
 
         value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        # optax's Adam computes b1 ** count with an int32 count, which
+        # jax_numpy_dtype_promotion="strict" (the tests') rejects, as in the example's step.
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
     monitor = mpjax.PrecisionMonitor(every=every)

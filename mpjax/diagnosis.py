@@ -42,7 +42,7 @@ class _Trace:
     backward: bool
     floating: list[int]  # the positions of the differentiated leaves among the array leaves
     kernels: Kernels = dataclasses.field(default_factory=Kernels)
-    evaluation: Evaluation | None = None
+    evaluation: Evaluation = dataclasses.field(init=False)  # set by each evaluate
 
     def evaluate(self, array_leaves: list, compare: bool) -> dict[str, np.ndarray]:
         # The jaxpr takes the floating leaves (differentiated), then all the array leaves.
@@ -158,7 +158,6 @@ class Doctor:
 def _report(results, rules: Rules, dtypes, max_error) -> DiagnosisReport:
     trace = results[0][0]
     ev = trace.evaluation
-    assert ev is not None
     sites = ev.sites
     indices = ev.indices()
     # Ranges: every batch's values together, by module and by primitive.
