@@ -157,6 +157,7 @@ class TrainConfig:
     progress: bool = True
     diagnose_every: int = 0  # measure each module's amax and non-finite count every N steps
     diagnose: bool = False  # print mpjax.diagnose's report for the model and policy, no training
+    diagnose_batch: int = 1  # sequences --diagnose runs on
     # The fields the user set (their command-line flags), which a resumed run checks against
     # its checkpoint; None (a config built in code) means every field not at its default.
     explicit: tuple[str, ...] | None = None
@@ -794,6 +795,7 @@ _INVOCATION_FIELDS = (
     "explicit",
     "diagnose_every",
     "diagnose",
+    "diagnose_batch",
 )
 
 
@@ -1111,6 +1113,7 @@ def validate(cfg: TrainConfig) -> None:
         "max_consecutive_skips",
         "fsdp",
         "num_processes",
+        "diagnose_batch",
     )
     for name in positive:
         if getattr(cfg, name) <= 0:
@@ -1274,13 +1277,15 @@ def resumed_layout(cfg: TrainConfig, available: int) -> TrainConfig:
 
 
 def diagnose(cfg: TrainConfig) -> mpjax.DiagnosisReport:
-    """``mpjax.diagnose`` of the loss of the model and policy ``cfg`` gives, on one training
-    batch of the corpus, at the initial params: the report ``--diagnose`` prints."""
+    """``mpjax.diagnose`` of the loss of the model and policy ``cfg`` gives, on
+    ``--diagnose-batch`` sequences of the training corpus (a few are enough for the ranges;
+    the doctor holds each value twice, exactly and as it runs, where a train step holds it
+    once), at the initial params: the report ``--diagnose`` prints."""
     policy = mpjax.get_policy(cfg.policy)
     mcfg = cfg.model_config()
     train_data, _ = split_corpus(load_corpus(cfg.data, cfg.max_bytes), cfg.val_fraction)
     rng = np.random.default_rng(cfg.seed)
-    x, y = sample_batch(train_data, rng, (cfg.batch_size,), mcfg.block_size)
+    x, y = sample_batch(train_data, rng, (cfg.diagnose_batch,), mcfg.block_size)
     model = build_model(mcfg, policy, cfg.mode, fp8_head=cfg.fp8_head)
     variables = jax.jit(model.init)(jax.random.key(cfg.seed), x)
     fp8 = variables.get("fp8")
@@ -1773,15 +1778,25 @@ def make_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=0,
         metavar="N",
-        help="every N steps, measure each module's largest magnitude and non-finite count in "
-        "the train step (mpjax.PrecisionMonitor) into <out>/ranges.jsonl; other steps run the "
-        "plain step",
+        help="every N steps, measure each module's largest magnitude and non-finite count, of "
+        "its values and of their gradients, in the train step (mpjax.PrecisionMonitor) into "
+        "<out>/ranges.jsonl; other steps run the plain step",
     )
     g.add_argument(
         "--diagnose",
         action="store_true",
         help="print mpjax.diagnose's report (ranges, precision lost, non-finite birth, "
-        "recommended rules and loss scale) of the model under --policy on one batch; no training",
+        "recommended rules and loss scale) of the model under --policy on --diagnose-batch "
+        "sequences; no training",
+    )
+    g.add_argument(
+        "--diagnose-batch",
+        type=_positive_int,
+        default=TrainConfig.diagnose_batch,
+        metavar="N",
+        help="sequences --diagnose runs on (default %(default)s: enough for the ranges; the "
+        "doctor holds each value twice, exactly and as it runs, where a train step holds it "
+        "once: the small preset's 1,024 bytes take about 12 GB on a CPU)",
     )
     g.add_argument(
         "--overwrite",
@@ -1865,9 +1880,11 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(str(e))
     cfg = parse_args(argv)
     if cfg.diagnose:
+        n = cfg.diagnose_batch
         print(
             f"mpjax.diagnose: the {cfg.preset} model under {cfg.policy} (mode {cfg.mode}), "
-            "the loss around it in float32, on one batch\n"
+            f"the loss around it in float32, on {n} sequence{'s' if n != 1 else ''} of "
+            f"{cfg.model_config().block_size} bytes\n"
         )
         print(diagnose(cfg))
         return

@@ -60,4 +60,5 @@ def test_diagnose_prints_the_report_of_the_model_and_policy(data, capsys):
     tt.main(["--diagnose", "--policy", "mixed_float16", "--data", str(data), *flags])
     out = capsys.readouterr().out
     assert "precision diagnosis" in out and "h0/mlp/fc" in out
+    assert "on 1 sequence of" in out  # --diagnose-batch's default
     assert "loss scale for float16 gradients" in out
