@@ -26,9 +26,9 @@ function of the whole model evaluated three times, and the model's values are ne
 at once. The measures stay on the device until :meth:`Evaluation.assemble` reads them all.
 
 Higher-order primitives that are calls (``jit``, ``remat``, custom derivatives) are looked
-into, and so is the branch a ``lax.platform_dependent`` conditional takes on the platform the
-evaluation runs on; loops and other conditionals (``scan``, ``while``, ``cond``) count as one
-equation whose outputs are measured.
+into, and so is a ``lax.platform_dependent`` conditional whose default branch runs on this
+platform (XLA's attention, where cuDNN's is for CUDA); loops and other conditionals
+(``scan``, ``while``, ``cond``) count as one equation whose outputs are measured.
 
 ``__all__`` is what :mod:`mpjax.diagnosis` uses: :class:`Evaluation` (with :class:`Site`, what
 it measured where) and :func:`to_exact`, the exact counterpart of an input.
@@ -398,13 +398,14 @@ class Evaluation:
         platforms = compat.cond_platforms(eqn) if eqn.primitive.name == "cond" else None
         if platforms is None:
             return None
-        # lax.platform_dependent: the branch this platform runs (the index input is dropped).
-        branches = compat.cond_branches(eqn)
-        chosen = [i for i, p in enumerate(platforms) if p is not None and self.platform in p]
-        chosen += [i for i, p in enumerate(platforms) if p is None]  # the default branch
-        # With no branch for this platform, lowering fails: the kernel of the whole equation
-        # raises JAX's own error.
-        return (branches[chosen[0]], 1) if chosen else None
+        # lax.platform_dependent: looked into when this platform runs its default branch (the
+        # index input is dropped). A branch of this platform's own (cuDNN's fused attention on
+        # CUDA) may take only the dtypes it was written for, which the exact evaluation would
+        # change: the conditional then runs as one equation, typed as written.
+        if any(p is not None and self.platform in p for p in platforms):
+            return None
+        default = [i for i, p in enumerate(platforms) if p is None]
+        return (compat.cond_branches(eqn)[default[0]], 1) if default else None
 
     def _equation(self, eqn: Any, ins: list[_Value], path, backward) -> list[_Value]:
         plan = _plan(eqn, backward, self.compare)

@@ -296,7 +296,7 @@ def test_each_value_is_dropped_after_the_last_equation_that_reads_it():
     assert all(jaxpr.invars[0] not in d for d in dead.values())
 
 
-def test_a_platform_dependent_attention_is_measured_in_the_branch_this_platform_runs():
+def test_a_platform_dependent_attention_is_measured_in_the_default_branch_this_platform_runs():
     q = np.random.default_rng(4).standard_normal((1, 16, 2, 8)).astype(np.float32)
 
     def attend(q):
@@ -305,8 +305,20 @@ def test_a_platform_dependent_attention_is_measured_in_the_branch_this_platform_
 
     report = mpjax.diagnose(attend, policy="mixed_bfloat16")(q)
     ops = {r.where for r in report.ops}
-    assert "cond" not in ops and {"dot_general", "exp"} <= ops
+    if mpjax.jax_compat.lowering_platform() == "cuda":  # cuDNN's branch: one equation
+        assert "cond" in ops
+    else:
+        assert "cond" not in ops and {"dot_general", "exp"} <= ops
     assert report.module("attn").stats.count > 0
+
+    # A branch written for this very platform (as cuDNN's is for CUDA) may take only its own
+    # dtypes: the conditional is measured as one equation, typed as written.
+    def own_branch(x):
+        here = {mpjax.jax_compat.lowering_platform(): jnp.sin}
+        return jnp.sum(jax.lax.platform_dependent(x, **here, default=jnp.cos))
+
+    ops = {r.where for r in mpjax.diagnose(own_branch, policy="mixed_bfloat16")(q).ops}
+    assert "cond" in ops and "sin" not in ops
 
 
 # --- Recommendations ------------------------------------------------------------------------
