@@ -43,7 +43,7 @@ from mpjax.fp8_sites import DelayedScaling
 from mpjax.op_categories import F32, KEEP, LOWER, ORIGINAL, PROMOTE, merge_categories
 from mpjax.policy import Policy, is_floating, short_dtype_name
 from mpjax.regions import boundary_dtype
-from mpjax.trace_context import Settings, abstractly, observers, trace
+from mpjax.trace_context import Settings, abstractly, observers, trace, unobserved
 
 __all__ = [
     "Interpreter",
@@ -87,6 +87,11 @@ def _dtype_names(avals: Sequence[Any]) -> tuple[str, ...]:
 # Higher-order primitives whose bodies delayed fp8 scaling cannot thread its state through:
 # a loop of unknown length, branches of which one runs, user-defined derivatives, per-device
 # bodies. Their matmuls fall back to current scaling.
+# Custom derivatives are observed (the precision monitor) as one operation, by their outputs and
+# the gradients with respect to them: their primal, rules and backward functions run unobserved
+# (a rule's tangents and a backward's cotangents are not values of the model, and which of the
+# primal and the rule runs under differentiation differs between JAX versions).
+_OBSERVED_WHOLE = frozenset({"custom_jvp_call", "custom_vjp_call"})
 _OPAQUE_TO_DELAYED = frozenset({"while", "cond", "custom_jvp_call", "custom_vjp_call", "shard_map"})
 
 
@@ -160,7 +165,8 @@ class Interpreter:
                 for name in paths[i][len(path) :]:
                     stack.enter_context(jax.named_scope(name))
                 outs = self.equation(eqn, invals, avals, paths[i], casts, i in widened)
-            if observers() and eqn.primitive.name not in self.handlers:
+            name = eqn.primitive.name
+            if observers() and (name not in self.handlers or name in _OBSERVED_WHOLE):
                 floats = [k for k, x in enumerate(outs) if is_floating(jax.typeof(x).dtype)]
                 if floats:
                     module = self.settings.region(paths[i]).path
@@ -540,7 +546,8 @@ class Interpreter:
         oidx = [i for i, a in enumerate(out_avals) if is_floating(a.dtype)]
 
         def primal(*args):
-            return self.run(call, args, path)
+            with unobserved():  # observed as a whole, by its outputs (see _OBSERVED_WHOLE)
+                return self.run(call, args, path)
 
         return primal, in_avals, out_avals, fidx, oidx, self.shapes(primal, invals)
 
@@ -564,7 +571,8 @@ class Interpreter:
             rule_jaxpr = self._cached(
                 ("jvp", id(eqn), tuple(avals)), eqn, lambda: _trace_jvp_rule(eqn, avals, fidx, oidx)
             )
-            outs = self.run(rule_jaxpr, [*primals, *tangents], path)
+            with unobserved():  # see _OBSERVED_WHOLE
+                outs = self.run(rule_jaxpr, [*primals, *tangents], path)
             primals_out = [_cast_to(x, s.dtype) for x, s in zip(outs[:n_out], out_shapes)]
             tangents_out = [_float0_zeros(s) for s in out_shapes]
             for i, t in zip(oidx, outs[n_out:]):
@@ -593,7 +601,8 @@ class Interpreter:
                 ("vjp_fwd", id(eqn), avals), eqn, lambda: _trace_vjp_fwd(eqn, avals, fidx)
             )
             traced_fwd.append((fwd_jaxpr, tree))
-            outs = self.run(fwd_jaxpr, args, path)
+            with unobserved():  # see _OBSERVED_WHOLE
+                outs = self.run(fwd_jaxpr, args, path)
             return [_cast_to(x, s.dtype) for x, s in zip(outs[:n_out], out_shapes)], outs[n_out:]
 
         def bwd(residuals, cts):
@@ -608,7 +617,8 @@ class Interpreter:
                 eqn,
                 lambda: _trace_vjp_bwd(tree, avals, out_avals, oidx),
             )
-            cts_in = self.run(bwd_jaxpr, [*residuals, *cts], path)
+            with unobserved():  # see _OBSERVED_WHOLE
+                cts_in = self.run(bwd_jaxpr, [*residuals, *cts], path)
             result: list[Any] = [None] * len(in_avals)
             for i, ct in zip(fidx, cts_in):
                 result[i] = _cast_to(ct, in_dtypes[i])

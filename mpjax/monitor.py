@@ -145,7 +145,11 @@ class PrecisionMonitor:
         self._written = 0  # how many checks write() has written
 
     def wrap(
-        self, step_fn: Callable[..., Any], *, donate_argnums: int | Sequence[int] = ()
+        self,
+        step_fn: Callable[..., Any],
+        *,
+        donate_argnums: int | Sequence[int] = (),
+        jit: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
     ) -> Callable[..., Any]:
         """``step_fn`` jitted twice, called as ``wrapped(step, *args)``: on a step number that
         is a multiple of :attr:`every`, the version that measures; on the others, the plain
@@ -156,19 +160,42 @@ class PrecisionMonitor:
         Args:
           step_fn: the train step.
           donate_argnums: as for ``jax.jit``, counting ``step_fn``'s arguments.
+          jit: what compiles each version, a function of a function: ``eqx.filter_jit`` for a
+            step that takes Equinox modules (whose non-array leaves ``jax.jit`` refuses); by
+            default ``jax.jit`` with ``donate_argnums``. The measuring version takes the step
+            number first, as an int32 array.
 
         Raises:
-          TypeError: if ``step_fn`` is not callable; when called, for a step number that is
-            not a concrete int (inside a trace).
+          TypeError: if ``step_fn`` or ``jit`` is not callable, or ``donate_argnums`` comes
+            with a ``jit`` of one's own (donate through it); when called, for a step number
+            that is not a concrete int (inside a trace).
         """
         if not callable(step_fn):
             raise TypeError(
                 f"PrecisionMonitor.wrap(step_fn): step_fn must be the train step function; "
                 f"got {step_fn!r}."
             )
+        if jit is not None and not callable(jit):
+            raise TypeError(
+                f"PrecisionMonitor.wrap(jit=...) must compile a function (jax.jit, "
+                f"eqx.filter_jit); got {jit!r}."
+            )
         donated = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
-        plain = jax.jit(step_fn, donate_argnums=donated)
-        measured = jax.jit(self.measuring(step_fn), donate_argnums=tuple(i + 1 for i in donated))
+        if jit is not None and donated:
+            raise TypeError(
+                "PrecisionMonitor.wrap(donate_argnums=...) applies to the default jax.jit; "
+                "with jit=..., donate through it (the measuring version's arguments start "
+                "with the step number)."
+            )
+        plain: Callable[..., Any]
+        measured: Callable[..., Any]
+        if jit is None:
+            plain = jax.jit(step_fn, donate_argnums=donated)
+            measured = jax.jit(
+                self.measuring(step_fn), donate_argnums=tuple(i + 1 for i in donated)
+            )
+        else:
+            plain, measured = jit(step_fn), jit(self.measuring(step_fn))
 
         @functools.wraps(step_fn)
         def wrapped(step, *args):
@@ -181,7 +208,8 @@ class PrecisionMonitor:
                     "training loop, not inside jax.jit."
                 ) from None
             if number % self.every == 0:
-                return measured(number, *args)
+                # An array, not a Python int: one compiled version serves every check step.
+                return measured(np.int32(number), *args)
             return plain(*args)
 
         return wrapped
@@ -205,6 +233,9 @@ class PrecisionMonitor:
             with observing(_Observer(self._receive, step)):
                 return step_fn(*args)
 
+        # Its name and docs are step_fn's, its signature its own: (step, *args) is what jit
+        # wrappers that read signatures (eqx.filter_jit) must bind.
+        del measuring.__wrapped__
         return measuring
 
     def _receive(self, modules: Sequence[str], backward: bool, number: Any, stats: Any) -> None:

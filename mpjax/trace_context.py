@@ -39,6 +39,7 @@ __all__ = [
     "Observer",
     "observers",
     "observing",
+    "unobserved",
     "trace",
     "traced_compute_dtype",
     "tracing",
@@ -54,8 +55,10 @@ class _Tracing(threading.local):
     def __init__(self) -> None:
         # The settings of each engine trace in progress on this thread, innermost last.
         self.settings: list[Settings] = []
-        # The observers (see observing()) of the engine runs traced now, innermost last.
+        # The observers (see observing()) of the engine runs traced now, innermost last; none
+        # while unobserved() is open.
         self.observers: list[Observer] = []
+        self.unobserved = 0
 
 
 _tracing = _Tracing()
@@ -123,10 +126,23 @@ def traced_compute_dtype() -> np.dtype | None:
 
 
 def observers() -> list[Observer]:
-    """The observers (:func:`observing`) open on this thread, innermost last. An observed run
-    builds its own nested functions rather than reuse, or leave behind, ones that observe
-    elsewhere."""
-    return _tracing.observers
+    """The observers (:func:`observing`) open on this thread, innermost last (none inside
+    :func:`unobserved`). An observed run builds its own nested functions rather than reuse, or
+    leave behind, ones that observe elsewhere."""
+    return [] if _tracing.unobserved else _tracing.observers
+
+
+@contextlib.contextmanager
+def unobserved():
+    """While open, the engine runs traced on this thread are not observed: for the rules of
+    custom derivatives, whose values are tangents and cotangents (which an observer's
+    reductions and taps must not touch: JAX transposes what a JVP rule computes from its
+    tangents), not values the model computes."""
+    _tracing.unobserved += 1
+    try:
+        yield
+    finally:
+        _tracing.unobserved -= 1
 
 
 @dataclasses.dataclass

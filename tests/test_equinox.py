@@ -644,6 +644,20 @@ def test_the_precision_doctor_names_equinox_paths_and_its_rules_fix_the_overflow
     assert mpjax.diagnose(mpe.apply_policy(mlp, report.rules))(x).birth is None
 
 
+def test_the_precision_monitor_measures_each_equinox_modules_values_and_gradients():
+    mlp = mpe.apply_policy(eqx.nn.MLP(4, 1, 8, depth=1, key=key()), "mixed_bfloat16")
+    monitor = mpjax.PrecisionMonitor(every=1)
+    step = monitor.wrap(eqx.filter_grad(lambda m, x: jnp.sum(m(x))), jit=eqx.filter_jit)
+    grads = step(0, mlp, jnp.ones(4))
+    jax.effects_barrier()
+    rows = {(c.module, c.backward): c for c in monitor.latest()}
+    assert {("layers[0]", False), ("layers[0]", True), ("layers[1]", True)} <= set(rows)
+    # The sum's gradient reaches layers[1]'s output as 1 and its weight as layers[0]'s output:
+    # the bfloat16 weight's gradient is part of the module's backward values.
+    weight_grad = np.abs(np.asarray(grads.model.layers[1].weight)).max()
+    assert rows["layers[1]", True].amax == pytest.approx(max(1.0, weight_grad), rel=1e-2)
+
+
 # --- Bad input. ---------------------------------------------------------------------------------
 
 

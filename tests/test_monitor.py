@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tolerances import tolerance
 
 import mpjax
 
@@ -76,6 +77,37 @@ def test_the_steps_between_checks_run_the_plain_step():
     assert {c.step for c in monitor.checks} == {100}
     with pytest.raises(TypeError, match="step must be the step number as an int"):
         jax.jit(step)(jnp.int32(0), w, x)
+
+
+@jax.custom_vjp
+def _clipped(x):
+    return jnp.clip(x, -1.0, 1.0)
+
+
+_clipped.defvjp(lambda x: (_clipped(x), x), lambda x, g: (jnp.where(jnp.abs(x) < 1, g, 0.0),))
+
+
+def test_custom_derivatives_are_measured_by_their_values_not_their_tangents():
+    # relu and softmax have custom JVP rules, _clipped a custom VJP: under jax.grad the rules
+    # run, and what they compute from tangents and cotangents is not a value of the model.
+    def loss(w, x):
+        with jax.named_scope("act"):
+            h = jax.nn.relu(x @ w)
+        with jax.named_scope("probs"):
+            p = jax.nn.softmax(h) + _clipped(h)
+        return jnp.sum(p * p)
+
+    monitor = mpjax.PrecisionMonitor(every=1)
+    w, x = np.full((4, 2), 0.5, np.float32), np.arange(-6, 6, dtype=np.float32).reshape(3, 4)
+    grads = monitor.wrap(jax.grad(mpjax.autocast(loss, "mixed_bfloat16")))(0, w, x)
+    jax.effects_barrier()
+    np.testing.assert_allclose(grads, jax.grad(loss)(w, x), rtol=tolerance(jnp.bfloat16, 4) * 8)
+    rows = {(c.module, c.backward): c for c in monitor.latest()}
+    # act computes x @ w and its relu (one operation, by its outputs: neither the rule's
+    # tangents nor the primal inside), exactly.
+    assert rows["act", False].amax == np.max(np.abs(x @ w))
+    assert rows["act", False].count == 2 * (x @ w).size
+    assert rows["probs", False].amax >= 1.0 and rows["probs", True].nonfinite == 0
 
 
 class RMSNorm(nn.Module):
@@ -148,3 +180,7 @@ def test_bad_arguments_are_refused():
         mpjax.PrecisionMonitor(every=0)
     with pytest.raises(TypeError, match="step_fn must be the train step function"):
         mpjax.PrecisionMonitor(every=2).wrap(3)
+    with pytest.raises(TypeError, match="jit=...\\) must compile a function"):
+        mpjax.PrecisionMonitor(every=2).wrap(jnp.sin, jit="filter_jit")
+    with pytest.raises(TypeError, match="with jit=..., donate through it"):
+        mpjax.PrecisionMonitor(every=2).wrap(jnp.sin, donate_argnums=0, jit=jax.jit)
