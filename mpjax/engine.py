@@ -84,14 +84,14 @@ def _dtype_names(avals: Sequence[Any]) -> tuple[str, ...]:
     return tuple(short_dtype_name(a.dtype) for a in avals)
 
 
-# Higher-order primitives whose bodies delayed fp8 scaling cannot thread its state through:
-# a loop of unknown length, branches of which one runs, user-defined derivatives, per-device
-# bodies. Their matmuls fall back to current scaling.
 # Custom derivatives are observed (the precision monitor) as one operation, by their outputs and
 # the gradients with respect to them: their primal, rules and backward functions run unobserved
 # (a rule's tangents and a backward's cotangents are not values of the model, and which of the
 # primal and the rule runs under differentiation differs between JAX versions).
 _OBSERVED_WHOLE = frozenset({"custom_jvp_call", "custom_vjp_call"})
+# Higher-order primitives whose bodies delayed fp8 scaling cannot thread its state through:
+# a loop of unknown length, branches of which one runs, user-defined derivatives, per-device
+# bodies. Their matmuls fall back to current scaling.
 _OPAQUE_TO_DELAYED = frozenset({"while", "cond", "custom_jvp_call", "custom_vjp_call", "shard_map"})
 
 
@@ -165,8 +165,8 @@ class Interpreter:
                 for name in paths[i][len(path) :]:
                     stack.enter_context(jax.named_scope(name))
                 outs = self.equation(eqn, invals, avals, paths[i], casts, i in widened)
-            name = eqn.primitive.name
-            if observers() and (name not in self.handlers or name in _OBSERVED_WHOLE):
+            primitive = eqn.primitive.name
+            if observers() and (primitive not in self.handlers or primitive in _OBSERVED_WHOLE):
                 floats = [k for k, x in enumerate(outs) if is_floating(jax.typeof(x).dtype)]
                 if floats:
                     module = self.settings.region(paths[i]).path

@@ -74,18 +74,18 @@ def _reduce(values: list) -> jax.Array:
 _Receive = Callable[[Sequence[str], bool, Any, Any], None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _tap(receive: Callable[[Any, Any], None], module: str, number: Any, values: list) -> list:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tap(receive: Callable[[Any, Any], None], number: Any, values: list) -> list:
     """``values``, whose gradients are reduced (:func:`_reduce`) and sent to ``receive`` with
     the step ``number`` when the backward pass computes them."""
     return values
 
 
-def _tap_forward(receive, module, number, values):
+def _tap_forward(receive, number, values):
     return values, number
 
 
-def _tap_backward(receive, module, number, gradients):
+def _tap_backward(receive, number, gradients):
     jax.debug.callback(receive, number, _reduce(gradients)[None])
     return None, gradients
 
@@ -103,8 +103,7 @@ class _Observer:
         self._number = number
 
     def tap(self, module: str, values: list) -> list:
-        receive = functools.partial(self._receive, (module,), True)
-        return _tap(receive, module, self._number, values)
+        return _tap(functools.partial(self._receive, (module,), True), self._number, values)
 
     def values(self, values: dict[str, list]) -> None:
         modules = tuple(values)
