@@ -296,6 +296,7 @@ def test_each_value_is_dropped_after_the_last_equation_that_reads_it():
     assert all(jaxpr.invars[0] not in d for d in dead.values())
 
 
+@pytest.mark.slow
 def test_a_platform_dependent_attention_is_measured_in_the_default_branch_this_platform_runs():
     q = np.random.default_rng(4).standard_normal((1, 16, 2, 8)).astype(np.float32)
 
