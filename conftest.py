@@ -28,7 +28,7 @@ def pytest_sessionstart(session):
         )
     if not os.environ.get("MPJAX_REQUIRE_GPU_PLAN"):
         return
-    from mpjax.gpu_plan import gpu_plan_unavailable  # after jax is configured above
+    from mpjax.inspection.gpu_plan import gpu_plan_unavailable  # after jax is configured above
 
     reason = gpu_plan_unavailable()
     if reason is not None:

@@ -11,11 +11,15 @@ from typing import Any
 
 from mpjax.attention import dot_product_attention
 from mpjax.autocast import AutocastReport, AutocastRow, autocast, fp8_state, with_fp8_state
-from mpjax.describe import describe
-from mpjax.diagnosis import Doctor, diagnose
-from mpjax.diagnosis_report import DiagnosisReport
+from mpjax.casting.op_categories import DEFAULT_OP_CATEGORIES
+from mpjax.casting.regions import FULL_PRECISION_SCOPE, full_precision
+from mpjax.casting.trace_context import AutocastWarning
+from mpjax.doctor.diagnosis import Doctor, diagnose
+from mpjax.doctor.diagnosis_report import DiagnosisReport
+from mpjax.doctor.monitor import ModuleCheck, PrecisionMonitor
 from mpjax.fp8 import Fp8Recipe
-from mpjax.gpu_plan import (
+from mpjax.inspection.describe import describe
+from mpjax.inspection.gpu_plan import (
     GpuAttention,
     GpuCompilerUnavailableError,
     GpuGemm,
@@ -24,7 +28,7 @@ from mpjax.gpu_plan import (
     gpu_plan,
     gpu_plan_unavailable,
 )
-from mpjax.inspection import (
+from mpjax.inspection.matmuls import (
     HloDot,
     HloDotReport,
     HloOperand,
@@ -34,9 +38,10 @@ from mpjax.inspection import (
     hlo_op_counts,
     inspect_matmuls,
 )
-from mpjax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
-from mpjax.loss_scaling import LossScalingState, loss_scaling
-from mpjax.loss_scaling_readers import (
+from mpjax.inspection.report import ModuleRow, PrecisionReport
+from mpjax.optim.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from mpjax.optim.loss_scaling import LossScalingState, loss_scaling
+from mpjax.optim.loss_scaling_readers import (
     LossScalingInfo,
     PersistentOverflowError,
     check_loss_scaling,
@@ -45,15 +50,15 @@ from mpjax.loss_scaling_readers import (
     scale_loss,
     scaled_value_and_grad,
 )
-from mpjax.low_precision_params import (
+from mpjax.optim.low_precision_params import (
     PARAM_ROUNDINGS,
     LowPrecisionParamsState,
     low_precision_params,
 )
-from mpjax.master_weights import MasterWeightsState, master_weights
-from mpjax.memory import MemoryReport, MemoryRow, memory_report
-from mpjax.monitor import ModuleCheck, PrecisionMonitor
-from mpjax.op_categories import DEFAULT_OP_CATEGORIES
+from mpjax.optim.master_weights import MasterWeightsState, master_weights
+from mpjax.optim.memory import MemoryReport, MemoryRow, memory_report
+from mpjax.optim.rounding import stochastic_round
+from mpjax.optim.state_precision import StatePrecisionState, state_precision
 from mpjax.policy import (
     MIXED_BFLOAT16,
     MIXED_BFLOAT16_FP8,
@@ -63,12 +68,7 @@ from mpjax.policy import (
     cast_floating,
     get_policy,
 )
-from mpjax.regions import FULL_PRECISION_SCOPE, full_precision
-from mpjax.report import ModuleRow, PrecisionReport
-from mpjax.rounding import stochastic_round
 from mpjax.rules import Resolution, Rule, Rules, RuleWarning, as_rules, norm_policy
-from mpjax.state_precision import StatePrecisionState, state_precision
-from mpjax.trace_context import AutocastWarning
 
 _flax: Any
 try:

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mpjax.trace_context import traced_compute_dtype
+from mpjax.casting.trace_context import traced_compute_dtype
 
 __all__ = ["IMPLEMENTATIONS", "cudnn_refusal", "dot_product_attention"]
 

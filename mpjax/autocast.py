@@ -2,13 +2,13 @@
 
 ``mpjax.autocast(fn)`` is PyTorch's ``torch.autocast`` as a JAX transformation. It traces ``fn``
 to a jaxpr and evaluates it equation by equation, binding each primitive again with its inputs
-cast by the primitive's category (:mod:`mpjax.op_categories`): matmuls and convolutions in the
+cast by the primitive's category (:mod:`mpjax.casting.op_categories`): matmuls and convolutions in the
 compute dtype, exp/log/reductions in f32, everything else in the dtype of its inputs. Because
 the equations are bound inside whatever trace is active, the result composes with ``jax.jit``,
 ``jax.grad``, ``jax.vmap`` and the rest, and works on Flax, Equinox or plain ``jnp`` code
 without changing it.
 
-The evaluation is the casting engine's (:mod:`mpjax.engine`), which the Flax and Equinox
+The evaluation is the casting engine's (:mod:`mpjax.casting.engine`), which the Flax and Equinox
 integrations share; this module is the public transform around it: :func:`autocast`, the
 delayed-scaling fp8 state of an autocast function (:func:`fp8_state`, :func:`with_fp8_state`),
 and what :func:`mpjax.describe` reports of one.
@@ -26,13 +26,13 @@ from typing import Any
 import jax
 
 from mpjax import fp8
-from mpjax.engine import Interpreter, to_output
-from mpjax.fp8_sites import DelayedScaling
-from mpjax.op_categories import merge_categories
+from mpjax.casting.engine import Interpreter, to_output
+from mpjax.casting.fp8_sites import DelayedScaling
+from mpjax.casting.op_categories import merge_categories
+from mpjax.casting.trace_context import Settings, TraceCache, abstractly, observers, trace
 from mpjax.policy import PolicyLike, get_policy
 from mpjax.rules import Rule, Rules
 from mpjax.table import format_table
-from mpjax.trace_context import Settings, TraceCache, abstractly, observers, trace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +148,7 @@ def autocast(
 
     ``fn`` is traced to a jaxpr (once per argument structure, shapes, dtypes and static
     values; see below) and evaluated primitive by primitive with inputs cast by category
-    (:mod:`mpjax.op_categories`): matmuls, convolutions and attention in the policy's compute
+    (:mod:`mpjax.casting.op_categories`): matmuls, convolutions and attention in the policy's compute
     dtype, forward and backward; exp, log, pow, rsqrt, sums, max, cumulative ops (so softmax,
     log-softmax, logsumexp, norm statistics and losses) in f32; everything else in the dtype of
     its inputs, the widest where they differ. Only floating-point values are cast: integers,

@@ -19,7 +19,7 @@ runs softmax, exp/log and reductions in f32 wherever they are.
 
 Calling the wrapped module runs the model through mpjax's casting engine
 (:mod:`mpjax.autocast`): the call is traced with each submodule's ``__call__`` opening the
-precision region of its path (:mod:`mpjax.regions`), and evaluated operation by operation under
+precision region of its path (:mod:`mpjax.casting.regions`), and evaluated operation by operation under
 the region it is in. Every matmul and convolution runs in its region's compute dtype, forward
 and backward, whatever dtypes the model's code asks for; a region whose policy differs from its
 caller's casts its floating outputs to its output dtype, and the root casts the model's outputs
@@ -46,14 +46,14 @@ except ImportError as error:
         'mpjax.equinox needs Equinox, which is not installed. Install it with: pip install "mpjax[equinox]"'
     ) from error
 
-from mpjax import regions
-from mpjax.describe import Runner, register_describer
-from mpjax.engine import run_in_regions
-from mpjax.loss_scaling_readers import make_scaled_value_and_grad
+from mpjax.casting import regions
+from mpjax.casting.engine import run_in_regions
+from mpjax.casting.trace_context import tracing
+from mpjax.inspection.describe import Runner, register_describer
+from mpjax.inspection.report import ModuleRow, PrecisionReport, matmuls_by_region
+from mpjax.optim.loss_scaling_readers import make_scaled_value_and_grad
 from mpjax.policy import Policy, PolicyLike, cast_floating
-from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
 from mpjax.rules import Rules, RulesLike, RuleWarning, as_rules, register_norm_rules
-from mpjax.trace_context import tracing
 
 __all__ = ["MixedPrecision", "apply_policy", "filter_value_and_grad", "module_paths"]
 
@@ -558,7 +558,7 @@ def _report_of(model: Any, *, rules: Rules | PolicyLike | None) -> Callable[...,
 
 
 def _runner_of(model: Any) -> Runner:
-    """The :class:`mpjax.describe.Runner` of an Equinox model, for :func:`mpjax.diagnose`:
+    """The :class:`mpjax.inspection.describe.Runner` of an Equinox model, for :func:`mpjax.diagnose`:
     ``under(rules)`` takes the model's floating arrays first (the rest of the model is held
     static) and calls the model wrapped by ``rules``."""
     inner = _check_model(model, "diagnose")

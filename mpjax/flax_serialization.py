@@ -1,15 +1,15 @@
-"""``flax.serialization`` support for the loss-scale values of :mod:`mpjax.loss_scale`.
+"""``flax.serialization`` support for the loss-scale values of :mod:`mpjax.optim.loss_scale`.
 
 The loss scales are plain JAX pytrees, so orbax and every ``jax.tree_util`` based checkpointer
 handle them as they are. ``flax.serialization`` (``to_bytes``, ``to_state_dict``, Flax's
 ``TrainState`` checkpoints) knows only the types registered with it; this module registers the
-three loss scales, so :mod:`mpjax.loss_scale` itself never imports Flax. The state dicts hold
+three loss scales, so :mod:`mpjax.optim.loss_scale` itself never imports Flax. The state dicts hold
 the array leaves by field name (``{"loss_scale": ..., "counter": ...}`` for a dynamic scale,
 ``{"loss_scale": ...}`` for a static one, ``{}`` for none), as ``flax.struct`` dataclasses
 serialize; restoring rebuilds the target's type with the target's static hyperparameters.
 
 >>> import flax.serialization
->>> from mpjax.loss_scale import DynamicLossScale
+>>> from mpjax.optim.loss_scale import DynamicLossScale
 >>> flax.serialization.to_state_dict(DynamicLossScale(8.0))
 {'loss_scale': Array(8., dtype=float32), 'counter': Array(0, dtype=int32)}
 """
@@ -21,7 +21,7 @@ from typing import Any
 import flax.serialization
 import jax
 
-from mpjax.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from mpjax.optim.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 
 
 def _children(target: Any) -> tuple[list[tuple[str, Any]], Any]:

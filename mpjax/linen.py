@@ -9,7 +9,7 @@ interceptor sees every method call of every module below the wrapped one and, fo
 
 1. resolves its policy with ``rules.resolve(path, module)``, ``path`` being the module's path
    relative to the wrapped root (``"Block_0/attn/query"``; the root is ``""``);
-2. opens the module's precision region (:mod:`mpjax.regions`) around the call. The engine then
+2. opens the module's precision region (:mod:`mpjax.casting.regions`) around the call. The engine then
    casts at the operations: every matmul and convolution of the module runs in its compute
    dtype, forward and backward, norms' statistics and softmax in f32, whatever the module's own
    ``dtype`` attribute means (for some third-party modules it is the *parameter* dtype), and
@@ -51,15 +51,15 @@ except ImportError as error:
         'mpjax.linen needs Flax, which is not installed. Install it with: pip install "mpjax[flax]"'
     ) from error
 
-from mpjax import regions
-from mpjax.describe import Runner, register_describer
-from mpjax.engine import (
+from mpjax.casting import regions
+from mpjax.casting.engine import (
     run_in_regions,
     run_in_regions_finding_fp8_state,
     run_in_regions_with_fp8_state,
 )
+from mpjax.inspection.describe import Runner, register_describer
+from mpjax.inspection.report import ModuleRow, PrecisionReport, eval_shape_of, matmuls_by_region
 from mpjax.policy import Policy, PolicyLike, cast_floating
-from mpjax.report import ModuleRow, PrecisionReport, eval_shape_of, matmuls_by_region
 from mpjax.rules import (
     Resolution,
     Rules,
@@ -529,7 +529,7 @@ def _wrapped_for_report(model: Any, rules: RulesLike | None) -> Any:
 def _runner_of(
     model: nn.Module, *, variables: Any, rngs: Any, method: Callable[..., Any] | str | None
 ) -> Runner:
-    """The :class:`mpjax.describe.Runner` of a linen model (wrapped or not): ``under(rules)``
+    """The :class:`mpjax.inspection.describe.Runner` of a linen model (wrapped or not): ``under(rules)``
     applies the model wrapped with ``rules`` to its variables, those given or ``model.init``'s
     for the inputs."""
     if isinstance(model, type):

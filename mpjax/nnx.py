@@ -10,7 +10,7 @@ It resolves a policy for every module (``rules.resolve(path, module)``, paths ar
   the default f32; bf16 storage is possible);
 - sets the matched rule's attributes on the modules that have them;
 - gives every module a class of its own: a same-named subclass of its class whose ``__call__``
-  runs the original one inside the module's precision region (:mod:`mpjax.regions`) and casts
+  runs the original one inside the module's precision region (:mod:`mpjax.casting.regions`) and casts
   its outputs to the output dtype where a policy region ends (at the root, and at a module
   whose policy differs from its parent's).
 
@@ -54,16 +54,18 @@ except ImportError as error:
         'mpjax.nnx needs Flax, which is not installed. Install it with: pip install "mpjax[flax]"'
     ) from error
 
-from mpjax import jax_compat, regions
-from mpjax.describe import Runner, register_describer
-from mpjax.engine import (
+from mpjax import jax_compat
+from mpjax.casting import regions
+from mpjax.casting.engine import (
     fp8_state_in_regions,
     run_in_regions,
     run_in_regions_with_fp8_state,
 )
-from mpjax.loss_scaling_readers import check_argnums, make_scaled_value_and_grad
+from mpjax.casting.trace_context import tracing
+from mpjax.inspection.describe import Runner, register_describer
+from mpjax.inspection.report import ModuleRow, PrecisionReport, matmuls_by_region
+from mpjax.optim.loss_scaling_readers import check_argnums, make_scaled_value_and_grad
 from mpjax.policy import Policy, PolicyLike, is_floating
-from mpjax.report import ModuleRow, PrecisionReport, matmuls_by_region
 from mpjax.rules import (
     Resolution,
     Rules,
@@ -72,7 +74,6 @@ from mpjax.rules import (
     as_rules,
     register_norm_rules,
 )
-from mpjax.trace_context import tracing
 
 __all__ = [
     "FP8_ATTRIBUTE",
@@ -529,7 +530,7 @@ def _report_of(
 
 
 def _matmuls(model: nnx.Module, rules: Rules, args: tuple, kwargs: dict) -> dict:
-    """:func:`mpjax.report.matmuls_by_region` of a copy of ``model`` under ``rules``."""
+    """:func:`mpjax.inspection.report.matmuls_by_region` of a copy of ``model`` under ``rules``."""
     copy = nnx.clone(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuleWarning)  # describe() reports them itself
@@ -541,7 +542,7 @@ def _matmuls(model: nnx.Module, rules: Rules, args: tuple, kwargs: dict) -> dict
 
 
 def _runner_of(model: nnx.Module) -> Runner:
-    """The :class:`mpjax.describe.Runner` of an NNX model: ``under(rules)`` takes the model's
+    """The :class:`mpjax.inspection.describe.Runner` of an NNX model: ``under(rules)`` takes the model's
     state and calls a model merged from it with ``rules`` set (``model`` is left as it is)."""
     if isinstance(model, type):
         raise TypeError(

@@ -2,6 +2,7 @@
 import hidden in a function, and the core works with Flax unavailable."""
 
 import ast
+import functools
 import os
 import pathlib
 import subprocess
@@ -13,44 +14,69 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mpjax"
 
-# Lowest first. A module may import modules of its own layer or of lower ones, never of a
-# higher one. Every module of the package must have a layer.
+# The rooms of the package, lowest first: the core vocabulary at the top level, then each
+# subpackage or top-level module that builds on it. A room may import its own modules and those
+# of lower rooms, never a higher room's. Every top-level entry of mpjax/ is a room.
+ROOMS = (
+    "jax_compat",  # every reader of JAX internals and every difference between versions
+    "fp8",  # the fp8 numerics a policy's recipe names
+    "policy",
+    "rules",
+    "table",  # the text tables every report renders
+    "optim",  # the optimizer side: loss scaling, master weights, state precision, memory
+    "casting",  # the casting engine: regions, op categories, the trace context, fp8 sites
+    "autocast",  # the public transform on the engine
+    "attention",  # an operation that asks the engine for its region's compute dtype
+    "inspection",  # describe, reports, HLO reading, the GPU plan and its targets
+    "doctor",  # the precision doctor and the monitor
+    "linen",  # the integrations
+    "nnx",
+    "equinox",
+    "flax_serialization",
+    "__init__",
+)
+ROOM = {room: i for i, room in enumerate(ROOMS)}
+SUBPACKAGES = tuple(room for room in ROOMS if (PACKAGE / room).is_dir())
+
+# Lowest first, within the rooms. A module may import modules of its own layer or of lower
+# ones, never of a higher one. Every module of the package must have a layer.
 LAYERS = (
-    {"jax_compat"},  # every reader of JAX internals and every difference between versions
-    {"fp8"},  # the fp8 numerics a policy's recipe names
+    {"jax_compat"},
+    {"fp8"},
     {"policy"},
     {"rules"},
     # The casting engine's parts, the inspection of jaxprs, and the optimizer side.
     {
-        "regions",
-        "op_categories",
+        "casting.regions",
+        "casting.op_categories",
         "table",
-        "inspection",
-        "hlo_text",
-        "gpu_plan",
-        "gradient_checks",
-        "loss_scale",
-        "loss_scaling",
-        "loss_scaling_readers",
-        "master_weights",
-        "rounding",
-        "range_stats",
-        "fp8_sites",  # the delayed fp8 scaling state of an engine run, by matmul site
+        "inspection.matmuls",
+        "inspection.hlo_text",
+        "inspection.gpu_plan",
+        "optim.gradient_checks",
+        "optim.loss_scale",
+        "optim.loss_scaling",
+        "optim.loss_scaling_readers",
+        "optim.master_weights",
+        "optim.rounding",
+        "doctor.range_stats",
+        "casting.fp8_sites",  # the delayed fp8 scaling state of an engine run, by matmul site
     },
     # Optimizer transformations that read the loss-scaling state, and the memory report
     # that names their parts.
-    {"state_precision", "low_precision_params", "memory"},
-    {"trace_context"},  # what the engine is tracing now, and what traced code may ask of it
-    {"engine"},  # the casting engine: every integration, autocast and the reports run on it
-    {"autocast", "report", "monitor"},
+    {"optim.state_precision", "optim.low_precision_params", "optim.memory"},
+    {"casting.trace_context"},  # what the engine is tracing now, and what traced code may ask
+    {"casting.engine"},  # the casting engine: every integration, autocast and the reports use it
+    {"autocast", "inspection.report", "doctor.monitor"},
     {"attention"},  # an operation that asks the engine for its region's compute dtype
-    {"describe"},  # the one report entry point: the integrations register with it
+    {"inspection.describe"},  # the one report entry point: the integrations register with it
     # The precision doctor's parts: the side-by-side evaluation of a jaxpr under a policy and
     # in f32, and the report it fills.
-    {"side_by_side", "diagnosis_report"},
-    {"recommendations"},  # what the doctor recommends from the measures
-    {"diagnosis"},  # runs what describe takes, side by side under a policy and in f32
+    {"doctor.side_by_side", "doctor.diagnosis_report"},
+    {"doctor.recommendations"},  # what the doctor recommends from the measures
+    {"doctor.diagnosis"},  # runs what describe takes, side by side under a policy and in f32
     {"linen", "nnx", "flax_serialization", "equinox"},  # the Flax and Equinox integrations
+    {"casting", "optim", "inspection", "doctor"},  # the subpackages' docstring-only __init__s
     {"__init__"},
 )
 LAYER = {module: i for i, layer in enumerate(LAYERS) for module in layer}
@@ -60,47 +86,65 @@ FLAX_FREE = (
     "fp8",
     "policy",
     "rules",
-    "regions",
-    "op_categories",
+    "casting.regions",
+    "casting.op_categories",
     "jax_compat",
     "table",
-    "inspection",
+    "inspection.matmuls",
     "attention",
-    "trace_context",
-    "fp8_sites",
-    "engine",
+    "casting.trace_context",
+    "casting.fp8_sites",
+    "casting.engine",
     "autocast",
-    "report",
-    "describe",
-    "range_stats",
-    "side_by_side",
-    "diagnosis_report",
-    "recommendations",
-    "diagnosis",
-    "monitor",
+    "inspection.report",
+    "inspection.describe",
+    "doctor.range_stats",
+    "doctor.side_by_side",
+    "doctor.diagnosis_report",
+    "doctor.recommendations",
+    "doctor.diagnosis",
+    "doctor.monitor",
 )
 # The optimizer side, which must not need Flax either.
-OPTIMIZER_SIDE = (
-    "gradient_checks",
-    "loss_scale",
-    "loss_scaling",
-    "loss_scaling_readers",
-    "master_weights",
-    "rounding",
-    "state_precision",
-    "low_precision_params",
-    "memory",
+OPTIMIZER_SIDE = tuple(
+    f"optim.{path.stem}"
+    for path in sorted((PACKAGE / "optim").glob("*.py"))
+    if path.stem != "__init__"
 )
+
+
+@functools.cache
+def _modules() -> dict[str, pathlib.Path]:
+    """Every module of the package by its name under mpjax: ``"policy"``,
+    ``"casting.engine"``; a subpackage's ``__init__`` by the subpackage's name, the package's
+    own as ``"__init__"``."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts == ("__init__",):
+            modules["__init__"] = path
+        else:
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _room(module: str) -> str:
+    return module.split(".")[0]
 
 
 def _mpjax_module(name: str) -> str | None:
-    """``"rules"`` for ``"mpjax.rules"`` (or ``"mpjax.rules.Rules"``), ``"__init__"`` for
-    ``"mpjax"``, None for another package."""
+    """The module of the package that the dotted ``name`` names or lies in: ``"rules"`` for
+    ``"mpjax.rules"`` or ``"mpjax.rules.Rules"``, ``"casting.engine"`` for
+    ``"mpjax.casting.engine.run_in_regions"``, ``"casting"`` for ``"mpjax.casting"``,
+    ``"__init__"`` for ``"mpjax"``, None for another package."""
     parts = name.split(".")
     if parts[0] != "mpjax":
         return None
-    if len(parts) > 1 and (PACKAGE / f"{parts[1]}.py").exists():
-        return parts[1]
+    modules = _modules()
+    for length in range(len(parts) - 1, 0, -1):
+        candidate = ".".join(parts[1 : length + 1])
+        if candidate in modules:
+            return candidate
     return "__init__"
 
 
@@ -113,11 +157,13 @@ def _imports(node: ast.AST) -> list[tuple[str, ast.AST]]:
         elif isinstance(sub, ast.ImportFrom):
             assert sub.level == 0, "mpjax uses absolute imports"
             base = sub.module or ""
-            # `from mpjax import linen` imports a module; `from mpjax.rules import Rules` a name.
+            # `from mpjax.casting import regions` imports a module; `from mpjax.rules import
+            # Rules` a name: a name that is a module of the package counts as that module.
             found += [
                 (
                     _mpjax_module(f"{base}.{alias.name}")
-                    if base == "mpjax"
+                    if base.split(".")[0] == "mpjax"
+                    and f"{base}.{alias.name}".removeprefix("mpjax.") in _modules()
                     else _mpjax_module(base),
                     sub,
                 )
@@ -137,14 +183,14 @@ def _functions(tree: ast.Module) -> list[ast.AST]:
 def _graph() -> dict[str, set[str]]:
     """Module -> the mpjax modules it imports, at module level or in a function."""
     graph = {}
-    for path in sorted(PACKAGE.glob("*.py")):
+    for module, path in _modules().items():
         tree = ast.parse(path.read_text(), str(path))
-        graph[path.stem] = {module for module, _ in _imports(tree)} - {path.stem}
+        graph[module] = {imported for imported, _ in _imports(tree)} - {module}
     return graph
 
 
 def _flax_imports(module: str) -> list[str]:
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    tree = ast.parse(_modules()[module].read_text())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
     return [name for name in names if name.split(".")[0] == "flax"]
@@ -163,7 +209,7 @@ def _needs(module: str, graph: dict[str, set[str]]) -> set[str]:
 
 
 def test_every_module_has_a_layer():
-    modules = {path.stem for path in PACKAGE.glob("*.py")}
+    modules = set(_modules())
     assert modules - set(LAYER) == set(), "give each new module a layer in LAYERS"
     assert set(LAYER) - modules == set(), "LAYERS names modules that no longer exist"
 
@@ -173,7 +219,7 @@ MAX_MODULE_LINES = 800
 
 
 def test_no_module_is_longer_than_the_limit():
-    lengths = {path.name: len(path.read_text().splitlines()) for path in PACKAGE.glob("*.py")}
+    lengths = {module: len(path.read_text().splitlines()) for module, path in _modules().items()}
     assert len(lengths) > 10  # the package was found
     assert {name: n for name, n in lengths.items() if n > MAX_MODULE_LINES} == {}
 
@@ -186,6 +232,38 @@ def test_imports_flow_down_the_layers():
         if LAYER[imported] > LAYER[module]
     ]
     assert upward == []
+
+
+def test_the_top_level_shows_the_rooms():
+    # `ls mpjax` shows the architecture: the core vocabulary, the public modules and one
+    # subpackage per larger concept, each a room in ROOMS; nothing else lies there.
+    entries = {path.stem if path.suffix == ".py" else path.name for path in PACKAGE.iterdir()}
+    entries -= {"__pycache__", "py.typed"}
+    assert entries == set(ROOMS)
+    assert len(entries) <= 16
+
+
+def test_no_room_imports_a_room_above_it():
+    upward = [
+        f"{module} ({_room(module)}) imports {imported} ({_room(imported)})"
+        for module, imports in _graph().items()
+        for imported in sorted(imports)
+        if ROOM[_room(imported)] > ROOM[_room(module)]
+    ]
+    assert upward == []
+
+
+@pytest.mark.parametrize("subpackage", ["casting", "optim", "inspection", "doctor"])
+def test_each_subpackage_says_what_it_holds(subpackage):
+    # Its __init__ is a docstring naming each module it holds, and imports nothing (importing
+    # one module of it must not import the others).
+    assert subpackage in SUBPACKAGES
+    init = PACKAGE / subpackage / "__init__.py"
+    tree = ast.parse(init.read_text())
+    docstring = ast.get_docstring(tree)
+    assert docstring and len(tree.body) == 1
+    held = {p.stem for p in (PACKAGE / subpackage).glob("*.py")} - {"__init__"}
+    assert held and {m for m in held if f"mpjax.{subpackage}.{m}" not in docstring} == set()
 
 
 def test_the_import_graph_has_no_cycle():
@@ -210,11 +288,11 @@ def test_the_import_graph_has_no_cycle():
 
 def test_no_function_imports_an_mpjax_module():
     found = []
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in _modules().values():
         tree = ast.parse(path.read_text())
         for function in _functions(tree):
             found += [
-                f"{path.name}:{node.lineno} imports mpjax.{module} inside a function"
+                f"{path.relative_to(PACKAGE)}:{node.lineno} imports mpjax.{module} inside a function"
                 for module, node in _imports(function)
             ]
     assert found == []
@@ -227,12 +305,15 @@ def test_the_checker_sees_imports_in_functions_and_upward_imports():
         from mpjax.policy import Policy
         def f():
             from mpjax import linen
-            import mpjax.describe as d
+            import mpjax.inspection.describe as d
     """)
     )
     (function,) = _functions(tree)
-    assert [m for m, _ in _imports(tree)] == ["policy", "linen", "describe"]
-    assert [m for m, _ in _imports(function)] == ["linen", "describe"]
+    assert [m for m, _ in _imports(tree)] == ["policy", "linen", "inspection.describe"]
+    assert [m for m, _ in _imports(function)] == ["linen", "inspection.describe"]
+    assert _mpjax_module("mpjax.casting.engine.Interpreter") == "casting.engine"
+    from_package = ast.parse("from mpjax.casting import regions\nfrom mpjax import policy")
+    assert [m for m, _ in _imports(from_package)] == ["casting.regions", "policy"]
     assert _mpjax_module("mpjax") == "__init__" and _mpjax_module("flax.linen") is None
 
 
@@ -297,7 +378,7 @@ def test_the_core_modules_import_and_run_without_flax():
     from mpjax.policy import get_policy
     from mpjax.rules import Rules
     from mpjax.autocast import autocast
-    from mpjax.inspection import inspect_matmuls
+    from mpjax.inspection.matmuls import inspect_matmuls
     """
     code = CORE_WITHOUT_FLAX.format(
         setup=textwrap.indent(textwrap.dedent(setup), "    ").strip(),

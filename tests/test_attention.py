@@ -262,7 +262,7 @@ def test_bf16_gradient_outside_a_policy_compiles_under_standard_promotion():
 def _attention_conds(fn, *args):
     """The platform-dependent conds in ``fn``'s jaxpr, as their branch platforms."""
     found = []
-    for eqn, _ in mpjax.inspection.iter_equations(fn, *args):
+    for eqn, _ in mpjax.inspection.matmuls.iter_equations(fn, *args):
         platforms = eqn.params.get("branches_platforms") if eqn.primitive.name == "cond" else None
         if platforms is not None:
             found.append(platforms)

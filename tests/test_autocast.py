@@ -20,7 +20,7 @@ from stock_models import Block, HandWrittenBlock
 
 import mpjax
 from mpjax import jax_compat
-from mpjax.inspection import iter_equations
+from mpjax.inspection.matmuls import iter_equations
 
 F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
 K1, K2, K3 = jax.random.split(jax.random.key(0), 3)

@@ -91,7 +91,7 @@ def _project() -> dict:
 def _imported_packages() -> set[str]:
     """The top-level packages that mpjax's modules import, standard library left out."""
     found = set()
-    for path in (ROOT / "mpjax").glob("*.py"):
+    for path in (ROOT / "mpjax").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 found.update(alias.name.split(".")[0] for alias in node.names)

@@ -16,8 +16,8 @@ from flax import nnx
 from tolerances import assert_close_in_norm, tolerance
 
 import mpjax
-from mpjax import range_stats, side_by_side
-from mpjax.range_stats import DTYPES, RangeStats
+from mpjax.doctor import range_stats, side_by_side
+from mpjax.doctor.range_stats import DTYPES, RangeStats
 
 
 def _numpy_shares(values: np.ndarray, dtype: str, scale: float = 1.0) -> tuple[float, ...]:
@@ -406,7 +406,10 @@ def test_the_loss_scale_range_keeps_float16_gradients_in_range():
     # subnormal, and 2**-25 would round to zero. Unscaled, what is below 2**-25 flushes.
     assert (advice.low, advice.high) == (6, 11)
     assert _numpy_shares(c, "float16")[2] > 0.1
-    assert _numpy_shares(c, "float16", 2.0**advice.low)[2] <= mpjax.recommendations.FLUSH_TOLERANCE
+    assert (
+        _numpy_shares(c, "float16", 2.0**advice.low)[2]
+        <= mpjax.doctor.recommendations.FLUSH_TOLERANCE
+    )
     assert _numpy_shares(c, "float16", 2.0 ** (advice.high + 1))[0] > 0
     assert "2**11 overflows none" in advice.why
 

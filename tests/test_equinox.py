@@ -27,8 +27,8 @@ from tolerances import assert_close_in_norm, tolerance
 
 import mpjax
 from mpjax import jax_compat
-from mpjax.inspection import iter_equations
-from mpjax.regions import innermost
+from mpjax.casting.regions import innermost
+from mpjax.inspection.matmuls import iter_equations
 
 eqx = pytest.importorskip("equinox")
 mpe = pytest.importorskip("mpjax.equinox")

@@ -24,7 +24,7 @@ import train_transformer as tt  # noqa: E402
 from tolerances import assert_close_in_norm, gpt_reduction_length, tolerance  # noqa: E402
 
 import mpjax  # noqa: E402
-from mpjax.inspection import iter_equations  # noqa: E402
+from mpjax.inspection.matmuls import iter_equations  # noqa: E402
 
 # A model small enough that each compile takes a second or two on a shared CPU.
 SMALL = gpt.GPTConfig(block_size=16, n_layer=1, n_head=2, d_model=32)

@@ -19,11 +19,11 @@ from jax import lax
 
 import mpjax
 from mpjax import jax_compat
-from mpjax.gpu_plan import TARGETS, GpuCompilerUnavailableError, gpu_plan_unavailable
-from mpjax.hlo_text import HloShape, parse_module
+from mpjax.inspection.gpu_plan import TARGETS, GpuCompilerUnavailableError, gpu_plan_unavailable
+from mpjax.inspection.hlo_text import HloShape, parse_module
 
 # `mpjax.gpu_plan` is the function; the module is reached through sys.modules.
-gpu_plan_module = sys.modules["mpjax.gpu_plan"]
+gpu_plan_module = sys.modules["mpjax.inspection.gpu_plan"]
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 E4M3 = np.dtype(jnp.float8_e4m3fn)

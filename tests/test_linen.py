@@ -20,7 +20,7 @@ from stock_models import Block, HandWrittenBlock
 import mpjax
 import mpjax.linen as mpl
 from mpjax import Rules
-from mpjax.inspection import iter_equations
+from mpjax.inspection.matmuls import iter_equations
 
 F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
 VOCAB, DIM, SEQ = 16, 16, 4

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import mpjax
-from mpjax.inspection import iter_equations
+from mpjax.inspection.matmuls import iter_equations
 
 VOCAB, DIM, SEQ = 50, 16, 8
 F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)

@@ -1011,7 +1011,7 @@ def test_the_unreleased_aliases_are_gone(name):
     with pytest.raises(AttributeError, match=name):
         getattr(mpjax, name)
     for module in ("loss_scale", "loss_scaling", "loss_scaling_readers"):
-        assert not hasattr(importlib.import_module(f"mpjax.{module}"), name), module
+        assert not hasattr(importlib.import_module(f"mpjax.optim.{module}"), name), module
 
 
 # ---------------------------------------------------------------------------------------------

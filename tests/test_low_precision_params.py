@@ -33,7 +33,7 @@ from mpjax import (
     state_precision,
     stochastic_round,
 )
-from mpjax.rounding import next_rounding_keys, rounding_key, widen
+from mpjax.optim.rounding import next_rounding_keys, rounding_key, widen
 
 F32, BF16, F16 = (np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 

@@ -19,7 +19,7 @@ from flax import nnx
 import mpjax
 from mpjax import Policy, Rules, RuleWarning
 from mpjax import nnx as mpnnx
-from mpjax.inspection import iter_equations
+from mpjax.inspection.matmuls import iter_equations
 
 GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "nnx.md"
 F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mpjax
-from mpjax import regions
+from mpjax.casting import regions
 
 F32, BF16, F16 = (np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mpjax.rounding import (
+from mpjax.optim.rounding import (
     check_rounding,
     next_rounding_keys,
     round_to,

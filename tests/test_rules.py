@@ -285,7 +285,7 @@ def test_describe_rejects_what_it_cannot_describe_listing_what_it_can():
 
 def test_describe_says_which_import_describes_flax_modules(monkeypatch):
     # As with Flax installed but neither mpjax.linen nor mpjax.nnx imported.
-    describing = sys.modules["mpjax.describe"]
+    describing = sys.modules["mpjax.inspection.describe"]
     unregistered = [d for d in describing._describers if "autocast" in d.kind]
     monkeypatch.setattr(describing, "_describers", unregistered)
     monkeypatch.setattr(describing, "_packages", set())

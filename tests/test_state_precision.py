@@ -32,7 +32,7 @@ from mpjax import (
     state_precision,
     stochastic_round,
 )
-from mpjax.rounding import next_rounding_keys, rounding_key
+from mpjax.optim.rounding import next_rounding_keys, rounding_key
 
 F32, BF16, F16 = (np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 I32, U32 = np.dtype(jnp.int32), np.dtype(jnp.uint32)

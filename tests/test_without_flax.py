@@ -29,15 +29,16 @@ package.__path__ = [str(pathlib.Path(sys.argv[1]) / "mpjax")]
 sys.modules["mpjax"] = package
 
 import jax, jax.numpy as jnp, numpy as np, optax
-import mpjax.policy, mpjax.loss_scaling_readers, mpjax.master_weights
-from mpjax.loss_scale import DynamicLossScale
-from mpjax.loss_scaling import loss_scaling
-from mpjax.loss_scaling_readers import loss_scaling_info, scale_loss
-from mpjax.master_weights import master_weights
+import mpjax.policy, mpjax.optim.loss_scaling_readers, mpjax.optim.master_weights
+from mpjax.optim.loss_scale import DynamicLossScale
+from mpjax.optim.loss_scaling import loss_scaling
+from mpjax.optim.loss_scaling_readers import loss_scaling_info, scale_loss
+from mpjax.optim.master_weights import master_weights
 
 loaded = sorted(m for m in sys.modules if m.startswith("mpjax."))
-assert loaded == ["mpjax.fp8", "mpjax.gradient_checks", "mpjax.jax_compat", "mpjax.loss_scale",
-                  "mpjax.loss_scaling", "mpjax.loss_scaling_readers", "mpjax.master_weights",
+assert loaded == ["mpjax.fp8", "mpjax.jax_compat", "mpjax.optim", "mpjax.optim.gradient_checks",
+                  "mpjax.optim.loss_scale", "mpjax.optim.loss_scaling",
+                  "mpjax.optim.loss_scaling_readers", "mpjax.optim.master_weights",
                   "mpjax.policy"], loaded
 assert not [m for m, v in sys.modules.items() if m.split(".")[0] == "flax" and v is not None]
 

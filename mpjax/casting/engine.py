@@ -2,11 +2,11 @@
 policy of the precision region it runs in.
 
 It traces the function to a jaxpr and evaluates it equation by equation, binding each primitive
-again with its inputs cast by the primitive's category (:mod:`mpjax.op_categories`): matmuls and
+again with its inputs cast by the primitive's category (:mod:`mpjax.casting.op_categories`): matmuls and
 convolutions in the compute dtype, exp/log/reductions in f32, everything else in the dtype of its
 inputs. Because the equations are bound inside whatever trace is active, the result composes with
 ``jax.jit``, ``jax.grad``, ``jax.vmap`` and the rest. Each equation runs under the policy of the
-innermost precision region around it (:mod:`mpjax.regions`: the modules of a wrapped Flax or
+innermost precision region around it (:mod:`mpjax.casting.regions`: the modules of a wrapped Flax or
 Equinox model, :func:`mpjax.full_precision`), else of the first rule matching its named scope,
 else the default policy.
 
@@ -18,10 +18,10 @@ Higher-order primitives are re-expressed with public APIs around recursively cas
 Everything that casts runs on this engine: :func:`mpjax.autocast`, the linen, NNX and Equinox
 integrations, delayed fp8 scaling, the reports and the precision doctor. Its interface is
 ``__all__``: the integrations call :func:`run_in_regions` (and its fp8-state forms), and
-:mod:`mpjax.autocast` evaluates the jaxprs it traces (:func:`mpjax.trace_context.trace`) with
+:mod:`mpjax.autocast` evaluates the jaxprs it traces (:func:`mpjax.casting.trace_context.trace`) with
 :class:`Interpreter` and casts their outputs with :func:`to_output`. What a trace in progress
-decided, and what traced code may ask of it, is :mod:`mpjax.trace_context`; the delayed fp8
-scaling state a run threads through its matmuls is :mod:`mpjax.fp8_sites`.
+decided, and what traced code may ask of it, is :mod:`mpjax.casting.trace_context`; the delayed fp8
+scaling state a run threads through its matmuls is :mod:`mpjax.casting.fp8_sites`.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ from jax import lax
 
 from mpjax import fp8
 from mpjax import jax_compat as compat
-from mpjax.fp8_sites import DelayedScaling
-from mpjax.op_categories import F32, KEEP, LOWER, ORIGINAL, PROMOTE, merge_categories
+from mpjax.casting.fp8_sites import DelayedScaling
+from mpjax.casting.op_categories import F32, KEEP, LOWER, ORIGINAL, PROMOTE, merge_categories
+from mpjax.casting.regions import boundary_dtype
+from mpjax.casting.trace_context import Settings, abstractly, observers, trace, unobserved
 from mpjax.policy import Policy, is_floating, short_dtype_name
-from mpjax.regions import boundary_dtype
-from mpjax.trace_context import Settings, abstractly, observers, trace, unobserved
 
 __all__ = [
     "Interpreter",
@@ -697,7 +697,7 @@ def run_in_regions(fn: Callable[..., Any], policy: Policy, *args, **kwargs) -> A
     """Runs ``fn(*args, **kwargs)`` through the casting engine; the Flax integrations' entry.
 
     ``policy`` applies outside any precision region; inside, each region's policy (see
-    :mod:`mpjax.regions`). ``fn`` is traced under standard dtype promotion, since the dtypes it
+    :mod:`mpjax.casting.regions`). ``fn`` is traced under standard dtype promotion, since the dtypes it
     is traced in are only a starting point (a region's outputs cast to its output dtype meet
     f32 values, bf16-stored params meet f32 inputs): the engine decides each operation's dtype.
     Outputs come back as computed, with no cast: the regions cast their own outputs, and state

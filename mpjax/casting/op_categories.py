@@ -314,7 +314,7 @@ def _table() -> dict[str, str]:
 
 
 DEFAULT_OP_CATEGORIES: Mapping[str, str] = types.MappingProxyType(_table())
-"""Primitive name -> autocast category (read-only); see :mod:`mpjax.op_categories`.
+"""Primitive name -> autocast category (read-only); see :mod:`mpjax.casting.op_categories`.
 
 :meta hide-value:
 """

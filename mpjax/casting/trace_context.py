@@ -26,8 +26,8 @@ import jax
 import numpy as np
 
 from mpjax import jax_compat as compat
+from mpjax.casting.regions import Region, innermost
 from mpjax.policy import Policy
-from mpjax.regions import Region, innermost
 from mpjax.rules import Rule
 
 __all__ = [

@@ -3,10 +3,10 @@ precision is lost, where a non-finite value is born, and what to do about it.
 
 The target runs under the policy as one jaxpr (forward and, for a loss, backward), and that
 jaxpr is evaluated twice side by side, equation by equation, as it runs and exactly in
-float32 (:mod:`mpjax.side_by_side`, which says what is measured). The measures of each batch
-become a :class:`mpjax.diagnosis_report.DiagnosisReport` (ranges per module and per
+float32 (:mod:`mpjax.doctor.side_by_side`, which says what is measured). The measures of each batch
+become a :class:`mpjax.doctor.diagnosis_report.DiagnosisReport` (ranges per module and per
 primitive, the precision lost per module, the first non-finite birth), with the
-recommendations of :mod:`mpjax.recommendations`.
+recommendations of :mod:`mpjax.doctor.recommendations`.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax.describe import Runner, runner_of
-from mpjax.diagnosis_report import Birth, DiagnosisReport, ErrorRow, RangeRow
+from mpjax.doctor.diagnosis_report import Birth, DiagnosisReport, ErrorRow, RangeRow
+from mpjax.doctor.range_stats import DTYPES, RangeStats, check_dtypes
+from mpjax.doctor.recommendations import fp8_fitness, keep_in_float32, loss_scale_advice
+from mpjax.doctor.side_by_side import Evaluation, Kernels, to_exact
+from mpjax.inspection.describe import Runner, runner_of
 from mpjax.policy import is_floating
-from mpjax.range_stats import DTYPES, RangeStats, check_dtypes
-from mpjax.recommendations import fp8_fitness, keep_in_float32, loss_scale_advice
 from mpjax.rules import Rules, RulesLike, as_rules
-from mpjax.side_by_side import Evaluation, Kernels, to_exact
 
 
 def _is_array(leaf: Any) -> bool:
@@ -254,7 +254,7 @@ def diagnose(
 ) -> Doctor:
     """The precision doctor, curried like :func:`mpjax.describe`:
     ``diagnose(target, policy=...)(*inputs)`` returns a
-    :class:`~mpjax.diagnosis_report.DiagnosisReport`.
+    :class:`~mpjax.doctor.diagnosis_report.DiagnosisReport`.
 
     The target runs under the policy, forward and, when it returns a scalar (or ``loss`` makes
     one of its output), backward with respect to every floating input (a linen model's

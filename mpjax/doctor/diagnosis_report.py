@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from mpjax import range_stats
-from mpjax.range_stats import RangeStats, Shares, bounds
+from mpjax.doctor import range_stats
+from mpjax.doctor.range_stats import RangeStats, Shares, bounds
 from mpjax.rules import Rules
 from mpjax.table import format_table
 
@@ -39,7 +39,7 @@ class RangeRow:
     Attributes:
       where: the module path (``""`` for the root) or the primitive name.
       backward: True for the gradient pass.
-      stats: their :class:`mpjax.range_stats.RangeStats`.
+      stats: their :class:`mpjax.doctor.range_stats.RangeStats`.
     """
 
     where: str
@@ -130,7 +130,7 @@ class LossScaleAdvice:
         value of the backward pass of the float32 run, times the scale) it would overflow,
         make subnormal or flush to zero in float16.
       low, high: the recommended range ``2**low ... 2**high``: no value overflows and at most
-        ``mpjax.recommendations.FLUSH_TOLERANCE`` of them flush (or, if no scale flushes that
+        ``mpjax.doctor.recommendations.FLUSH_TOLERANCE`` of them flush (or, if no scale flushes that
         little, the largest scale that overflows nothing); None when every scale overflows.
       why: the recommendation with its figures.
     """
@@ -159,7 +159,7 @@ class Fp8Matmul:
       backward: True for a matmul of the gradient pass (its gradient operand would be e5m2).
       amax: per batch, the amax of its two operands (float32 run).
       ratio: the largest over the smallest amax across batches, the worse operand.
-      fit: whether ``ratio <= mpjax.recommendations.FP8_STABLE_RATIO`` with at least two
+      fit: whether ``ratio <= mpjax.doctor.recommendations.FP8_STABLE_RATIO`` with at least two
         batches seen.
       why: the verdict with its figure.
     """

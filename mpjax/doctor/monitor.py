@@ -3,7 +3,7 @@ module computes, and of their gradients, measured inside a jitted train step eve
 
 :class:`PrecisionMonitor` jits a train step twice: as it is, for the steps between checks
 (nothing measured, nothing sent, no host sync: the same compiled step), and traced with the
-casting engine observing (:func:`mpjax.trace_context.observing`), for the check steps: at the end
+casting engine observing (:func:`mpjax.casting.trace_context.observing`), for the check steps: at the end
 of each jaxpr the engine evaluates, its modules' values are reduced to an amax and a
 non-finite count, sent to the host with ``jax.debug.callback``; and each value goes through an
 identity whose derivative reduces the value's gradient the same way and sends it, so that the
@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpjax.casting.trace_context import observing
 from mpjax.table import format_table
-from mpjax.trace_context import observing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,7 @@ _tap.defvjp(_tap_forward, _tap_backward)
 
 
 class _Observer:
-    """The monitor's :class:`mpjax.trace_context.Observer` for one traced check step: each
+    """The monitor's :class:`mpjax.casting.trace_context.Observer` for one traced check step: each
     jaxpr's values by module, reduced and sent in one callback; each module's gradients, sent
     from the backward pass as they are computed."""
 

@@ -11,8 +11,8 @@ import collections
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax.diagnosis_report import Fp8Matmul, LossScaleAdvice, LossScaleCandidate
-from mpjax.range_stats import DTYPES, RangeStats, bounds
+from mpjax.doctor.diagnosis_report import Fp8Matmul, LossScaleAdvice, LossScaleCandidate
+from mpjax.doctor.range_stats import DTYPES, RangeStats, bounds
 
 __all__ = ["fp8_fitness", "keep_in_float32", "loss_scale_advice"]
 

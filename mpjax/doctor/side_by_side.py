@@ -6,7 +6,7 @@ attributed to the module whose precision region it runs in (or its named scopes)
 forward or backward pass.
 
 - Ranges come from the exact values: per equation, the summary
-  (:func:`mpjax.range_stats.summarize`) of the values it computes (copies such as reshapes and
+  (:func:`mpjax.doctor.range_stats.summarize`) of the values it computes (copies such as reshapes and
   casts, ``STRUCTURAL``, left out).
 - A non-finite birth is an equation whose inputs are all finite and whose output is not, as
   it runs: the non-finite values of each output are counted where it is computed, and an
@@ -30,7 +30,7 @@ into, and so is a ``lax.platform_dependent`` conditional whose default branch ru
 platform (XLA's attention, where cuDNN's is for CUDA); loops and other conditionals
 (``scan``, ``while``, ``cond``) count as one equation whose outputs are measured.
 
-``__all__`` is what :mod:`mpjax.diagnosis` uses: :class:`Evaluation` (with :class:`Site`, what
+``__all__`` is what :mod:`mpjax.doctor.diagnosis` uses: :class:`Evaluation` (with :class:`Site`, what
 it measured where) and :func:`to_exact`, the exact counterpart of an input.
 """
 
@@ -46,9 +46,9 @@ import numpy as np
 from jax import lax
 
 from mpjax import jax_compat as compat
-from mpjax import range_stats
+from mpjax.casting.regions import innermost
+from mpjax.doctor import range_stats
 from mpjax.policy import is_floating
-from mpjax.regions import innermost
 
 __all__ = ["STRUCTURAL", "Evaluation", "Kernels", "Site", "to_exact"]
 
@@ -321,7 +321,7 @@ _Value = tuple[Any, Any, Any]
 
 class Evaluation:
     """Evaluates a jaxpr exactly and as it runs, side by side, collecting per equation the
-    measures of :mod:`mpjax.side_by_side`: :meth:`run` it on concrete inputs, then
+    measures of :mod:`mpjax.doctor.side_by_side`: :meth:`run` it on concrete inputs, then
     :meth:`assemble` the measures and read them by :meth:`indices` into :attr:`sites`."""
 
     def __init__(self, compare: bool, kernels: Kernels | None = None):

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mpjax.autocast import autocast_runner, describe_autocast, is_autocast
-from mpjax.report import Report
+from mpjax.inspection.report import Report
 from mpjax.rules import Rules
 
 # The options describe() takes, in the order its signature lists them.

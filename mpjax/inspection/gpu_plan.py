@@ -14,7 +14,7 @@ and a real GPU may choose cuBLAS or Triton differently for each GEMM (compile wi
 
 The GPU descriptions are XLA's own (``GpuTargetConfigProto`` text files from openxla/xla,
 ``xla/backends/gpu/target_config/specs/`` at commit ``4336d12e``, Apache-2.0, shipped in
-``mpjax/gpu_targets/``). What differs between JAX versions in this path (fields the installed
+``mpjax/inspection/gpu_targets/``). What differs between JAX versions in this path (fields the installed
 jaxlib does not know, autotuning, reading the HLO back) is handled in :mod:`mpjax.jax_compat`.
 """
 
@@ -35,8 +35,14 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mpjax import jax_compat
-from mpjax.hlo_text import HloComputation, HloInstruction, HloModule, HloShape, parse_module
-from mpjax.inspection import check_function
+from mpjax.inspection.hlo_text import (
+    HloComputation,
+    HloInstruction,
+    HloModule,
+    HloShape,
+    parse_module,
+)
+from mpjax.inspection.matmuls import check_function
 from mpjax.table import format_table
 
 __all__ = [
@@ -53,7 +59,7 @@ __all__ = [
 
 TARGETS = {"h100": "h100_sxm.txtpb", "a100": "a100_sxm_80.txtpb", "h200": "h200.txtpb"}
 """The GPUs :func:`gpu_plan` compiles for (H100 SXM 80GB, A100 SXM 80GB, H200) and their
-description files in ``mpjax/gpu_targets/``."""
+description files in ``mpjax/inspection/gpu_targets/``."""
 
 LIBRARIES = ("cublaslt", "cublaslt_fp8", "cublas", "triton", "cudnn", "xla")
 """What runs a :class:`GpuGemm`: cuBLASLt (``__cublas$lt$matmul``), its fp8 form
@@ -623,7 +629,9 @@ def _read(module: HloModule) -> dict[str, Any]:
 
 
 def _spec(target: str) -> str:
-    return (importlib.resources.files("mpjax") / "gpu_targets" / TARGETS[target]).read_text()
+    return (
+        importlib.resources.files("mpjax.inspection") / "gpu_targets" / TARGETS[target]
+    ).read_text()
 
 
 _NOT_INSTALLED = (

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from mpjax import jax_compat
-from mpjax.regions import innermost
+from mpjax.casting.regions import innermost
 from mpjax.table import format_table
 
 MATMUL_PRIMITIVES = frozenset(
@@ -45,7 +45,7 @@ class MatmulInfo:
         ``("pjit", "scan")``.
       region: the path of the module whose precision region it ran in (``"block/attn"``,
         ``""`` for the root of a wrapped model), or None outside any region (see
-        :mod:`mpjax.regions`).
+        :mod:`mpjax.casting.regions`).
     """
 
     primitive: str
@@ -240,7 +240,7 @@ def inspect_matmuls(
     ):
         raise TypeError(
             "inspect_matmuls(..., primitives=...) takes a set of primitive names (for example "
-            f"mpjax.inspection.MATMUL_PRIMITIVES), got {primitives!r}."
+            f"mpjax.inspection.matmuls.MATMUL_PRIMITIVES), got {primitives!r}."
         )
     primitives = frozenset(primitives)
     _refuse_uncurried("inspect_matmuls", "primitives", args, kwargs)

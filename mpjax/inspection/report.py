@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax.inspection import call_on_leaves, inspect_matmuls
+from mpjax.inspection.matmuls import call_on_leaves, inspect_matmuls
 from mpjax.policy import Policy, is_floating, short_dtype_name
 from mpjax.table import format_table, human_bytes
 

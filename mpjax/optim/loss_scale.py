@@ -7,8 +7,8 @@ itself, in three kinds: :class:`DynamicLossScale` (PyTorch's ``GradScaler`` rule
 :class:`StaticLossScale` and :class:`NoOpLossScale` (``LossScale`` is any of them), and
 ``parse_loss_scale``, which reads the specs :func:`mpjax.loss_scaling` takes
 (``"dynamic"``, ``"none"``, ``"static:N"``, a number). The transformation that uses them is
-:mod:`mpjax.loss_scaling`; the readers of its state in a training step are
-:mod:`mpjax.loss_scaling_readers`.
+:mod:`mpjax.optim.loss_scaling`; the readers of its state in a training step are
+:mod:`mpjax.optim.loss_scaling_readers`.
 
 The scale values are plain JAX pytrees (frozen dataclasses registered with
 ``jax.tree_util``): values that change during training are leaves of one dtype each (the scale

@@ -11,8 +11,8 @@ The order of one training step is scale -> grad -> unscale -> clip -> update:
 5. returns its updates; after a non-finite step it returns zeros and leaves the wrapped state
    bit-for-bit unchanged. Either way it adjusts the scale for the next step.
 
-The scales it adjusts are :mod:`mpjax.loss_scale`'s; what reads its state from anywhere in an
-optimizer state (steps 1 and 2, the counters, the checks) is :mod:`mpjax.loss_scaling_readers`.
+The scales it adjusts are :mod:`mpjax.optim.loss_scale`'s; what reads its state from anywhere in an
+optimizer state (steps 1 and 2, the counters, the checks) is :mod:`mpjax.optim.loss_scaling_readers`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mpjax.gradient_checks import InitTrees, check_params, check_transformation, check_update
-from mpjax.loss_scale import LossScale, parse_loss_scale
+from mpjax.optim.gradient_checks import InitTrees, check_params, check_transformation, check_update
+from mpjax.optim.loss_scale import LossScale, parse_loss_scale
 
 __all__ = ["LossScalingState", "loss_scaling"]
 
@@ -184,7 +184,7 @@ def loss_scaling(
         that is not an optax transformation (``optax.adam`` instead of ``optax.adam(lr)``).
 
     >>> import optax
-    >>> from mpjax.loss_scaling_readers import scaled_value_and_grad
+    >>> from mpjax.optim.loss_scaling_readers import scaled_value_and_grad
     >>> tx = loss_scaling(optax.sgd(1.0), "static:8")
     >>> params = {"w": jnp.ones(2)}
     >>> state = tx.init(params)

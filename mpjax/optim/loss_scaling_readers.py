@@ -25,8 +25,8 @@ import numpy as np
 import optax
 
 from mpjax import jax_compat
-from mpjax.loss_scale import DynamicLossScale
-from mpjax.loss_scaling import (
+from mpjax.optim.loss_scale import DynamicLossScale
+from mpjax.optim.loss_scaling import (
     LossScalingState,
     loss_scaling,  # noqa: F401  (the docstrings' examples use it)
 )

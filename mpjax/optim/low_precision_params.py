@@ -23,16 +23,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mpjax.gradient_checks import check_params, check_transformation, check_update
-from mpjax.loss_scaling_readers import step_applied
-from mpjax.policy import is_low_precision
-from mpjax.rounding import (
+from mpjax.optim.gradient_checks import check_params, check_transformation, check_update
+from mpjax.optim.loss_scaling_readers import step_applied
+from mpjax.optim.rounding import (
     check_rounding,
     next_rounding_keys,
     round_to,
     rounding_key,
     widen,
 )
+from mpjax.policy import is_low_precision
 
 __all__ = ["PARAM_ROUNDINGS", "LowPrecisionParamsState", "low_precision_params"]
 

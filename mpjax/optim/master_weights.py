@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mpjax.gradient_checks import check_params, check_transformation, check_update
+from mpjax.optim.gradient_checks import check_params, check_transformation, check_update
 from mpjax.policy import is_low_precision
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mpjax.gradient_checks import is_box
+from mpjax.optim.gradient_checks import is_box
 from mpjax.policy import is_floating, short_dtype_name
 from mpjax.table import format_table, human_bytes
 

@@ -18,10 +18,9 @@ import jax
 import numpy as np
 import optax
 
-from mpjax.gradient_checks import InitTrees, check_params, check_transformation, check_update
-from mpjax.loss_scaling_readers import step_applied
-from mpjax.policy import is_floating, storage_dtype
-from mpjax.rounding import (
+from mpjax.optim.gradient_checks import InitTrees, check_params, check_transformation, check_update
+from mpjax.optim.loss_scaling_readers import step_applied
+from mpjax.optim.rounding import (
     ROUNDINGS,
     check_rounding,
     next_rounding_keys,
@@ -29,6 +28,7 @@ from mpjax.rounding import (
     rounding_key,
     widen,
 )
+from mpjax.policy import is_floating, storage_dtype
 
 __all__ = ["StatePrecisionState", "state_precision"]
 
