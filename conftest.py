@@ -17,21 +17,26 @@ import jax  # noqa: E402
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
+# Environment variables that turn a missing compiler into an error rather than a reason to skip
+# the tests that compile for a target (CI's newest suite sets both), with the target to try.
+_REQUIRED_PLANS = {"MPJAX_REQUIRE_GPU_PLAN": "h100", "MPJAX_REQUIRE_TPU_PLAN": "v5p"}
+
+
 def pytest_sessionstart(session):
-    """The sharding tests need 8 devices. With ``MPJAX_REQUIRE_GPU_PLAN`` set (as CI's newest
-    suite sets it), a missing CUDA plugin is an error rather than a reason to skip the tests
-    that compile for an H100."""
+    """The sharding tests need 8 devices. With ``MPJAX_REQUIRE_GPU_PLAN`` (or
+    ``MPJAX_REQUIRE_TPU_PLAN``) set, as CI's newest suite sets them, a missing CUDA plugin (or
+    libtpu) is an error rather than a reason to skip the tests that compile for an H100 (or a
+    TPU)."""
     if jax.device_count() < 8:
         raise pytest.UsageError(
             f"the tests need at least 8 devices; XLA_FLAGS gives {jax.device_count()}: "
             f"{os.environ['XLA_FLAGS']!r}"
         )
-    if not os.environ.get("MPJAX_REQUIRE_GPU_PLAN"):
-        return
-    from mpjax.inspection.gpu_plan import gpu_plan_unavailable  # after jax is configured above
+    from mpjax.inspection.plan import plan_unavailable  # after jax is configured above
 
-    reason = gpu_plan_unavailable()
-    if reason is not None:
-        raise pytest.UsageError(
-            f"MPJAX_REQUIRE_GPU_PLAN is set, but mpjax.gpu_plan cannot run: {reason}"
-        )
+    for variable, target in _REQUIRED_PLANS.items():
+        if not os.environ.get(variable):
+            continue
+        reason = plan_unavailable(target)
+        if reason is not None:
+            raise pytest.UsageError(f"{variable} is set, but mpjax.plan cannot run: {reason}")

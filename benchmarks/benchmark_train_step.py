@@ -322,7 +322,7 @@ class Setup:
     remat: str
     # Which GPU plan each JAX row records: "auto" (on a GPU, the plan of the compiled step;
     # elsewhere none), a target ("h100", "a100", "h200": compiled for it without one, through
-    # mpjax.gpu_plan), or "none".
+    # mpjax.plan), or "none".
     plan: str = "auto"
 
     def train_config(self, variant: Variant):
@@ -448,19 +448,50 @@ def torch_memory(model, optimizer) -> mpjax.MemoryReport:
     return mpjax.MemoryReport(count, rows)
 
 
-PLAN_CHOICES = ("auto", "none", "h100", "a100", "h200")
 PLAN_DTYPES = ("bfloat16", "float16", "fp8", "float32")
 
 
-def plan_fields(plan: mpjax.GpuPlan) -> dict:
-    """A row's ``plan``: where its GPU plan comes from, the share of matmul FLOPs (GEMMs and
-    fused attention) on each operand dtype, its GEMMs (fp8 among them), cuDNN attention calls,
-    the dtypes its scatters accumulate in, and kernel counts. Counts are per step (loop trip
-    counts included)."""
+def plan_target(value: str) -> str:
+    """``--plan``'s value: auto, none, or a target of ``mpjax.plan`` (a GPU, a TPU chip or a
+    TPU slice)."""
+    from mpjax.inspection.targets import parse_target
+
+    if value in ("auto", "none"):
+        return value
+    try:
+        return parse_target(value, caller="--plan").name
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def plan_fields(plan: mpjax.Plan, model_flops: float | None = None) -> dict:
+    """A row's ``plan``: where it comes from, the share of matmul FLOPs (GEMMs and fused
+    attention) on each operand dtype and the precision of the float32 ones, its GEMMs (fp8
+    among them), fused attention calls, the dtypes its scatters accumulate in, kernel counts,
+    the memory per device against the device's, and the times: XLA's estimate (TPU) with the
+    MFU of ``model_flops`` (per step and device) at that estimate, and the roofline bound.
+    Counts are per step (loop trip counts included)."""
     fp8 = sum(g.executions for g in plan.gemms if g.lhs_dtype.itemsize == g.rhs_dtype.itemsize == 1)
+    memory = plan.memory
     return {
         "source": "autotuned" if plan.autotuned else f"deviceless {plan.target}",
         "device": plan.device,
+        "platform": plan.platform,
+        "compiled": plan.compiled,
+        "memory": None
+        if memory is None
+        else {
+            "temp_bytes": memory.temp_bytes,
+            "total_bytes": memory.total_bytes,
+            "capacity_bytes": memory.capacity_bytes,
+            "fits": memory.fits,
+            "margin_bytes": memory.margin_bytes,
+        },
+        "estimated_step_s": plan.estimated_seconds,
+        "estimated_mfu": plan.mfu(model_flops) if model_flops else plan.mfu(),
+        "bytes_accessed": plan.bytes_accessed,
+        "roofline_step_s": plan.roofline_seconds,
+        "float32_precisions": plan.float32_precisions(),
         "flop_share": {d: plan.flop_share(d) for d in PLAN_DTYPES},
         "matmul_flops": plan.total_flops,
         "gemms": sum(g.executions for g in plan.gemms),
@@ -474,14 +505,15 @@ def plan_fields(plan: mpjax.GpuPlan) -> dict:
     }
 
 
-def deviceless_plan(step, target: str, *args) -> dict | str:
-    """The plan of ``step`` compiled for ``target`` without a GPU, or why there is none."""
+def deviceless_plan(step, target: str, *args, model_flops: float | None = None) -> dict | str:
+    """The plan of ``step`` compiled for ``target`` without the hardware, or why there is
+    none."""
     import mpjax
 
-    reason = mpjax.gpu_plan_unavailable(target)
+    reason = mpjax.plan_unavailable(target)
     if reason is not None:
         return reason
-    return plan_fields(mpjax.gpu_plan(step, target)(*args))
+    return plan_fields(mpjax.plan(step, target)(*args), model_flops)
 
 
 def build_jax_variant(variant: Variant, setup: Setup, abstract: bool = False):
@@ -535,7 +567,7 @@ def run_jax_variant(variant: Variant, setup: Setup) -> dict:
         # Before the step donates the state: the plan reads its shapes.
         if setup.plan == "auto" and device.platform == "gpu":
             plan = plan_fields(
-                mpjax.GpuPlan.from_hlo_text(compiled.as_text(), device=device.device_kind)
+                mpjax.Plan.from_hlo_text(compiled.as_text(), device=device.device_kind)
             )
         elif setup.plan in ("auto", "none"):
             plan = None
@@ -583,8 +615,11 @@ def plan_jax_variant(variant: Variant, setup: Setup) -> dict:
     cfg, policy, model, tx, state = build_jax_variant(variant, setup, abstract=True)
     mcfg = cfg.model_config()
     tokens = jax.ShapeDtypeStruct((1, setup.batch_size, mcfg.block_size), jnp.int32)
+    flops = setup.batch_size * mcfg.block_size * mcfg.flops_per_token()
     with jax.default_matmul_precision(variant.matmul_precision):
-        plan = deviceless_plan(tt.make_train_step(model, tx), setup.plan, state, tokens, tokens)
+        plan = deviceless_plan(
+            tt.make_train_step(model, tx), setup.plan, state, tokens, tokens, model_flops=flops
+        )
     return {"framework": variant.framework, "policy": str(policy), "plan": plan}
 
 
@@ -674,32 +709,58 @@ def _fmt_per_param(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def _gb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f} GB"
+
+
 def plan_table(report: dict) -> list[str]:
-    """The rows' GPU plans as a markdown table (none if no row has one)."""
+    """The rows' plans as a markdown table (none if no row has one)."""
     rows = []
     for v in VARIANTS:
         plan = report["results"].get(v.key, {}).get("plan")
         if plan is None:
             continue
         if isinstance(plan, str):
-            rows.append(f"| {v.name} | no plan: {plan} | | | | | | | |")
+            rows.append(f"| {v.name} | no plan: {plan} |" + " |" * 12)
+            continue
+        memory = plan.get("memory")
+        if memory is None:
+            held = "-"
+        else:
+            verdict = "fits" if memory["fits"] else "does not fit"
+            held = f"{_gb(memory['temp_bytes'])} ({verdict})"
+        if not plan.get("compiled", True):
+            rows.append(f"| {v.name} | {plan['source']} |" + " |" * 8 + f" {held} |" + " |" * 3)
             continue
         shares = " | ".join(f"{100 * plan['flop_share'][d]:.1f}%" for d in PLAN_DTYPES)
+        estimate = plan.get("estimated_step_s")
+        mfu = plan.get("estimated_mfu")
+        roofline = plan.get("roofline_step_s")
+        times = (
+            f"{'-' if estimate is None else f'{1e3 * estimate:.1f} ms'} | "
+            f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} | "
+            f"{'-' if roofline is None else f'{1e3 * roofline:.1f} ms'}"
+        )
         rows.append(
             f"| {v.name} | {plan['source']} | {shares} | {plan['gemms']} ({plan['fp8_gemms']}) | "
             f"{plan['attention_forward']} / {plan['attention_backward']} | "
-            f"{', '.join(plan['scatter_dtypes']) or '-'} | {plan['fusions']} |"
+            f"{', '.join(plan['scatter_dtypes']) or '-'} | {plan['fusions']} | {held} | {times} |"
         )
     if not rows:
         return []
     return [
         "",
-        "GPU plan of each row's step (`mpjax.gpu_plan`): the share of matmul FLOPs (GEMMs and "
-        "cuDNN attention) on each operand dtype, GEMMs per step (fp8 ones), cuDNN fused "
-        "attention calls forward / backward, the dtypes scatters accumulate in, and fusions.",
+        "Plan of each row's step (`mpjax.plan`), per device: the share of matmul FLOPs (GEMMs "
+        "and fused attention) on each operand dtype, GEMMs per step (fp8 ones), fused attention "
+        "calls forward / backward, the dtypes scatters accumulate in, fusions, temporaries "
+        "(XLA's memory analysis, against the device's memory), and the times: XLA's estimate "
+        "(TPU only; an estimate, not a measurement), the MFU of the model FLOPs at that "
+        "estimate, and the roofline bound (matmul FLOPs at the published peak).",
         "",
-        "| variant | plan | bf16 | f16 | fp8 | f32 | GEMMs (fp8) | cuDNN attention fwd / bwd | scatters | fusions |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        "| variant | plan | bf16 | f16 | fp8 | f32 | GEMMs (fp8) | fused attention fwd / bwd "
+        "| scatters | fusions | temporaries | estimated step | estimated MFU | roofline |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: "
+        "| ---: |",
         *rows,
     ]
 
@@ -790,18 +851,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--plan",
-        choices=PLAN_CHOICES,
+        type=plan_target,
         default="auto",
-        help="the GPU plan each JAX row records (mpjax.GpuPlan: FLOP shares by operand dtype, "
-        "fp8 GEMMs, cuDNN attention, scatter dtypes): auto reads the compiled step's on a GPU "
-        "and records none elsewhere; h100/a100/h200 compiles for that GPU without one (needs "
-        'pip install "mpjax[cuda12]"); none records none',
+        help="the plan each JAX row records (mpjax.Plan: FLOP shares by operand dtype, fp8 "
+        "GEMMs, fused attention, scatter dtypes, memory, and on a TPU XLA's estimated time): "
+        "auto reads the compiled step's on a GPU and records none elsewhere; h100/a100/h200 "
+        'compiles for that GPU without one (needs pip install "mpjax[cuda12]"); v4/v5e/v5p/'
+        'v6e or a TPU slice (v5p:2x2x1) for that TPU (needs pip install "mpjax[tpu]"); none '
+        "records none",
     )
     p.add_argument(
         "--plan-only",
         action="store_true",
-        help="only the JAX rows' GPU plans (for --plan, an H100 with auto), compiled without a "
-        "GPU and without running a step: the table of what each row runs on Tensor Cores",
+        help="only the JAX rows' plans (for --plan, an H100 with auto), compiled without the "
+        "hardware and without running a step",
     )
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--worker", choices=keys, help=argparse.SUPPRESS)

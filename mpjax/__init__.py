@@ -19,15 +19,6 @@ from mpjax.doctor.diagnosis_report import DiagnosisReport
 from mpjax.doctor.monitor import ModuleCheck, PrecisionMonitor
 from mpjax.fp8 import Fp8Recipe
 from mpjax.inspection.describe import describe
-from mpjax.inspection.gpu_plan import (
-    GpuAttention,
-    GpuCompilerUnavailableError,
-    GpuGemm,
-    GpuPlan,
-    GpuScatter,
-    gpu_plan,
-    gpu_plan_unavailable,
-)
 from mpjax.inspection.matmuls import (
     HloDot,
     HloDotReport,
@@ -38,6 +29,14 @@ from mpjax.inspection.matmuls import (
     hlo_op_counts,
     inspect_matmuls,
 )
+from mpjax.inspection.plan import (
+    Plan,
+    PlanUnavailableError,
+    plan,
+    plan_mesh,
+    plan_unavailable,
+)
+from mpjax.inspection.plan_rows import PlanAttention, PlanGemm, PlanMemory, PlanScatter
 from mpjax.inspection.report import ModuleRow, PrecisionReport
 from mpjax.optim.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from mpjax.optim.loss_scaling import LossScalingState, loss_scaling
@@ -115,11 +114,12 @@ __all__ = [
     "Doctor",
     "DynamicLossScale",
     "Fp8Recipe",
-    "GpuAttention",
-    "GpuCompilerUnavailableError",
-    "GpuGemm",
-    "GpuPlan",
-    "GpuScatter",
+    "Plan",
+    "PlanAttention",
+    "PlanGemm",
+    "PlanMemory",
+    "PlanScatter",
+    "PlanUnavailableError",
     "HloDot",
     "HloDotReport",
     "HloOperand",
@@ -162,8 +162,9 @@ __all__ = [
     "fp8_state",
     "full_precision",
     "get_policy",
-    "gpu_plan",
-    "gpu_plan_unavailable",
+    "plan",
+    "plan_mesh",
+    "plan_unavailable",
     "hlo_dots",
     "hlo_op_counts",
     "inspect_matmuls",

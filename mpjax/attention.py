@@ -8,7 +8,7 @@ attention where it can, and with XLA's composition elsewhere:
   holds both (``lax.platform_dependent``), and compiling it for a CUDA GPU keeps cuDNN's
   kernels, forward and backward, while compiling it for a CPU keeps XLA's. So the same jitted
   step gets the right path on a GPU, on a CPU, and in a compile for a GPU done on a machine
-  without one (see :func:`mpjax.gpu_plan`). ``jax.nn.dot_product_attention``'s own default
+  without one (see :func:`mpjax.plan`). ``jax.nn.dot_product_attention``'s own default
   (``implementation=None``) is XLA's path everywhere.
 - **cuDNN where it applies**: bfloat16 or float16 inputs, a head size of at most 128 and a
   multiple of 8, a bias only with even sequence lengths, and whatever else cuDNN's own checks

@@ -20,7 +20,7 @@ XLA's Triton GEMMs refuse a dot on two different fp8 types, so there the two bac
 e5m2 x e4m3, take that form, with the same numbers: :func:`mpjax.jax_compat.mixed_fp8_dots`.) Elsewhere, on a
 CPU for example, XLA runs the same arithmetic in wider types, so CPU results equal what the
 GPU computes up to the order of the f32 sums. :func:`mpjax.hlo_dots` shows the fp8 dots of a
-function; :func:`mpjax.gpu_plan` shows the GEMMs an H100 compile makes of them.
+function; :func:`mpjax.plan` shows the GEMMs an H100 compile makes of them.
 
 Scaling (:class:`Fp8Recipe`):
 

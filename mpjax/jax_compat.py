@@ -23,10 +23,11 @@ CI runs it on the oldest and the newest). The differences handled here:
 * jax 0.9.2 changed ``Primitive.get_bind_params`` to return params only.
 * XLA's Triton GEMMs take dots on two different float8 types from jax 0.10.2 on, not in
   jax 0.8 (:func:`mixed_fp8_dots`).
-* Compiling for a GPU without one (:func:`cuda_topology`, :func:`deviceless_hlo`): the
+* Compiling for a GPU without one (:func:`cuda_topology`, :func:`deviceless_compile`): the
   CUDA plugin of jax 0.8 needs ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` to start without a GPU,
   knows fewer fields of the GPU description, autotunes Triton GEMMs and cannot print a
-  deviceless executable's HLO.
+  deviceless executable's HLO. A deviceless GPU compile's
+  ``cost_analysis()`` is None (a TPU compile fills it in, XLA's estimated time included).
 
 A param that is missing raises :class:`UnsupportedJaxError` naming it: an unknown JAX is never
 read by guesswork.
@@ -405,7 +406,7 @@ def ref_like(template: Any, value: Any) -> Any:
     return jax.new_ref(value) if is_ref(template) else value
 
 
-# --- Compiling for a GPU on a machine without one (mpjax.gpu_plan) -------------------------
+# --- Compiling for a GPU on a machine without one (mpjax.plan) -------------------------
 #
 # The CUDA plugin compiles for a GPU described by a GpuTargetConfigProto in text form, with no
 # GPU present ("deviceless"). What that takes differs between jaxlib versions; every difference
@@ -438,6 +439,23 @@ def _skip_cuda_checks_off_cuda(platforms: str) -> None:
 
 
 _skip_cuda_checks_off_cuda(getattr(jax.config, "jax_platforms", None) or "")
+
+
+def _share_libtpu_off_tpu(platforms: str) -> None:
+    """libtpu lets one process at a time load it (a lock file), which a compile-only use
+    does not need: with a TPU-free ``JAX_PLATFORMS``, several processes (a benchmark's
+    workers, parallel test runs) may each compile for TPU targets. With ``JAX_PLATFORMS``
+    unset or naming a TPU, nothing changes.
+
+    Args:
+      platforms: the value of JAX's ``jax_platforms`` option.
+    """
+    names = {p.strip() for p in platforms.split(",") if p.strip()}
+    if names and "tpu" not in names:
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+_share_libtpu_off_tpu(getattr(jax.config, "jax_platforms", None) or "")
 
 
 def cuda_plugin_installed() -> bool:
@@ -561,9 +579,36 @@ def _dumped_hlo(directory: str) -> str:
         return f.read()
 
 
-def deviceless_hlo(lowered: Any, compiler_options: dict[str, Any]) -> str:
-    """Compiles ``lowered`` (lowered for a :func:`cuda_topology` mesh) with
-    ``compiler_options`` and returns the optimized HLO text.
+class DevicelessCompile(NamedTuple):
+    """What a compile for a compile-only device gives: the optimized HLO text, XLA's memory
+    analysis (None where the executable has none) and its cost analysis as a dict (None on a
+    GPU, where XLA fills none in without one)."""
+
+    hlo_text: str
+    memory: Any
+    cost: dict[str, float] | None
+
+
+def _cost_analysis(compiled: Any) -> dict[str, float] | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # a backend without a cost model raises rather than returning None
+        return None
+    if isinstance(cost, (list, tuple)):  # older JAX: one dict per executable
+        cost = cost[0] if cost else None
+    return {str(k): float(v) for k, v in cost.items()} if cost else None
+
+
+def _memory_analysis(compiled: Any) -> Any:
+    try:
+        return compiled.memory_analysis()
+    except Exception:  # old jaxlibs' deviceless GPU executables cannot report it
+        return None
+
+
+def deviceless_compile(lowered: Any, compiler_options: dict[str, Any]) -> DevicelessCompile:
+    """Compiles ``lowered`` (lowered for a :func:`cuda_topology` mesh or a TPU topology's)
+    with ``compiler_options``; returns the optimized HLO text and XLA's analyses.
 
     Two differences of old jaxlibs (seen in 0.8.1, gone by 0.10.2) are handled by what the
     compile does, and remembered for the process:
@@ -590,9 +635,23 @@ def deviceless_hlo(lowered: Any, compiler_options: dict[str, Any]) -> str:
                     _deviceless["untuned"] = True
                     continue
                 raise
-            if _deviceless.get("dump"):
-                return _dumped_hlo(directory)
-            text = compiled.as_text()
+            text = _dumped_hlo(directory) if _deviceless.get("dump") else compiled.as_text()
             if text:
-                return text
+                return DevicelessCompile(text, _memory_analysis(compiled), _cost_analysis(compiled))
             _deviceless["dump"] = True
+
+
+# --- Compiling for a TPU on a machine without one ---------------------------------------------
+
+
+def libtpu_installed() -> bool:
+    """Whether ``libtpu`` (``jax[tpu]``) is installed: it compiles for TPUs on any machine."""
+    try:
+        return importlib.util.find_spec("libtpu") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def tpu_topology(name: str) -> Any:
+    """The compile-only devices of the TPU slice ``name`` (``"v5p:2x2x1"``), from libtpu."""
+    return topologies.get_topology_desc(topology_name=name, platform="tpu")

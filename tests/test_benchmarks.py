@@ -86,16 +86,16 @@ def test_jax_rows_have_every_column_and_the_run_records_its_setup(tmp_path):
     # On a CPU a row records a GPU plan only when asked for one (--plan h100).
     assert report["config"]["plan"] == "auto"
     assert all(report["results"][k]["plan"] is None for k in ("bf16_mpjax", "bf16_hand_naive"))
-    assert "GPU plan" not in table
+    assert "Plan of each row" not in table
 
 
 # ------------------------------------------------------------------------------ GPU plans
 
-NO_GPU_PLAN = mpjax.gpu_plan_unavailable()
+NO_GPU_PLAN = mpjax.plan_unavailable()
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(NO_GPU_PLAN is not None, reason=f"gpu_plan cannot run: {NO_GPU_PLAN}")
+@pytest.mark.skipif(NO_GPU_PLAN is not None, reason=f"the plan cannot compile: {NO_GPU_PLAN}")
 def test_plan_only_records_what_each_row_runs_on_an_h100(tmp_path):
     """``--plan-only`` compiles each JAX row for an H100 without running it: bf16 rows put
     every matmul FLOP on bf16, the fp8 rows (current and delayed scaling) three fp8 GEMMs per
@@ -129,11 +129,58 @@ def test_plan_table_shows_each_plan_and_why_a_row_has_none():
         "scatter_dtypes": ["float32"],
         "fusions": 300,
     }
-    report = {"results": {"fp8_mpjax": {"plan": plan}, "bf16_mpjax": {"plan": "no plugin"}}}
+    tpu = plan | {
+        "source": "deviceless v5p",
+        "memory": {"temp_bytes": 2.5e9, "fits": True},
+        "estimated_step_s": 0.1024,
+        "estimated_mfu": 0.33,
+        "roofline_step_s": 0.0337,
+    }
+    too_big = {"source": "deviceless v5e", "compiled": False}
+    too_big["memory"] = {"temp_bytes": 19.9e9, "fits": False}
+    report = {
+        "results": {
+            "fp8_mpjax": {"plan": plan},
+            "bf16_mpjax": {"plan": "no plugin"},
+            "f32": {"plan": too_big},
+            "bf16_hand": {"plan": tpu},
+        }
+    }
     lines = bench.plan_table(report)
-    assert "| 25.0% | 0.0% | 75.0% | 0.0% | 51 (48) | 4 / 4 | float32 | 300 |" in lines[-1]
-    assert lines[-2].endswith("| no plan: no plugin | | | | | | | |")
+    by_name = {line.split(" | ")[0].lstrip("| "): line for line in lines if line.startswith("| ")}
+    fp8_row = by_name[next(v.name for v in bench.VARIANTS if v.key == "fp8_mpjax")]
+    assert "| 25.0% | 0.0% | 75.0% | 0.0% | 51 (48) | 4 / 4 | float32 | 300 | - | - | - | - |" in (
+        fp8_row
+    )
+    tpu_row = by_name[next(v.name for v in bench.VARIANTS if v.key == "bf16_hand")]
+    assert tpu_row.endswith("| 2.50 GB (fits) | 102.4 ms | 33.0% | 33.7 ms |")
+    f32_row = by_name[next(v.name for v in bench.VARIANTS if v.key == "f32")]
+    assert "19.90 GB (does not fit)" in f32_row and f32_row.count("|") == lines[-1].count("|")
+    no_plan = by_name[next(v.name for v in bench.VARIANTS if v.key == "bf16_mpjax")]
+    assert "| no plan: no plugin |" in no_plan and no_plan.count("|") == lines[-1].count("|")
     assert bench.plan_table({"results": {"f32": {"plan": None}}}) == []
+
+
+NO_TPU_PLAN = mpjax.plan_unavailable("v5p")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NO_TPU_PLAN is not None, reason=f"the plan cannot compile: {NO_TPU_PLAN}")
+def test_plan_only_records_the_estimated_step_and_memory_on_a_tpu(tmp_path):
+    """``--plan v5p --plan-only`` compiles each JAX row for a v5p chip: every row gets XLA's
+    estimated step time and the MFU of the model FLOPs at it, the temporaries against the
+    chip's memory, and the roofline bound; bf16 rows put every matmul FLOP on bf16."""
+    keys = ("f32", "bf16_mpjax", "bf16_hand")
+    bench.main(["--plan", "v5p", "--plan-only", "--out-dir", str(tmp_path), "--variants", *keys])
+    report = json.loads((tmp_path / "cpu_tiny_plan.json").read_text())
+    for key in keys:
+        plan = report["results"][key]["plan"]
+        assert plan["source"] == "deviceless v5p" and plan["platform"] == "tpu"
+        assert plan["estimated_step_s"] > 0 and 0 < plan["estimated_mfu"] < 1
+        assert 0 < plan["roofline_step_s"] and plan["memory"]["fits"]
+    assert report["results"]["bf16_mpjax"]["plan"]["flop_share"]["bfloat16"] == 1.0
+    table = (tmp_path / "cpu_tiny_plan.md").read_text()
+    assert "estimated step" in table and "deviceless v5p" in table
 
 
 # ------------------------------------------------------------------- optimizer precision

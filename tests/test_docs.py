@@ -49,7 +49,7 @@ NEEDS = (
     ),
     (r"^\s*(import|from) jmp\b|\bto_jmp\(|\bfrom_jmp\(", "the jmp extra", _module_missing("jmp")),
     (r"^\s*(import|from) orbax\b", "the test extra", _module_missing("orbax.checkpoint")),
-    (r"\bmpjax\.gpu_plan\(", "the cuda12 extra (JAX's CUDA plugin)", mpjax.gpu_plan_unavailable),
+    (r"\bmpjax\.plan\(", "the cuda12 extra (JAX's CUDA plugin)", mpjax.plan_unavailable),
 )
 
 # Pages whose code trains or compiles several models (5 to 15 s each on 2 CPU cores with the
@@ -157,7 +157,7 @@ def test_blocks_that_need_an_extra_are_recognised():
         "the equinox extra": ("import equinox as eqx", "mpjax.equinox.apply_policy(m, p)"),
         "the jmp extra": ("import jmp", "policy.to_jmp()"),
         "the test extra": ("import orbax.checkpoint as ocp",),
-        "the cuda12 extra (JAX's CUDA plugin)": ('mpjax.gpu_plan(f, "h100")(x)',),
+        "the cuda12 extra (JAX's CUDA plugin)": ('mpjax.plan(f, "h100")(x)',),
     }
     assert set(cases) == set(needs)
     for extra, codes in cases.items():

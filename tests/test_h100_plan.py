@@ -1,6 +1,6 @@
 """The example's training step compiled for an H100, on this machine without one.
 
-What mpjax promises a GPU runs, checked in XLA's optimized GPU HLO (:func:`mpjax.gpu_plan`):
+What mpjax promises a GPU runs, checked in XLA's optimized GPU HLO (:func:`mpjax.plan`):
 under ``mixed_bfloat16`` every matmul FLOP has bf16 operands (Tensor Core GEMMs), attention is
 cuDNN's fused kernel forward and backward, and the embedding gradient's scatter-add
 accumulates in f32; under ``mixed_bfloat16_fp8``, and with delayed scaling (the train state
@@ -24,16 +24,16 @@ import numpy as np
 import pytest
 
 import mpjax
-from mpjax.inspection.gpu_plan import gpu_plan_unavailable
+from mpjax.inspection.plan import plan_unavailable
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import train_transformer as tt  # noqa: E402
 
-REASON = gpu_plan_unavailable()
+REASON = plan_unavailable()
 # Slow: each plan compiles a whole training step for the H100 (`python -m pytest -m slow`).
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(REASON is not None, reason=f"gpu_plan cannot run: {REASON}"),
+    pytest.mark.skipif(REASON is not None, reason=f"the plan cannot compile: {REASON}"),
 ]
 
 BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
@@ -58,7 +58,7 @@ def example_plan(preset, policy, scan_layers=False, triton_gemm=None):
     )
     tokens = jax.ShapeDtypeStruct((1, BATCH[preset], model_config.block_size), jnp.int32)
     step = tt.make_train_step(model, tx)
-    return model_config, mpjax.gpu_plan(step, triton_gemm=triton_gemm)(state, tokens, tokens)
+    return model_config, mpjax.plan(step, triton_gemm=triton_gemm)(state, tokens, tokens)
 
 
 def _executions(items, **match):

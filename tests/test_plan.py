@@ -1,7 +1,7 @@
-"""gpu_plan compiles for an H100 without one and reads what XLA's GPU compiler decided.
+"""mpjax.plan compiles for an H100 without one and reads what XLA's GPU compiler decided.
 
 The compile tests need JAX's CUDA plugin (``pip install "mpjax[cuda12]"``, no GPU needed) and
-skip with gpu_plan_unavailable's reason without it; the argument checks, the missing-plugin
+skip with plan_unavailable's reason without it; the argument checks, the missing-plugin
 errors and the text handling run everywhere. Shapes are tiny: each compile takes a fraction of
 a second.
 """
@@ -19,17 +19,18 @@ from jax import lax
 
 import mpjax
 from mpjax import jax_compat
-from mpjax.inspection.gpu_plan import TARGETS, GpuCompilerUnavailableError, gpu_plan_unavailable
 from mpjax.inspection.hlo_text import HloShape, parse_module
+from mpjax.inspection.plan import PlanUnavailableError, plan_unavailable
+from mpjax.inspection.targets import CHIPS
 
-# `mpjax.gpu_plan` is the function; the module is reached through sys.modules.
-gpu_plan_module = sys.modules["mpjax.inspection.gpu_plan"]
+# `mpjax.plan` is the function; the module is reached through sys.modules.
+plan_module = sys.modules["mpjax.inspection.plan"]
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:3])
-REASON = gpu_plan_unavailable()
-needs_compiler = pytest.mark.skipif(REASON is not None, reason=f"gpu_plan cannot run: {REASON}")
+REASON = plan_unavailable()
+needs_compiler = pytest.mark.skipif(REASON is not None, reason=f"the plan cannot compile: {REASON}")
 M, K, N = 32, 64, 16
 B, T, H, D = 2, 128, 4, 64
 
@@ -60,7 +61,7 @@ def entry_computation(plan):
 
 @needs_compiler
 def test_a_bf16_matmul_is_one_bf16_gemm_of_2mnk_flops():
-    plan = mpjax.gpu_plan(jnp.matmul)(sds((M, K), jnp.bfloat16), sds((K, N), jnp.bfloat16))
+    plan = mpjax.plan(jnp.matmul)(sds((M, K), jnp.bfloat16), sds((K, N), jnp.bfloat16))
     gemm = only(plan.gemms)
     assert (gemm.lhs_dtype, gemm.rhs_dtype) == (BF16, BF16)
     assert gemm.flops == 2 * M * N * K and gemm.executions == 1
@@ -75,7 +76,7 @@ def test_a_bf16_matmul_is_one_bf16_gemm_of_2mnk_flops():
 @needs_compiler
 def test_without_triton_gemms_a_bf16_matmul_goes_to_cublas():
     x, w = sds((M, K), jnp.bfloat16), sds((K, N), jnp.bfloat16)
-    plan = mpjax.gpu_plan(jnp.matmul, triton_gemm=False)(x, w)
+    plan = mpjax.plan(jnp.matmul, triton_gemm=False)(x, w)
     gemm = only(plan.gemms)
     # jax 0.8's XLA sends GEMMs that are not fp8 to legacy cuBLAS unless
     # xla_gpu_enable_cublaslt is set; by jax 0.10.2 cuBLASLt is what it picks.
@@ -89,14 +90,14 @@ def test_without_triton_gemms_a_bf16_matmul_goes_to_cublas():
     assert plan.custom_calls == 1
     # compiler_options reach the compile: cuBLASLt asked for by name, in every version.
     options = {"xla_gpu_enable_cublaslt": True}
-    lt = mpjax.gpu_plan(jnp.matmul, triton_gemm=False, compiler_options=options)(x, w)
+    lt = mpjax.plan(jnp.matmul, triton_gemm=False, compiler_options=options)(x, w)
     assert only(lt.gemms).library == "cublaslt"
     assert dict(lt.options) == {**options, "xla_gpu_enable_triton_gemm": False}
 
 
 @needs_compiler
 def test_an_f32_matmul_has_f32_operands():
-    plan = mpjax.gpu_plan(jnp.matmul)(sds((M, K), jnp.float32), sds((K, N), jnp.float32))
+    plan = mpjax.plan(jnp.matmul)(sds((M, K), jnp.float32), sds((K, N), jnp.float32))
     gemm = only(plan.gemms)
     assert (gemm.lhs_dtype, gemm.rhs_dtype) == (F32, F32)
     assert gemm.flops == 2 * M * N * K
@@ -106,7 +107,7 @@ def test_an_f32_matmul_has_f32_operands():
 @needs_compiler
 def test_cudnn_attention_is_one_fused_call_forward_and_one_backward():
     q = sds((B, T, H, D), jnp.bfloat16)
-    forward = mpjax.gpu_plan(attention)(q, q, q)
+    forward = mpjax.plan(attention)(q, q, q)
     call = only(forward.attention)
     assert call.target.startswith("__cudnn$fmha") and not call.backward
     assert call.dtype == BF16 and call.flops == 4 * B * H * T * T * D
@@ -115,7 +116,7 @@ def test_cudnn_attention_is_one_fused_call_forward_and_one_backward():
     def loss(q, k, v):
         return attention(q, k, v).astype(jnp.float32).sum()
 
-    backward = mpjax.gpu_plan(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q)
+    backward = mpjax.plan(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q)
     calls = {a.backward: a for a in backward.attention}
     assert sorted(calls) == [False, True]
     assert calls[True].target.endswith("Backward") and calls[True].dtype == BF16
@@ -128,7 +129,7 @@ def test_cudnn_attention_is_one_fused_call_forward_and_one_backward():
 @pytest.mark.parametrize("triton_gemm", [None, False])
 def test_an_fp8_dot_general_stays_an_fp8_gemm(triton_gemm):
     a, b = sds((M, K), jnp.float8_e4m3fn), sds((K, N), jnp.float8_e4m3fn)
-    plan = mpjax.gpu_plan(fp8_dot, triton_gemm=triton_gemm)(a, b)
+    plan = mpjax.plan(fp8_dot, triton_gemm=triton_gemm)(a, b)
     gemm = only(plan.gemms)
     assert (gemm.lhs_dtype, gemm.rhs_dtype, gemm.out_dtype) == (E4M3, E4M3, BF16)
     assert gemm.library == ("triton" if triton_gemm is None else "cublaslt_fp8")
@@ -142,7 +143,7 @@ def test_a_scatter_add_shows_with_the_dtype_it_accumulates_in():
     def embedding_grad(idx, rows):
         return jnp.zeros((50, 16), jnp.float32).at[idx].add(rows)
 
-    plan = mpjax.gpu_plan(embedding_grad)(sds((8,), jnp.int32), sds((8, 16), jnp.float32))
+    plan = mpjax.plan(embedding_grad)(sds((8,), jnp.int32), sds((8, 16), jnp.float32))
     scatter = only(plan.scatters)
     assert scatter.dtype == F32 and scatter.name in {
         i.name for i in entry_computation(plan).instructions
@@ -163,7 +164,7 @@ def test_flop_shares_over_the_operand_dtypes_sum_to_one():
         sds((2 * K, N), jnp.float32),
         sds((B, T, H, D), jnp.bfloat16),
     )
-    plan = mpjax.gpu_plan(mixed)(*args)
+    plan = mpjax.plan(mixed)(*args)
     by_dtype = plan.flops_by_dtype()
     bf16 = 2 * M * N * K + 4 * B * H * T * T * D
     assert by_dtype == {"bfloat16": bf16, "float32": 2 * M * N * 2 * K}
@@ -177,7 +178,7 @@ def test_gemms_in_a_scanned_loop_count_its_trip_count():
     def layers(ws, x):
         return lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
 
-    plan = mpjax.gpu_plan(layers, triton_gemm=False)(
+    plan = mpjax.plan(layers, triton_gemm=False)(
         sds((4, K, K), jnp.bfloat16), sds((M, K), jnp.bfloat16)
     )
     gemm = only(plan.gemms)
@@ -191,11 +192,11 @@ def test_arrays_pytrees_keywords_and_jitted_functions_with_static_arguments():
         return (x @ params["w"]) * scale
 
     params = {"w": jnp.ones((K, N), jnp.bfloat16)}  # concrete arrays: only shape and dtype count
-    plan = mpjax.gpu_plan(f)(params, jnp.ones((M, K), jnp.bfloat16), scale=2.0)
+    plan = mpjax.plan(f)(params, jnp.ones((M, K), jnp.bfloat16), scale=2.0)
     assert only(plan.gemms).flops == 2 * M * N * K
 
     jitted = jax.jit(lambda x, w, transpose: (x @ w.T) if transpose else x @ w, static_argnums=2)
-    plan = mpjax.gpu_plan(jitted)(sds((M, K), jnp.bfloat16), sds((N, K), jnp.bfloat16), True)
+    plan = mpjax.plan(jitted)(sds((M, K), jnp.bfloat16), sds((N, K), jnp.bfloat16), True)
     assert only(plan.gemms).flops == 2 * M * N * K
 
 
@@ -204,17 +205,17 @@ def test_arrays_pytrees_keywords_and_jitted_functions_with_static_arguments():
     "target, device", [("a100", "NVIDIA A100-SXM4-80GB"), ("h200", "NVIDIA H200 141GB HBM3e")]
 )
 def test_the_other_targets_compile(target, device):
-    plan = mpjax.gpu_plan(jnp.matmul, target.upper())(
+    plan = mpjax.plan(jnp.matmul, target.upper())(
         sds((M, K), jnp.bfloat16), sds((K, N), jnp.bfloat16)
     )
     assert (plan.target, plan.device) == (target, device)
     assert only(plan.gemms).lhs_dtype == BF16
-    assert set(TARGETS) == {"h100", "a100", "h200"}
+    assert {c for c in CHIPS if CHIPS[c].platform == "gpu"} == {"h100", "a100", "h200"}
 
 
 @needs_compiler
 def test_the_plan_is_a_value_with_a_table_and_a_json_form():
-    plan = mpjax.gpu_plan(fp8_dot, triton_gemm=False)(
+    plan = mpjax.plan(fp8_dot, triton_gemm=False)(
         sds((M, K), jnp.float8_e4m3fn), sds((K, N), jnp.float8_e4m3fn)
     )
     data = json.loads(json.dumps(plan.to_dict()))
@@ -237,10 +238,10 @@ def test_the_plan_is_a_value_with_a_table_and_a_json_form():
 def test_a_plan_reads_the_hlo_of_a_compile_on_the_gpu_itself():
     """On a GPU the benchmark reads the plan of the step it compiled (autotuned); the same
     HLO gives the same rows, and the plan says it was autotuned instead of deviceless."""
-    deviceless = mpjax.gpu_plan(fp8_dot, triton_gemm=False)(
+    deviceless = mpjax.plan(fp8_dot, triton_gemm=False)(
         sds((M, K), jnp.float8_e4m3fn), sds((K, N), jnp.float8_e4m3fn)
     )
-    plan = mpjax.GpuPlan.from_hlo_text(deviceless.hlo_text, device="NVIDIA H100 80GB HBM3")
+    plan = mpjax.Plan.from_hlo_text(deviceless.hlo_text, device="NVIDIA H100 80GB HBM3")
     assert plan.autotuned and not deviceless.autotuned
     assert (plan.gemms, plan.attention, plan.scatters) == (
         deviceless.gemms,
@@ -254,9 +255,9 @@ def test_a_plan_reads_the_hlo_of_a_compile_on_the_gpu_itself():
 
 def test_a_plan_from_hlo_text_needs_hlo_text():
     with pytest.raises(TypeError, match="HLO module's text, got bytes"):
-        mpjax.GpuPlan.from_hlo_text(b"HloModule m", device="x")
+        mpjax.Plan.from_hlo_text(b"HloModule m", device="x")
     with pytest.raises(ValueError, match="starts with 'HloModule'"):
-        mpjax.GpuPlan.from_hlo_text("module @jit_f {}", device="x")
+        mpjax.Plan.from_hlo_text("module @jit_f {}", device="x")
 
 
 # --- Errors -----------------------------------------------------------------------------------
@@ -264,28 +265,28 @@ def test_a_plan_from_hlo_text_needs_hlo_text():
 
 def test_an_unknown_target_is_a_value_error_naming_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown target 'v100'.*'a100', 'h100', 'h200'"):
-        mpjax.gpu_plan(jnp.matmul, "v100")
+        mpjax.plan(jnp.matmul, "v100")
     with pytest.raises(ValueError, match="unknown target"):
-        gpu_plan_unavailable("tpu")
+        plan_unavailable("tpu")
 
 
 def test_bad_arguments_are_type_errors_naming_them():
     with pytest.raises(
-        TypeError, match=r"gpu_plan\(fn\): fn must be the function to inspect, got 3 of type int"
+        TypeError, match=r"plan\(fn\): fn must be the function to inspect, got 3 of type int"
     ):
-        mpjax.gpu_plan(3)
+        mpjax.plan(3)
     with pytest.raises(TypeError, match="triton_gemm must be None, True or False"):
-        mpjax.gpu_plan(jnp.matmul, triton_gemm="off")
+        mpjax.plan(jnp.matmul, triton_gemm="off")
     with pytest.raises(TypeError, match="compiler_options must be a mapping"):
-        mpjax.gpu_plan(jnp.matmul, compiler_options=[("xla_gpu_enable_triton_gemm", False)])
+        mpjax.plan(jnp.matmul, compiler_options=[("xla_gpu_enable_triton_gemm", False)])
     with pytest.raises(ValueError, match="set one of them"):
-        mpjax.gpu_plan(
+        mpjax.plan(
             jnp.matmul, triton_gemm=False, compiler_options={"xla_gpu_enable_triton_gemm": True}
         )
 
 
 def test_flop_share_names_its_valid_choices():
-    plan = gpu_plan_module.GpuPlan("h100", "H100", jax.__version__, (), (), (), (), 0, 0)
+    plan = plan_module.Plan("h100", "H100", jax.__version__, (), (), (), (), 0, 0)
     assert plan.flop_share("fp8") == 0.0 and plan.total_flops == 0
     with pytest.raises(ValueError, match="'fp8' or a dtype"):
         plan.flop_share("int4ish")
@@ -293,20 +294,20 @@ def test_flop_share_names_its_valid_choices():
 
 @pytest.fixture
 def fresh_devices():
-    gpu_plan_module._device.cache_clear()
+    plan_module._devices.cache_clear()
     yield
-    gpu_plan_module._device.cache_clear()
+    plan_module._devices.cache_clear()
 
 
 def test_without_the_cuda_plugin_the_error_says_how_to_install_it(monkeypatch, fresh_devices):
     monkeypatch.setattr(jax_compat, "cuda_plugin_installed", lambda: False)
     x = sds((M, K), jnp.bfloat16)
-    with pytest.raises(GpuCompilerUnavailableError) as error:
-        mpjax.gpu_plan(jnp.matmul)(x, sds((K, N), jnp.bfloat16))
+    with pytest.raises(PlanUnavailableError) as error:
+        mpjax.plan(jnp.matmul)(x, sds((K, N), jnp.bfloat16))
     message = str(error.value)
     assert 'pip install "mpjax[cuda12]"' in message and "JAX_PLATFORMS=cpu" in message
     assert "without a GPU" in message
-    assert gpu_plan_unavailable() == message
+    assert plan_unavailable() == message
     assert isinstance(error.value, RuntimeError)
 
 
@@ -316,7 +317,7 @@ def test_a_plugin_that_did_not_start_gets_the_environment_variables(monkeypatch,
 
     monkeypatch.setattr(jax_compat, "cuda_plugin_installed", lambda: True)
     monkeypatch.setattr(jax_compat, "cuda_topology", not_registered)
-    reason = gpu_plan_unavailable("a100")
+    reason = plan_unavailable("a100")
     assert "did not start" in reason and "topology not implemented for cuda" in reason
     assert "JAX_PLATFORMS=cpu" in reason and "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1" in reason
 
@@ -333,6 +334,15 @@ def test_cuda_version_checks_are_skipped_only_where_no_cuda_platform_is_asked_fo
         monkeypatch.delenv("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", raising=False)
         jax_compat._skip_cuda_checks_off_cuda(platforms)
         assert "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" not in os.environ
+
+
+def test_libtpu_is_shared_between_processes_only_where_no_tpu_platform_is_asked_for(monkeypatch):
+    # Compile-only use needs no exclusive lock on libtpu: a benchmark's worker processes each
+    # compile for a TPU target while the parent has loaded libtpu too.
+    for platforms, shared in [("cpu", True), ("cuda,cpu", True), ("tpu,cpu", False), ("", False)]:
+        monkeypatch.delenv("ALLOW_MULTIPLE_LIBTPU_LOAD", raising=False)
+        jax_compat._share_libtpu_off_tpu(platforms)
+        assert ("ALLOW_MULTIPLE_LIBTPU_LOAD" in os.environ) == shared
 
 
 SPEC = """gpu_device_info {
@@ -361,7 +371,7 @@ def test_fields_an_old_jaxlib_lacks_are_dropped_blocks_included():
 
 @needs_compiler
 def test_an_unknown_field_of_the_target_description_is_dropped_and_named():
-    spec = gpu_plan_module._spec("h100").replace(
+    spec = plan_module._spec(CHIPS["h100"].spec).replace(
         "  core_count: 132\n", "  core_count: 132\n  no_such_field: 3\n  no_such_block {\n  }\n"
     )
     made = jax_compat.cuda_topology(spec)
@@ -371,7 +381,7 @@ def test_an_unknown_field_of_the_target_description_is_dropped_and_named():
     )
     # jaxlib 0.8.1 knows neither the finer GPU description nor where the CUDA version moved;
     # jax 0.12 knows the whole shipped spec.
-    dropped = jax_compat.cuda_topology(gpu_plan_module._spec("h100")).dropped
+    dropped = jax_compat.cuda_topology(plan_module._spec(CHIPS["h100"].spec)).dropped
     if JAX_VERSION < (0, 9):
         assert "GpuDeviceInfoProto.runtime_version" in dropped
     if JAX_VERSION >= (0, 12):
@@ -380,7 +390,7 @@ def test_an_unknown_field_of_the_target_description_is_dropped_and_named():
 
 @needs_compiler
 def test_old_jaxlibs_compile_untuned_and_print_through_a_dump():
-    mpjax.gpu_plan(jnp.matmul)(sds((M, K), jnp.bfloat16), sds((K, N), jnp.bfloat16))
+    mpjax.plan(jnp.matmul)(sds((M, K), jnp.bfloat16), sds((K, N), jnp.bfloat16))
     learned = jax_compat._deviceless
     # Seen in jax 0.8.1: Triton GEMMs want autotuning and the executable has no HLO text;
     # jax 0.10.2 and later need neither workaround.
@@ -432,7 +442,7 @@ def test_mixed_fp8_dots_compile_with_xla_defaults_exactly_where_jax_compat_says(
 
     args = sds((M, K), jnp.float8_e5m2), sds((K, N), jnp.float8_e4m3fn)
     try:
-        plan = mpjax.gpu_plan(mixed)(*args)
+        plan = mpjax.plan(mixed)(*args)
     except Exception as error:  # XLA's compile error; its type differs between versions
         assert not jax_compat.mixed_fp8_dots(), error
         assert "same types" in str(error)
@@ -440,5 +450,102 @@ def test_mixed_fp8_dots_compile_with_xla_defaults_exactly_where_jax_compat_says(
         assert jax_compat.mixed_fp8_dots()
         assert only(plan.gemms).lhs_dtype == np.dtype(jnp.float8_e5m2)
     # With Triton GEMMs off, cuBLASLt takes them in every version.
-    plan = mpjax.gpu_plan(mixed, triton_gemm=False)(*args)
+    plan = mpjax.plan(mixed, triton_gemm=False)(*args)
     assert only(plan.gemms).library in ("cublaslt_fp8", "cublas")
+
+
+# --- TPU targets ------------------------------------------------------------------------------
+# These compile with libtpu (`pip install "mpjax[tpu]"`, no TPU needed) and skip without it; CI
+# installs it and sets MPJAX_REQUIRE_TPU_PLAN, which turns a missing libtpu into an error.
+
+TPU_REASON = plan_unavailable("v5p")
+needs_libtpu = pytest.mark.skipif(
+    TPU_REASON is not None, reason=f"the plan cannot compile for a TPU: {TPU_REASON}"
+)
+
+
+@needs_libtpu
+def test_a_tpu_plan_reads_the_matrix_unit_matmuls_memory_and_xla_estimate():
+    p = mpjax.plan(jnp.matmul, "v5p")(sds((M * 8, K * 8), jnp.bfloat16), sds((K * 8, N * 8), BF16))
+    gemm = only(p.gemms)
+    assert (p.platform, p.target, p.devices) == ("tpu", "v5p", 1)
+    assert gemm.library == "mxu" and gemm.lhs_dtype == gemm.rhs_dtype == BF16
+    assert gemm.flops == 2 * (M * 8) * (N * 8) * (K * 8) == p.total_flops
+    assert p.flop_share(jnp.bfloat16) == 1.0
+    # XLA's estimate, the roofline bound at v5p's published bf16 peak, and the MFU between them.
+    assert p.estimated_seconds is not None and p.estimated_seconds > 0
+    assert p.roofline_seconds == pytest.approx(p.total_flops / CHIPS["v5p"].peak_flops["bf16"])
+    assert p.mfu() == pytest.approx(p.total_flops / (p.estimated_seconds * p.peak_flops))
+    assert p.mfu(model_flops=p.total_flops / 2) == pytest.approx(p.mfu() / 2)
+    assert p.memory.fits and p.memory.capacity_bytes == CHIPS["v5p"].hbm_bytes
+    assert p.memory.argument_bytes == 2 * (M * 8 * K * 8 + K * 8 * N * 8)
+    data = json.loads(json.dumps(p.to_dict()))
+    assert data["estimated_seconds"] == p.estimated_seconds and data["memory"]["fits"] is True
+    text = str(p)
+    assert "estimated time per call (XLA's cost model, an estimate)" in text
+    assert "roofline bound" in text and "TPU plan for v5p" in text
+    with pytest.raises(ValueError, match="model_flops must be a positive number"):
+        p.mfu(model_flops=-1)
+
+
+@needs_libtpu
+def test_a_tpu_batched_matmul_written_as_a_convolution_counts_only_what_it_sums():
+    # XLA's TPU compiler writes a batched matmul as a convolution whose batch dimensions are
+    # dilated windows: they sum over nothing, so the FLOPs are those of the batched matmul.
+    batch, i, j, k = 3, 128, 256, 64
+    p = mpjax.plan(lambda a, b: jnp.einsum("bij,bjk->bik", a, b), "v5p")(
+        sds((batch, i, j), jnp.bfloat16), sds((batch, j, k), jnp.bfloat16)
+    )
+    assert p.total_flops == 2 * batch * i * j * k
+
+
+@needs_libtpu
+def test_a_tpu_plan_shows_the_precision_of_each_float32_matmul():
+    x = sds((256, 256), jnp.float32)
+    default = mpjax.plan(jnp.matmul, "v5p")(x, x)
+    highest = mpjax.plan(lambda a, b: jnp.matmul(a, b, precision="highest"), "v5p")(x, x)
+    assert default.float32_precisions() == {"default": 2 * 256**3}
+    assert highest.float32_precisions() == {"highest": 2 * 256**3}
+    assert only(highest.gemms).precision == "highest"
+    # At HIGHEST a TPU multiplies float32 in six bf16 passes, one at DEFAULT: the roofline bound
+    # says so (XLA's own estimate may not).
+    assert highest.roofline_seconds == pytest.approx(6 * default.roofline_seconds)
+    assert "float32 matmuls at precision: highest 100.0%" in str(highest)
+
+
+@needs_libtpu
+def test_a_step_that_does_not_fit_says_by_how_much():
+    # 120,000 x 120,000 float32 scores: 57.6 GB of temporaries on a 16 GiB v5e.
+    p = mpjax.plan(lambda a: jnp.tanh(a @ a.T) @ a, "v5e")(sds((120_000, 1024), jnp.float32))
+    assert not p.compiled and not p.memory.fits and p.memory.margin_bytes < 0
+    assert 15 * 2**30 < p.memory.available_bytes <= CHIPS["v5e"].hbm_bytes
+    assert p.gemms == () and "does NOT fit" in str(p) and "missing" in str(p)
+
+
+@needs_libtpu
+def test_a_tpu_slice_plans_each_device_of_a_sharded_step():
+    mesh = mpjax.plan_mesh("v5p:2x2x1", (4,), ("data",))
+    assert mesh.devices.size == 4 and mesh.axis_names == ("data",)
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    x = jax.ShapeDtypeStruct((64, 512), jnp.bfloat16, sharding=sharded)
+    w = sds((512, 256), jnp.bfloat16)  # no sharding: replicated on the slice
+    p = mpjax.plan(jnp.matmul, "v5p:2x2x1")(x, w)
+    assert p.devices == 4 and p.total_flops == 2 * (64 // 4) * 512 * 256
+    with pytest.raises(ValueError, match="multiply to the 4 devices of 'v5p:2x2x1'"):
+        mpjax.plan_mesh("v5p:2x2x1", (3,), ("data",))
+
+
+def test_tpu_targets_are_checked_at_the_call():
+    for bad in ("v5p:2x2", "v9", "v5p:", "tpu"):
+        with pytest.raises(ValueError, match=r"unknown target .*'v5p:2x2x1'"):
+            mpjax.plan(jnp.matmul, bad)
+    with pytest.raises(ValueError, match="triton_gemm chooses between GPU GEMM libraries"):
+        mpjax.plan(jnp.matmul, "v5e", triton_gemm=False)
+
+
+def test_without_libtpu_the_error_says_how_to_install_it(monkeypatch, fresh_devices):
+    monkeypatch.setattr(jax_compat, "libtpu_installed", lambda: False)
+    reason = plan_unavailable("v6e")
+    assert 'pip install "mpjax[tpu]"' in reason and "JAX_PLATFORMS=cpu" in reason
+    with pytest.raises(PlanUnavailableError, match="libtpu, which is not installed"):
+        mpjax.plan(jnp.matmul, "v6e")(sds((M, K), jnp.bfloat16), sds((K, N), jnp.bfloat16))

@@ -6,9 +6,16 @@
   with each module's matmul dtypes.
 - :mod:`mpjax.inspection.matmuls`: ``inspect_matmuls`` (the jaxpr's matmuls), ``hlo_dots`` and
   ``hlo_op_counts`` (the compiled HLO's).
-- :mod:`mpjax.inspection.gpu_plan`: ``gpu_plan``, what an H100 (A100, H200) would run, compiled
-  without one from the target descriptions in ``gpu_targets/``; it reads HLO text with
-  :mod:`mpjax.inspection.hlo_text`.
+- :mod:`mpjax.inspection.plan`: ``plan``, what a GPU (H100, A100, H200) or a TPU (v4, v5e, v5p,
+  v6e, or a slice of them) would run, compiled without one: matmuls, fused attention, memory
+  per device, and on a TPU XLA's estimated time; ``plan_mesh`` gives a TPU slice's devices to
+  shard for.
+- :mod:`mpjax.inspection.plan_rows`: the parts of a plan read from the optimized HLO (GEMMs,
+  attention, scatters) and from XLA's memory analysis, with :mod:`mpjax.inspection.hlo_text`
+  parsing the HLO.
+- :mod:`mpjax.inspection.targets`: the chips a plan compiles for and their published figures
+  (memory, bandwidth, peak matmul rates), and the GPU descriptions in ``gpu_targets/``.
 
-A new plan target (another accelerator) goes here, beside :mod:`mpjax.inspection.gpu_plan`.
+A new plan target (another accelerator) goes in :mod:`mpjax.inspection.targets`, and what its
+HLO needs read in :mod:`mpjax.inspection.plan_rows`.
 """

@@ -479,7 +479,7 @@ def hlo_dots(fn: Callable[..., Any], /) -> Callable[..., HloDotReport]:
     GEMM on Hopper and Ada GPUs, or as scaled dequantizations, ``convert(fp8 value) *
     broadcast(scale)`` (possibly behind reshapes, transposes and other layout ops), which XLA's
     default flags run in the wider type. Use it to check that the matmuls of an fp8 policy
-    (:mod:`mpjax.fp8`) are written in fp8, forward and backward; :func:`mpjax.gpu_plan` shows
+    (:mod:`mpjax.fp8`) are written in fp8, forward and backward; :func:`mpjax.plan` shows
     what a GPU compile makes of them.
 
     Returns:

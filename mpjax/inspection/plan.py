@@ -1,21 +1,28 @@
-"""What a function would run on an H100 (or an A100, an H200), found on a machine without one.
+"""What a function would run on a GPU or a TPU, found on a machine without one.
 
-JAX's CUDA plugin (``pip install "mpjax[cuda12]"``, which installs on a machine without a GPU)
-compiles for a GPU described by a text file instead of one it finds: a *deviceless* compile.
-XLA's GPU compiler then makes the decisions that settle what mixed precision really costs: which
-matmuls become cuBLAS or Triton GEMMs and with which operand dtypes, whether attention becomes
-one cuDNN flash-attention call, in which dtype a scatter-add accumulates, how many kernels are
-left. :func:`gpu_plan` compiles a function that way and reads those decisions from the
-optimized HLO, as a :class:`GpuPlan`.
+JAX compiles for an accelerator it does not have: the CUDA plugin (``pip install
+"mpjax[cuda12]"``) for a GPU described by a text file, ``libtpu`` (``pip install
+"mpjax[tpu]"``) for a TPU slice named by its topology; both install on a machine without the
+hardware. XLA's compiler then makes the decisions that settle what mixed precision really
+costs: which matmuls run in which operand dtypes and at which float32 precision, whether
+attention becomes one fused kernel, in which dtype a scatter-add accumulates, how many kernels
+are left, how much memory each device needs. :func:`plan` compiles a function that way and
+reads those decisions from the optimized HLO and XLA's analyses, as a :class:`Plan`.
 
-What it cannot tell: without a GPU there is no autotuning, so Triton GEMMs keep an untuned tile
-and a real GPU may choose cuBLAS or Triton differently for each GEMM (compile with
-``triton_gemm=False`` to see every GEMM as cuBLAS); and nothing runs, so there are no timings.
+What is measured and what is estimated: the matmuls, attention kernels, scatters and memory
+are XLA's decisions for the target, read from the compile. Nothing runs, so there are no
+timings: on a TPU the plan carries XLA's own *estimate* of the run time (its cost model's
+``optimal_seconds``), and on every target a *roofline bound*, the matmul FLOPs at the chip's
+published peak rate for their dtypes. XLA's estimate models its own instructions; a custom
+call (a Pallas kernel) counts as much as the kernel's author declared, if anything. On a GPU
+there is no autotuning without one, so Triton GEMMs keep an untuned tile and a real GPU may
+choose cuBLAS or Triton differently for each GEMM (compile with ``triton_gemm=False`` to see
+every GEMM as cuBLAS).
 
 The GPU descriptions are XLA's own (``GpuTargetConfigProto`` text files from openxla/xla,
 ``xla/backends/gpu/target_config/specs/`` at commit ``4336d12e``, Apache-2.0, shipped in
-``mpjax/inspection/gpu_targets/``). What differs between JAX versions in this path (fields the installed
-jaxlib does not know, autotuning, reading the HLO back) is handled in :mod:`mpjax.jax_compat`.
+``mpjax/inspection/gpu_targets/``); the chips' figures are in :mod:`mpjax.inspection.targets`.
+What differs between JAX versions in this path is handled in :mod:`mpjax.jax_compat`.
 """
 
 from __future__ import annotations
@@ -23,150 +30,42 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.resources
-import math
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import topologies
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mpjax import jax_compat
-from mpjax.inspection.hlo_text import (
-    HloComputation,
-    HloInstruction,
-    HloModule,
-    HloShape,
-    parse_module,
-)
+from mpjax.inspection.hlo_text import parse_module
 from mpjax.inspection.matmuls import check_function
+from mpjax.inspection.plan_rows import (
+    PlanAttention,
+    PlanGemm,
+    PlanMemory,
+    PlanScatter,
+    memory_of,
+    out_of_memory,
+    read_module,
+)
+from mpjax.inspection.targets import CHIPS, Target, parse_target
 from mpjax.table import format_table
 
 __all__ = [
-    "GpuAttention",
-    "GpuCompilerUnavailableError",
-    "GpuGemm",
-    "GpuPlan",
-    "GpuScatter",
-    "LIBRARIES",
-    "TARGETS",
-    "gpu_plan",
-    "gpu_plan_unavailable",
+    "Plan",
+    "PlanUnavailableError",
+    "plan",
+    "plan_mesh",
+    "plan_unavailable",
 ]
 
-TARGETS = {"h100": "h100_sxm.txtpb", "a100": "a100_sxm_80.txtpb", "h200": "h200.txtpb"}
-"""The GPUs :func:`gpu_plan` compiles for (H100 SXM 80GB, A100 SXM 80GB, H200) and their
-description files in ``mpjax/inspection/gpu_targets/``."""
 
-LIBRARIES = ("cublaslt", "cublaslt_fp8", "cublas", "triton", "cudnn", "xla")
-"""What runs a :class:`GpuGemm`: cuBLASLt (``__cublas$lt$matmul``), its fp8 form
-(``__cublas$lt$matmul$f8``), legacy cuBLAS (``__cublas$gemm``), a Triton GEMM fusion, a cuDNN
-GEMM fusion, or XLA's own emitter (a ``dot`` left in place or inside an ordinary fusion)."""
-
-_LIMITS = (
-    "Limits: a deviceless compile (no GPU): no autotuning, so Triton GEMM tiles are untuned "
-    "and a real GPU may choose cuBLAS or Triton differently per GEMM; nothing ran, so no timings."
-)
-_LIMITS_AUTOTUNED = (
-    "Limits: read from a compile on the GPU itself (autotuned, as it runs); the plan has no "
-    "timings."
-)
-# Instructions whose called computations run as part of the caller's own sequence of kernels;
-# every other called computation (a fusion's body, a reducer) runs inside one kernel.
-_CONTROL_FLOW = frozenset({"while", "conditional", "call", "async-start"})
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_HLO_DTYPES = {"pred": "bool", "bf16": "bfloat16", "c64": "complex64", "c128": "complex128"}
-
-
-class GpuCompilerUnavailableError(RuntimeError):
-    """Raised by :func:`gpu_plan` when this machine's JAX cannot compile for a GPU: the CUDA
-    plugin is not installed or did not start. The message says what to do."""
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuGemm:
-    """One GEMM of a :class:`GpuPlan`.
-
-    Attributes:
-      name: the HLO instruction that launches it (a fusion or a custom call).
-      computation: the HLO computation holding that instruction (the entry computation, or a
-        loop body).
-      library: what runs it: ``"cublaslt"`` (``__cublas$lt$matmul``), ``"cublaslt_fp8"``
-        (``__cublas$lt$matmul$f8``), ``"cublas"`` (legacy ``__cublas$gemm``), ``"triton"`` (a
-        Triton GEMM fusion), ``"cudnn"`` (a cuDNN GEMM fusion) or ``"xla"`` (a ``dot`` XLA
-        emits itself, alone or inside an ordinary fusion); :data:`LIBRARIES` lists them.
-      lhs_dtype, rhs_dtype: the operand dtypes the GEMM reads.
-      out_dtype: the dtype it writes. A GEMM that XLA splits along its contracted dimension
-        (split-K, common for weight gradients) writes float32 partial sums, which a following
-        fusion adds and converts: its operands then show the split as an extra dimension.
-      flops: ``2 * prod(output dims) * prod(contracted dims)``, for one execution.
-      executions: how many times one call of the function runs it: the product of the trip
-        counts XLA knows for the loops around it (1 outside loops, and for a loop whose trip
-        count XLA does not know).
-      lhs_shape, rhs_shape: the operand shapes.
-      op_name: the JAX name of the operation it came from (``"jit(step)/.../dot_general"``),
-        when the HLO carries one.
-    """
-
-    name: str
-    computation: str
-    library: str
-    lhs_dtype: np.dtype
-    rhs_dtype: np.dtype
-    out_dtype: np.dtype
-    flops: int
-    executions: int = 1
-    lhs_shape: tuple[int, ...] = ()
-    rhs_shape: tuple[int, ...] = ()
-    op_name: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuAttention:
-    """One fused attention call of a :class:`GpuPlan` (a cuDNN ``__cudnn$fmha*`` custom call).
-
-    Attributes:
-      name: the HLO instruction.
-      target: the custom-call target, for example ``"__cudnn$fmhaSoftmax"`` or
-        ``"__cudnn$fmhaSoftmaxBackward"``; variants name dropout, scale, bias or mask.
-      backward: whether it is the backward pass.
-      dtype: the dtype of the queries.
-      flops: nominal matmul FLOPs for one execution, from the query and key shapes: two
-        GEMMs forward (``4*B*H*Tq*Tk*D``), four backward (``8*B*H*Tq*Tk*D``). A causal or other
-        mask is not discounted, and the backward pass's recomputation of the scores not added.
-      executions: as for :class:`GpuGemm`.
-      op_name: as for :class:`GpuGemm`.
-    """
-
-    name: str
-    target: str
-    backward: bool
-    dtype: np.dtype
-    flops: int
-    executions: int = 1
-    op_name: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuScatter:
-    """One scatter of a :class:`GpuPlan` (an embedding gradient's scatter-add, for one).
-
-    Attributes:
-      name: the HLO instruction that launches it (usually an ``input_scatter_fusion``).
-      computation: the computation holding that instruction.
-      dtype: the dtype of the array scattered into: the dtype the updates accumulate in.
-      executions: as for :class:`GpuGemm`.
-      op_name: as for :class:`GpuGemm`.
-    """
-
-    name: str
-    computation: str
-    dtype: np.dtype
-    executions: int = 1
-    op_name: str = ""
+class PlanUnavailableError(RuntimeError):
+    """Raised by :func:`plan` when this machine's JAX cannot compile for the target: the CUDA
+    plugin or libtpu is not installed, or did not start. The message says what to do."""
 
 
 def _flops_text(n: int) -> str:
@@ -174,6 +73,10 @@ def _flops_text(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.3g}{unit}"
     return str(n)
+
+
+def _seconds_text(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
 
 
 def _dtype_key(lhs: np.dtype, rhs: np.dtype) -> str:
@@ -203,18 +106,18 @@ def _shape_text(dtype: np.dtype, shape: tuple[int, ...]) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class GpuPlan:
-    """What a function compiles to for a GPU; made by :func:`gpu_plan`. ``str`` gives
-    :meth:`table`.
+class Plan:
+    """What a function compiles to for a GPU or a TPU; made by :func:`plan`. ``str`` gives
+    :meth:`table`. Everything is per device.
 
     Attributes:
-      target: the target's name (``"h100"``).
-      device: the GPU the target describes (``"NVIDIA H100 80GB HBM3"``).
+      target: the target's name (``"h100"``, ``"v5p"``, ``"v5p:2x2x1"``).
+      device: the device the target describes (``"NVIDIA H100 80GB HBM3"``, ``"TPU v5"``).
       jax_version: the JAX that compiled it.
       options: the XLA options the compile was given, as sorted ``(name, value)`` pairs.
-      gemms: every GEMM, in HLO order (:class:`GpuGemm`).
-      attention: every fused attention call (:class:`GpuAttention`).
-      scatters: every scatter (:class:`GpuScatter`).
+      gemms: every matmul kernel, in HLO order (:class:`PlanGemm`).
+      attention: every fused attention kernel (:class:`PlanAttention`).
+      scatters: every scatter (:class:`PlanScatter`).
       fusions: the number of ``fusion`` instructions in the computations that launch kernels
         (the entry computation and the bodies and branches of its loops and conditionals, not
         the computations fused into a kernel), each counted once however often its loop runs.
@@ -222,30 +125,48 @@ class GpuPlan:
         ``fusions + custom_calls`` is close to the number of kernels (collectives and copies
         aside).
       custom_calls: the number of ``custom-call`` instructions there (cuBLAS GEMMs, cuDNN
-        attention and other library calls), counted the same way.
+        attention, Pallas kernels and other library calls), counted the same way.
       hlo_text: the optimized HLO the plan was read from.
       autotuned: whether that HLO came from a compile on the GPU itself
         (:meth:`from_hlo_text`), where XLA autotunes each GEMM, rather than from a deviceless
-        compile (:func:`gpu_plan`).
+        compile (:func:`plan`).
+      platform: ``"gpu"`` or ``"tpu"``.
+      devices: how many devices the compile was for.
+      memory: what each device holds (:class:`PlanMemory`), or None where XLA gave no memory
+        analysis (old jaxlibs' deviceless GPU compiles).
+      estimated_seconds: XLA's estimate of one call's time (TPU only: its cost model's
+        ``optimal_seconds``; None on a GPU). An estimate, not a measurement.
+      bytes_accessed: the memory traffic XLA's cost model counts for one call (TPU only).
+      peak_flops: the device's peak bfloat16 matmul rate, FLOP/s (its chip's, divided among the
+        chip's cores where the target has several devices per chip).
+      compiled: False when the compile failed for lack of memory (TPU): then ``memory`` says by
+        how much, and nothing else was read.
     """
 
     target: str
     device: str
     jax_version: str
     options: tuple[tuple[str, Any], ...]
-    gemms: tuple[GpuGemm, ...]
-    attention: tuple[GpuAttention, ...]
-    scatters: tuple[GpuScatter, ...]
+    gemms: tuple[PlanGemm, ...]
+    attention: tuple[PlanAttention, ...]
+    scatters: tuple[PlanScatter, ...]
     fusions: int
     custom_calls: int
     hlo_text: str = dataclasses.field(default="", repr=False, compare=False)
     autotuned: bool = False
+    platform: str = "gpu"
+    devices: int = 1
+    memory: PlanMemory | None = None
+    estimated_seconds: float | None = None
+    bytes_accessed: float | None = None
+    peak_flops: float | None = None
+    compiled: bool = True
 
     @classmethod
-    def from_hlo_text(cls, hlo_text: str, *, device: str, target: str = "") -> GpuPlan:
+    def from_hlo_text(cls, hlo_text: str, *, device: str, target: str = "") -> Plan:
         """The plan of an optimized GPU HLO module given as text: on a GPU, that of a compiled
         step, ``jax.jit(step).lower(*args).compile().as_text()``, which XLA autotuned for that
-        GPU (what :func:`gpu_plan` cannot see without one).
+        GPU (what :func:`plan` cannot see without one).
 
         Args:
           hlo_text: the optimized HLO module's text.
@@ -258,11 +179,11 @@ class GpuPlan:
         """
         if not isinstance(hlo_text, str):
             raise TypeError(
-                f"GpuPlan.from_hlo_text takes the HLO module's text, got {type(hlo_text).__name__}."
+                f"Plan.from_hlo_text takes the HLO module's text, got {type(hlo_text).__name__}."
             )
         if "HloModule" not in hlo_text:
             raise ValueError(
-                "GpuPlan.from_hlo_text takes an optimized HLO module's text (it starts with "
+                "Plan.from_hlo_text takes an optimized HLO module's text (it starts with "
                 f"'HloModule'), got {hlo_text[:60]!r}."
             )
         return cls(
@@ -272,29 +193,39 @@ class GpuPlan:
             options=(),
             hlo_text=hlo_text,
             autotuned=True,
-            **_read(parse_module(hlo_text)),
+            **read_module(parse_module(hlo_text), "gpu"),
         )
 
-    def _matmuls(self) -> Iterator[tuple[np.dtype, np.dtype, int]]:
+    def _matmuls(self) -> Iterator[tuple[np.dtype, np.dtype, int, str]]:
         for g in self.gemms:
-            yield g.lhs_dtype, g.rhs_dtype, g.flops * g.executions
+            yield g.lhs_dtype, g.rhs_dtype, g.flops * g.executions, g.precision
         for a in self.attention:
-            yield a.dtype, a.dtype, a.flops * a.executions
+            yield a.dtype, a.dtype, a.flops * a.executions, "default"
 
     @property
     def total_flops(self) -> int:
         """The matmul FLOPs of one call: GEMMs and fused attention, loop trip counts
         included."""
-        return sum(flops for _, _, flops in self._matmuls())
+        return sum(flops for _, _, flops, _ in self._matmuls())
 
     def flops_by_dtype(self) -> dict[str, int]:
         """Matmul FLOPs (GEMMs and fused attention, loop trip counts included) by operand
         dtype: ``"bfloat16"`` when both operands have that dtype, ``"float8_e4m3fn x
         float8_e5m2"`` when they differ. Largest first."""
         totals: dict[str, int] = {}
-        for lhs, rhs, flops in self._matmuls():
+        for lhs, rhs, flops, _ in self._matmuls():
             key = _dtype_key(lhs, rhs)
             totals[key] = totals.get(key, 0) + flops
+        return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+    def float32_precisions(self) -> dict[str, int]:
+        """The matmul FLOPs with a float32 operand by the precision they run at
+        (``"default"``, ``"high"``, ``"highest"``, or a dot algorithm): what "float32" means
+        there. Largest first; empty without float32 matmuls."""
+        totals: dict[str, int] = {}
+        for lhs, rhs, flops, precision in self._matmuls():
+            if np.dtype(np.float32) in (lhs, rhs):
+                totals[precision] = totals.get(precision, 0) + flops
         return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
     def flop_share(self, dtype: Any) -> float:
@@ -328,18 +259,93 @@ class GpuPlan:
         total = self.total_flops
         if total == 0:
             return 0.0
-        hits = sum(f for lhs, rhs, f in self._matmuls() if matches(lhs) and matches(rhs))
+        hits = sum(f for lhs, rhs, f, _ in self._matmuls() if matches(lhs) and matches(rhs))
         return hits / total
+
+    @property
+    def roofline_seconds(self) -> float | None:
+        """A lower bound on one call's time: each matmul's FLOPs at the device's published
+        peak for its operand dtypes and float32 precision, summed; memory traffic and
+        everything that is no matmul taken as free. None for a plan read from HLO text alone
+        (no target figures). A bound computed from the plan, not a measurement."""
+        target = _known_target(self.target)
+        if target is None:
+            return None
+        share = self.peak_flops / target.chip.peak_flops["bf16"] if self.peak_flops else 1
+        return sum(
+            flops / (target.peak_flops(lhs.name, rhs.name, precision) * share)
+            for lhs, rhs, flops, precision in self._matmuls()
+        )
+
+    def mfu(self, model_flops: float | None = None) -> float | None:
+        """The estimated model FLOPs utilization: ``model_flops`` (per device per call; by
+        default the plan's own matmul FLOPs, which count recomputation too) over XLA's
+        estimated time at the device's bfloat16 peak. None without an estimate (GPU targets).
+        An estimate, since the time is.
+
+        Raises:
+          ValueError: if ``model_flops`` is not a positive number.
+        """
+        if model_flops is not None and (
+            isinstance(model_flops, bool)
+            or not isinstance(model_flops, (int, float))
+            or model_flops <= 0
+        ):
+            raise ValueError(
+                f"Plan.mfu: model_flops must be a positive number of FLOPs, got {model_flops!r}."
+            )
+        if not self.estimated_seconds or not self.peak_flops:
+            return None
+        flops = self.total_flops if model_flops is None else model_flops
+        return flops / (self.estimated_seconds * self.peak_flops)
 
     def __str__(self) -> str:
         return self.table()
 
+    def summary(self) -> str:
+        """The verdict lines: memory against the device's, the estimated time and MFU, the
+        roofline bound and the FLOP shares by dtype and by float32 precision."""
+        lines = []
+        if self.memory is not None:
+            lines.append(str(self.memory))
+        if not self.compiled:
+            lines.append("the compile stopped there: nothing else to read")
+            return "\n".join(lines)
+        if self.estimated_seconds is not None:
+            mfu = self.mfu()
+            lines.append(
+                f"estimated time per call (XLA's cost model, an estimate): "
+                f"{_seconds_text(self.estimated_seconds)}"
+                + (f", estimated MFU {mfu:.1%} of the bf16 peak" if mfu is not None else "")
+            )
+        roofline = self.roofline_seconds
+        if roofline:
+            lines.append(
+                f"roofline bound (matmul FLOPs at the published peaks): {_seconds_text(roofline)}"
+            )
+        total = self.total_flops
+        if total:
+            shares = ", ".join(
+                f"{key} {flops / total:.1%}" for key, flops in self.flops_by_dtype().items()
+            )
+            lines.append(f"matmul FLOPs: {_flops_text(total)} ({shares})")
+            precisions = self.float32_precisions()
+            if precisions:
+                f32 = sum(precisions.values())
+                lines.append(
+                    "float32 matmuls at precision: "
+                    + ", ".join(f"{k} {v / f32:.1%}" for k, v in precisions.items())
+                )
+        return "\n".join(lines)
+
     def table(self) -> str:
         """The plan as text: the GEMMs, the fused attention, the scatters, the kernel counts,
-        the FLOP shares by operand dtype and the limits of a compile without a GPU."""
+        the summary (:meth:`summary`) and the limits of the compile."""
         options = ", ".join(f"{k}={v}" for k, v in self.options) or "XLA's defaults"
+        where = f"{self.devices} devices" if self.devices > 1 else "one device"
         parts = [
-            f"GPU plan for {self.target} ({self.device}), jax {self.jax_version}, {options}",
+            f"{self.platform.upper()} plan for {self.target} ({self.device}, {where}), jax "
+            f"{self.jax_version}, {options}",
             "",
         ]
         gemms = [
@@ -350,6 +356,7 @@ class GpuPlan:
                 _shape_text(g.lhs_dtype, g.lhs_shape),
                 _shape_text(g.rhs_dtype, g.rhs_shape),
                 g.out_dtype.name,
+                g.precision if np.dtype(np.float32) in (g.lhs_dtype, g.rhs_dtype) else "",
                 _flops_text(g.flops),
                 str(g.executions),
             )
@@ -367,278 +374,106 @@ class GpuPlan:
             for a in self.attention
         ]
         scatters = [(s.name, s.computation, s.dtype.name, str(s.executions)) for s in self.scatters]
-        parts += _section(
-            ("GEMM", "computation", "library", "lhs", "rhs", "out", "FLOPs", "runs"), gemms
-        ) or ["no GEMMs", ""]
+        header = ("GEMM", "computation", "library", "lhs", "rhs", "out", "f32 precision")
+        parts += _section(header + ("FLOPs", "runs"), gemms) or (
+            ["no GEMMs", ""] if self.compiled else []
+        )
         parts += _section(("attention", "target", "pass", "dtype", "FLOPs", "runs"), attention)
         parts += _section(("scatter", "computation", "dtype", "runs"), scatters)
-        fusions = f"{self.fusions} fusion{'s' * (self.fusions != 1)}"
-        calls = f"{self.custom_calls} custom call{'s' * (self.custom_calls != 1)}"
-        parts.append(f"kernels: {fusions}, {calls}")
-        total = self.total_flops
-        if total:
-            shares = ", ".join(
-                f"{key} {flops / total:.1%}" for key, flops in self.flops_by_dtype().items()
-            )
-            parts.append(f"matmul FLOPs: {_flops_text(total)} ({shares})")
+        if self.compiled:
+            fusions = f"{self.fusions} fusion{'s' * (self.fusions != 1)}"
+            calls = f"{self.custom_calls} custom call{'s' * (self.custom_calls != 1)}"
+            parts.append(f"kernels: {fusions}, {calls}")
+        parts += [line for line in self.summary().split("\n") if line]
         parts.append(self.limits)
         return "\n".join(parts)
 
     @property
     def limits(self) -> str:
         """What the plan cannot tell, as the table's last line says it."""
-        return _LIMITS_AUTOTUNED if self.autotuned else _LIMITS
+        if self.autotuned:
+            return (
+                "Limits: read from a compile on the GPU itself (autotuned, as it runs); the plan "
+                "has no timings."
+            )
+        if self.platform == "tpu":
+            return (
+                "Limits: a compile without a TPU: nothing ran, so times are XLA's estimate and a "
+                "roofline bound, not measurements; a custom call (a Pallas kernel) counts in the "
+                "estimate only as much as its own cost estimate says."
+            )
+        return (
+            "Limits: a deviceless compile (no GPU): no autotuning, so Triton GEMM tiles are "
+            "untuned and a real GPU may choose cuBLAS or Triton differently per GEMM; nothing "
+            "ran, so no timings (the roofline bound is computed, not measured)."
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-serialisable data: the fields (dtypes as names, the HLO text
-        left out), ``flops_by_dtype`` and ``limits``."""
-
+        left out), ``flops_by_dtype``, the float32 precisions, the estimates (each named an
+        estimate or a bound) and ``limits``."""
+        memory = None
+        if self.memory is not None:
+            memory = {
+                **dataclasses.asdict(self.memory),
+                "total_bytes": self.memory.total_bytes,
+                "fits": self.memory.fits,
+                "margin_bytes": self.memory.margin_bytes,
+            }
         return {
             "target": self.target,
             "device": self.device,
+            "platform": self.platform,
+            "devices": self.devices,
             "jax_version": self.jax_version,
             "options": dict(self.options),
+            "compiled": self.compiled,
             "gemms": [_row(g) for g in self.gemms],
             "attention": [_row(a) for a in self.attention],
             "scatters": [_row(s) for s in self.scatters],
             "fusions": self.fusions,
             "custom_calls": self.custom_calls,
             "flops_by_dtype": self.flops_by_dtype(),
+            "float32_precisions": self.float32_precisions(),
+            "memory": memory,
+            "estimated_seconds": self.estimated_seconds,
+            "estimated_mfu": self.mfu(),
+            "bytes_accessed": self.bytes_accessed,
+            "roofline_seconds": self.roofline_seconds,
+            "peak_flops": self.peak_flops,
             "autotuned": self.autotuned,
             "limits": self.limits,
         }
 
 
-# --- Reading the optimized HLO --------------------------------------------------------------
-
-
-def _np_dtype(hlo_type: str) -> np.dtype:
-    """The NumPy dtype of an HLO element type: ``bf16`` -> bfloat16, ``f8e4m3fn`` ->
-    float8_e4m3fn."""
-    name = _HLO_DTYPES.get(hlo_type)
-    if name is None:
-        match = re.fullmatch(r"([fsu])(\d+)(.*)", hlo_type)
-        if match is None:
-            raise ValueError(f"unknown HLO element type {hlo_type!r}")
-        kind = {"f": "float", "s": "int", "u": "uint"}[match[1]]
-        name = f"{kind}{match[2]}" + (f"_{match[3]}" if match[3] else "")
-    return np.dtype(jnp.dtype(name))
-
-
-def _dims(value: str | None) -> tuple[int, ...]:
-    """``"{1,2}"`` as ``(1, 2)``."""
-    return tuple(int(d) for d in (value or "").strip("{}").split(",") if d.strip())
-
-
-def _prod(values: Any) -> int:
-    return math.prod(int(v) for v in values)
-
-
-def _op_name(inst: HloInstruction) -> str:
-    match = _OP_NAME.search(inst.attribute("metadata") or "")
-    return match[1] if match else ""
-
-
-def _fusion_kind(inst: HloInstruction) -> str:
-    """A fusion's backend kind (``"__triton_gemm"``, ``"__cudnn$fusion"``), or ``""``."""
-    config = inst.backend_config().get("fusion_backend_config", {})
-    return str(config.get("kind", "")) if isinstance(config, dict) else ""
-
-
-def _fusion_library(kind: str) -> str:
-    if "triton" in kind:
-        return "triton"
-    if "cudnn" in kind:
-        return "cudnn"
-    return "xla"
-
-
-def _cublas_library(target: str) -> str:
-    if target.startswith("__cublas$lt$matmul$f8"):
-        return "cublaslt_fp8"
-    if target.startswith("__cublas$lt$matmul"):
-        return "cublaslt"
-    return "cublas"
-
-
-def _kernel_computations(module: HloModule) -> dict[str, int]:
-    """The computations that launch kernels, each with how many times one call runs it:
-    the entry, and what its loops, conditionals and calls run (a while body times its known
-    trip count)."""
-    executions = {module.entry: 1}
-    todo = [module.entry]
-    while todo:
-        computation = module.computations[todo.pop()]
-        for inst in computation.instructions:
-            if inst.opcode not in _CONTROL_FLOW:
-                continue
-            times = 1
-            if inst.opcode == "while":
-                count = inst.backend_config().get("known_trip_count", {})
-                times = int(count.get("n", 1)) if isinstance(count, dict) else 1
-            for callee in inst.called_computations():
-                if callee in module.computations and callee not in executions:
-                    executions[callee] = executions[computation.name] * times
-                    todo.append(callee)
-    return executions
-
-
-def _inside(module: HloModule, inst: HloInstruction) -> Iterator[tuple[HloInstruction, str]]:
-    """Every instruction of the computations ``inst`` calls, nested calls included, with the
-    name of the computation holding it."""
-    seen: set[str] = set()
-    todo = list(inst.called_computations())
-    while todo:
-        name = todo.pop(0)
-        if name in seen or name not in module.computations:
-            continue
-        seen.add(name)
-        for inner in module.computations[name].instructions:
-            yield inner, name
-            todo += inner.called_computations()
-
-
-def _gemm(
-    computation: HloComputation,
-    inst: HloInstruction,
-    contracting: tuple[int, ...],
-    name: str,
-    where: str,
-    library: str,
-    executions: int,
-) -> GpuGemm | None:
-    lhs, rhs = computation.operand_shape(inst, 0), computation.operand_shape(inst, 1)
-    if lhs is None or rhs is None or not inst.shapes:
+def _known_target(name: str) -> Target | None:
+    """The target ``name`` names, or None for a name a plan read from HLO text was given."""
+    try:
+        return parse_target(name)
+    except ValueError:
         return None
-    out = inst.shapes[0]
-    return GpuGemm(
-        name=name,
-        computation=where,
-        library=library,
-        lhs_dtype=_np_dtype(lhs.dtype),
-        rhs_dtype=_np_dtype(rhs.dtype),
-        out_dtype=_np_dtype(out.dtype),
-        flops=2 * out.size * _prod(lhs.dims[d] for d in contracting),
-        executions=executions,
-        lhs_shape=lhs.dims,
-        rhs_shape=rhs.dims,
-        op_name=_op_name(inst),
-    )
-
-
-def _attention_flops(q: HloShape, k: HloShape, config: Mapping[str, Any], backward: bool) -> int:
-    # The backward call carries no bmm1 numbers; its bmm2_grad_gemm2 (dO x V^T) has the same
-    # dimension layout as bmm1 (Q x K^T), so it reads the query and key shapes the same way.
-    # Without either (an unknown version), JAX's default layout BTNH is assumed.
-    numbers = config.get("bmm1_dot_dimension_numbers") or config.get(
-        "bmm2_grad_gemm2_dot_dimension_numbers", {}
-    )
-    lhs_batch = tuple(int(d) for d in numbers.get("lhs_batch_dimensions", (0, 2)))
-    lhs_contracting = tuple(int(d) for d in numbers.get("lhs_contracting_dimensions", (3,)))
-    rhs_batch = tuple(int(d) for d in numbers.get("rhs_batch_dimensions", (0, 2)))
-    rhs_contracting = tuple(int(d) for d in numbers.get("rhs_contracting_dimensions", (3,)))
-    batch = _prod(q.dims[d] for d in lhs_batch)
-    head = _prod(q.dims[d] for d in lhs_contracting)
-    tq = _prod(s for d, s in enumerate(q.dims) if d not in lhs_batch + lhs_contracting)
-    tk = _prod(s for d, s in enumerate(k.dims) if d not in rhs_batch + rhs_contracting)
-    return (4 if backward else 2) * 2 * batch * tq * tk * head
-
-
-def _row_of(
-    inst: HloInstruction,
-    computation: HloComputation,
-    *,
-    kernel: HloInstruction,
-    where: str,
-    library: str,
-    executions: int,
-) -> GpuGemm | GpuAttention | GpuScatter | None:
-    """What ``inst``, an instruction of ``computation`` run by the kernel ``kernel`` of the
-    computation ``where``, adds to a plan, if anything."""
-    target = inst.custom_call_target or ""
-    if inst.opcode == "dot":
-        contracting = _dims(inst.attribute("lhs_contracting_dims"))
-        return _gemm(computation, inst, contracting, kernel.name, where, library, executions)
-    if target.startswith("__cublas$"):
-        config = inst.backend_config().get("gemm_backend_config")
-        if not isinstance(config, dict) or "dot_dimension_numbers" not in config:
-            return None  # a cuBLAS call that is no GEMM (a triangular solve)
-        numbers = config["dot_dimension_numbers"]
-        contracting = tuple(int(d) for d in numbers["lhs_contracting_dimensions"])
-        library = _cublas_library(target)
-        return _gemm(computation, inst, contracting, kernel.name, where, library, executions)
-    if target.startswith("__cudnn$fmha"):
-        q, k = computation.operand_shape(inst, 0), computation.operand_shape(inst, 1)
-        if q is None or k is None:
-            return None
-        backward = "Backward" in target
-        config = inst.backend_config().get("cudnn_fmha_backend_config", {})
-        return GpuAttention(
-            name=kernel.name,
-            target=target,
-            backward=backward,
-            dtype=_np_dtype(q.dtype),
-            flops=_attention_flops(q, k, config, backward),
-            executions=executions,
-            op_name=_op_name(inst),
-        )
-    if inst.opcode == "scatter" and inst.shapes:
-        dtype = _np_dtype(inst.shapes[0].dtype)
-        return GpuScatter(kernel.name, where, dtype, executions, _op_name(inst))
-    return None
-
-
-def _read(module: HloModule) -> dict[str, Any]:
-    """The fields of a :class:`GpuPlan` that the optimized ``module`` decides."""
-    rows: list[GpuGemm | GpuAttention | GpuScatter] = []
-    fusions = custom_calls = 0
-    for where, executions in _kernel_computations(module).items():
-        for kernel in module.computations[where].instructions:
-            if kernel.opcode == "fusion":
-                fusions += 1
-                library = _fusion_library(_fusion_kind(kernel))
-                found = list(_inside(module, kernel))
-            elif kernel.opcode in ("custom-call", "dot", "scatter"):
-                if kernel.opcode == "custom-call":
-                    custom_calls += 1
-                library = "xla"  # for a dot left unfused: XLA's own emitter runs it
-                found = [(kernel, where)]
-            else:
-                continue
-            for inst, holder in found:
-                row = _row_of(
-                    inst,
-                    module.computations[holder],
-                    kernel=kernel,
-                    where=where,
-                    library=library,
-                    executions=executions,
-                )
-                if row is not None:
-                    rows.append(row)
-    return {
-        "gemms": tuple(r for r in rows if isinstance(r, GpuGemm)),
-        "attention": tuple(r for r in rows if isinstance(r, GpuAttention)),
-        "scatters": tuple(r for r in rows if isinstance(r, GpuScatter)),
-        "fusions": fusions,
-        "custom_calls": custom_calls,
-    }
 
 
 # --- Compiling ------------------------------------------------------------------------------
 
 
-def _spec(target: str) -> str:
-    return (
-        importlib.resources.files("mpjax.inspection") / "gpu_targets" / TARGETS[target]
-    ).read_text()
+def _spec(name: str) -> str:
+    return (importlib.resources.files("mpjax.inspection") / "gpu_targets" / name).read_text()
 
 
-_NOT_INSTALLED = (
-    "mpjax.gpu_plan compiles with JAX's CUDA plugin, which is not installed. It installs on a "
-    'machine without a GPU too: pip install "mpjax[cuda12]" (which is jax[cuda12]). Set '
-    "JAX_PLATFORMS=cpu in the environment so that JAX keeps computing on the CPU."
-)
+_NOT_INSTALLED = {
+    "gpu": (
+        "mpjax.plan compiles for a GPU with JAX's CUDA plugin, which is not installed. It "
+        'installs on a machine without a GPU too: pip install "mpjax[cuda12]" (which is '
+        "jax[cuda12]). Set JAX_PLATFORMS=cpu in the environment so that JAX keeps computing on "
+        "the CPU."
+    ),
+    "tpu": (
+        "mpjax.plan compiles for a TPU with libtpu, which is not installed. It installs on a "
+        'machine without a TPU too: pip install "mpjax[tpu]" (which is jax[tpu]). Set '
+        "JAX_PLATFORMS=cpu in the environment so that JAX keeps computing on the CPU."
+    ),
+}
 _NOT_STARTED = (
     "JAX's CUDA plugin is installed but did not start, so JAX cannot compile for a GPU: {error}\n"
     "Without a GPU the plugin's check of the local CUDA installation fails. Set "
@@ -649,127 +484,184 @@ _NOT_STARTED = (
 
 
 @functools.cache
-def _device(target: str) -> tuple[NamedSharding, str]:
-    """The replicated sharding over one compile-only ``target`` GPU, and the GPU's name."""
-    spec = _spec(target)
+def _devices(name: str) -> tuple[tuple[Any, ...], str, int]:
+    """The compile-only devices of the target ``name``, the device's name, and how many
+    devices share a chip."""
+    target = parse_target(name)
+    if target.platform == "gpu":
+        if not jax_compat.cuda_plugin_installed():
+            raise PlanUnavailableError(_NOT_INSTALLED["gpu"])
+        spec = _spec(target.chip.spec)
+        try:
+            topology = jax_compat.cuda_topology(spec).topology
+        except NotImplementedError as error:
+            raise PlanUnavailableError(_NOT_STARTED.format(error=error)) from error
+        except Exception as error:
+            raise PlanUnavailableError(
+                f"JAX's CUDA plugin could not make a compile-only {name} device: {error}"
+            ) from error
+        match = re.search(r'device_description_str:\s*"([^"]*)"', spec)
+        return tuple(topology.devices), match[1] if match else name, 1
+    if not jax_compat.libtpu_installed():
+        raise PlanUnavailableError(_NOT_INSTALLED["tpu"])
     try:
-        topology = jax_compat.cuda_topology(spec).topology
-    except NotImplementedError as error:
-        raise GpuCompilerUnavailableError(_NOT_STARTED.format(error=error)) from error
+        devices = tuple(jax_compat.tpu_topology(target.topology).devices)
     except Exception as error:
-        raise GpuCompilerUnavailableError(
-            f"JAX's CUDA plugin could not make a compile-only {target} device: {error}"
+        raise PlanUnavailableError(
+            f"libtpu could not make the compile-only TPU slice {target.topology!r}: {error}"
         ) from error
-    mesh = topologies.make_mesh(topology, (1,), ("gpu",))
-    match = re.search(r'device_description_str:\s*"([^"]*)"', spec)
-    return NamedSharding(mesh, PartitionSpec()), match[1] if match else target
+    # A chip whose cores are devices of their own (v4's two) shares its HBM and peak among
+    # them; a plan for one chip compiles for its first device.
+    first = tuple(getattr(devices[0], "coords", ()))
+    per_chip = sum(tuple(getattr(d, "coords", ())) == first for d in devices)
+    if target.name in CHIPS:
+        devices = devices[:1]
+    return devices, devices[0].device_kind, max(per_chip, 1)
 
 
-def _check_available(target: str) -> tuple[NamedSharding, str]:
-    if not jax_compat.cuda_plugin_installed():
-        raise GpuCompilerUnavailableError(_NOT_INSTALLED)
-    return _device(target)
+def plan_unavailable(target: str = "h100") -> str | None:
+    """Why :func:`plan` cannot compile for ``target`` on this machine, or None when it can.
 
-
-def gpu_plan_unavailable(target: str = "h100") -> str | None:
-    """Why :func:`gpu_plan` cannot compile for ``target`` on this machine, or None when it can.
-
-    It makes the compile-only device that :func:`gpu_plan` uses (once per process and target),
+    It makes the compile-only devices that :func:`plan` uses (once per process and target),
     so it answers for this process as it is now.
 
-    >>> reason = gpu_plan_unavailable()  # None where "mpjax[cuda12]" is installed
+    >>> reason = plan_unavailable()  # None where "mpjax[cuda12]" is installed
+    >>> reason = plan_unavailable("v5p")  # None where "mpjax[tpu]" is installed
     """
-    target = _check_target(target)
+    name = parse_target(target, caller="plan_unavailable").name
     try:
-        _check_available(target)
-    except GpuCompilerUnavailableError as error:
+        _devices(name)
+    except PlanUnavailableError as error:
         return str(error)
     return None
 
 
-def _check_target(target: Any) -> str:
-    if not isinstance(target, str) or target.lower() not in TARGETS:
-        raise ValueError(f"gpu_plan: unknown target {target!r}; valid targets: {sorted(TARGETS)}.")
-    return target.lower()
+def plan_mesh(
+    target: str, axis_shapes: Sequence[int] | None = None, axis_names: Sequence[str] = ("data",)
+) -> Mesh:
+    """A mesh over ``target``'s compile-only devices, for sharding code to run unchanged
+    against a TPU slice this machine does not have: build ``NamedSharding(mesh, spec)`` from
+    it and give :func:`plan` ``jax.ShapeDtypeStruct``s (or arrays' shapes) with those
+    shardings.
+
+    Args:
+      target: a TPU slice (``"v5p:2x2x2"``) or any :func:`plan` target.
+      axis_shapes: the mesh's shape; by default one axis over every device.
+      axis_names: the mesh's axis names, one per axis.
+
+    Raises:
+      ValueError: if the target is unknown, or the axes do not multiply to its device count.
+      PlanUnavailableError: if this machine cannot compile for it.
+    """
+    name = parse_target(target, caller="plan_mesh").name
+    devices, _, _ = _devices(name)
+    shape = tuple(axis_shapes) if axis_shapes is not None else (len(devices),)
+    if len(shape) != len(tuple(axis_names)) or int(np.prod(shape)) != len(devices):
+        raise ValueError(
+            f"plan_mesh: axis_shapes {shape} with axis_names {tuple(axis_names)} must have one "
+            f"name per axis and multiply to the {len(devices)} devices of {name!r}."
+        )
+    return Mesh(np.asarray(devices, dtype=object).reshape(shape), tuple(axis_names))
 
 
-def _abstract(tree: Any, sharding: NamedSharding) -> Any:
-    """Array leaves as ``jax.ShapeDtypeStruct`` on the compile-only GPU; other leaves (Python
-    numbers, ``None``) as they are, for ``jit`` to treat as it always does."""
+def _abstract(tree: Any, devices: tuple[Any, ...]) -> Any:
+    """Array leaves as ``jax.ShapeDtypeStruct`` on the compile-only devices: a leaf whose
+    sharding already lies on them keeps it (the user's own sharding, made on a
+    :func:`plan_mesh`), any other is replicated over them. Other leaves (Python numbers,
+    ``None``) stay as they are, for ``jit`` to treat as it always does."""
+    mesh = Mesh(np.asarray(devices, dtype=object), ("devices",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    ids = {d.id for d in devices}
 
     def leaf(x: Any) -> Any:
         if hasattr(x, "shape") and hasattr(x, "dtype"):
             weak = bool(getattr(x, "weak_type", False))
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=weak)
+            sharding = getattr(x, "sharding", None)
+            own = sharding is not None and {d.id for d in sharding.device_set} <= ids
+            return jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=sharding if own else replicated, weak_type=weak
+            )
         return x
 
     return jax.tree.map(leaf, tree)
 
 
-def gpu_plan(
+def plan(
     fn: Callable[..., Any],
     /,
     target: str = "h100",
     *,
     triton_gemm: bool | None = None,
     compiler_options: Mapping[str, Any] | None = None,
-) -> Callable[..., GpuPlan]:
-    """What ``fn`` would run on a GPU, compiled on this machine without one; curried like
-    ``jax.make_jaxpr``: ``gpu_plan(fn)(*args, **kwargs)``.
+) -> Callable[..., Plan]:
+    """What ``fn`` would run on a GPU or a TPU, compiled on this machine without one; curried
+    like ``jax.make_jaxpr``: ``plan(fn, target)(*args, **kwargs)``.
 
-    Compiles ``jax.jit(fn)`` for one ``target`` GPU with JAX's CUDA plugin, no GPU needed, and
-    reads XLA's optimized HLO: every GEMM with the library that runs it and its operand dtypes,
-    cuDNN fused attention, scatters with the dtype they accumulate in, and kernel counts. Use it
-    to check that a mixed-precision training step gets bf16 (or fp8) Tensor Core GEMMs and
-    flash attention before renting the GPU. Needs ``pip install "mpjax[cuda12]"`` (it installs
-    without a GPU) and, on a machine without a GPU, ``JAX_PLATFORMS=cpu`` set before JAX
-    starts; :func:`gpu_plan_unavailable` says whether it can run.
+    Compiles ``jax.jit(fn)`` for the ``target`` and reads XLA's optimized HLO and analyses:
+    every matmul with its operand dtypes and float32 precision (and on a GPU the library that
+    runs it), fused attention, scatters with the dtype they accumulate in, kernel counts, the
+    memory each device needs against its HBM, and on a TPU XLA's estimated time and MFU. Use it
+    to check that a mixed-precision training step gets bf16 (or fp8) matmuls and fused
+    attention, and fits, before renting the hardware. Needs ``pip install "mpjax[cuda12]"``
+    for a GPU, ``pip install "mpjax[tpu]"`` for a TPU (both install without the hardware) and
+    ``JAX_PLATFORMS=cpu`` set before JAX starts; :func:`plan_unavailable` says whether it can
+    run.
 
-    Limits: without a GPU XLA does not autotune, so Triton GEMMs keep an untuned tile and a
-    real GPU may choose cuBLAS or Triton differently for each GEMM (``triton_gemm=False`` shows
-    every GEMM as cuBLAS); nothing runs, so there are no timings.
+    Limits: nothing runs, so times are estimates (XLA's cost model on a TPU) and bounds (the
+    roofline), never measurements; on a GPU XLA does not autotune without one, so Triton GEMMs
+    keep an untuned tile and a real GPU may choose cuBLAS or Triton differently for each GEMM
+    (``triton_gemm=False`` shows every GEMM as cuBLAS).
 
     Args:
       fn: a function JAX can ``jit``. One already wrapped in ``jax.jit`` is lowered as it is,
         so its static arguments stay static.
-      target: the GPU: ``"h100"`` (H100 SXM 80GB), ``"a100"`` (A100 SXM 80GB) or ``"h200"``.
-      triton_gemm: None keeps XLA's default (GEMMs become Triton fusions where XLA supports
-        them); False sets ``xla_gpu_enable_triton_gemm=False``, which sends every GEMM to
-        cuBLAS(Lt); True sets it True.
+      target: a GPU, ``"h100"`` (H100 SXM 80GB), ``"a100"`` (A100 SXM 80GB) or ``"h200"``; a
+        TPU chip, ``"v4"``, ``"v5e"``, ``"v5p"`` or ``"v6e"``; or a TPU slice
+        (``"v5p:2x2x1"``), whose devices :func:`plan_mesh` gives for sharded arguments
+        (unsharded ones are replicated on every device).
+      triton_gemm: GPU only. None keeps XLA's default (GEMMs become Triton fusions where XLA
+        supports them); False sets ``xla_gpu_enable_triton_gemm=False``, which sends every GEMM
+        to cuBLAS(Lt); True sets it True.
       compiler_options: more XLA options for the compile (``{"xla_gpu_...": value}``).
 
     Returns:
       A function that takes example arguments of ``fn`` exactly as ``fn`` takes them (arrays or
-      ``jax.ShapeDtypeStruct`` trees; only shapes and dtypes are read) and returns a
-      :class:`GpuPlan`. It raises :class:`GpuCompilerUnavailableError` when the CUDA plugin is
+      ``jax.ShapeDtypeStruct`` trees; only shapes, dtypes and shardings are read) and returns a
+      :class:`Plan`. It raises :class:`PlanUnavailableError` when the CUDA plugin or libtpu is
       missing or did not start.
 
     Raises:
       TypeError: if ``fn`` is not callable, ``triton_gemm`` not None or a bool, or
         ``compiler_options`` not a mapping with string keys.
-      ValueError: if ``target`` is unknown, or ``triton_gemm`` and ``compiler_options`` set
-        ``xla_gpu_enable_triton_gemm`` differently.
+      ValueError: if ``target`` is unknown, ``triton_gemm`` is given for a TPU, or
+        ``triton_gemm`` and ``compiler_options`` set ``xla_gpu_enable_triton_gemm``
+        differently.
 
     >>> import jax.numpy as jnp
     >>> x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
     >>> w = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)
-    >>> plan = gpu_plan(jnp.matmul, triton_gemm=False)(x, w)  # doctest: +SKIP
-    >>> [(g.library, g.lhs_dtype.name, g.flops) for g in plan.gemms]  # doctest: +SKIP
+    >>> p = plan(jnp.matmul, triton_gemm=False)(x, w)  # doctest: +SKIP
+    >>> [(g.library, g.lhs_dtype.name, g.flops) for g in p.gemms]  # doctest: +SKIP
     [('cublaslt', 'bfloat16', 268435456)]
-    >>> plan.flop_share(jnp.bfloat16)  # doctest: +SKIP
-    1.0
+    >>> plan(jnp.matmul, "v5p")(x, w).estimated_seconds  # doctest: +SKIP
+    2.1e-06
     """
-    check_function("gpu_plan", fn)
-    target = _check_target(target)
+    check_function("plan", fn)
+    parsed = parse_target(target)
     if triton_gemm is not None and not isinstance(triton_gemm, bool):
-        raise TypeError(f"gpu_plan: triton_gemm must be None, True or False, got {triton_gemm!r}.")
+        raise TypeError(f"plan: triton_gemm must be None, True or False, got {triton_gemm!r}.")
+    if triton_gemm is not None and parsed.platform == "tpu":
+        raise ValueError(
+            f"plan: triton_gemm chooses between GPU GEMM libraries; target {parsed.name!r} is a "
+            "TPU. Leave it None."
+        )
     if compiler_options is None:
         compiler_options = {}
     if not isinstance(compiler_options, Mapping) or not all(
         isinstance(k, str) for k in compiler_options
     ):
         raise TypeError(
-            "gpu_plan: compiler_options must be a mapping from XLA option names to values, "
+            "plan: compiler_options must be a mapping from XLA option names to values, "
             f"got {compiler_options!r}."
         )
     options = dict(compiler_options)
@@ -777,22 +669,41 @@ def gpu_plan(
         given = options.setdefault("xla_gpu_enable_triton_gemm", triton_gemm)
         if given != triton_gemm:
             raise ValueError(
-                f"gpu_plan: triton_gemm={triton_gemm} but compiler_options sets "
+                f"plan: triton_gemm={triton_gemm} but compiler_options sets "
                 f"xla_gpu_enable_triton_gemm={given!r}; set one of them."
             )
     lower = fn.lower if hasattr(fn, "lower") else jax.jit(fn).lower
 
-    def plan(*args: Any, **kwargs: Any) -> GpuPlan:
-        sharding, device = _check_available(target)
-        args, kwargs = _abstract((args, kwargs), sharding)
-        text = jax_compat.deviceless_hlo(lower(*args, **kwargs), options)
-        return GpuPlan(
-            target=target,
-            device=device,
-            jax_version=jax.__version__,
-            options=tuple(sorted(options.items())),
-            hlo_text=text,
-            **_read(parse_module(text)),
+    def compile_plan(*args: Any, **kwargs: Any) -> Plan:
+        devices, device, per_chip = _devices(parsed.name)
+        capacity = parsed.chip.hbm_bytes // per_chip
+        peak = parsed.chip.peak_flops["bf16"] / per_chip
+        common: dict[str, Any] = {
+            "target": parsed.name,
+            "device": device,
+            "jax_version": jax.__version__,
+            "options": tuple(sorted(options.items())),
+            "platform": parsed.platform,
+            "devices": len(devices),
+            "peak_flops": peak,
+        }
+        args, kwargs = _abstract((args, kwargs), devices)
+        try:
+            result = jax_compat.deviceless_compile(lower(*args, **kwargs), options)
+        except Exception as error:
+            memory = out_of_memory(error, capacity)
+            if memory is None:
+                raise
+            empty: dict[str, Any] = {"gemms": (), "attention": (), "scatters": ()}
+            return Plan(**common, **empty, fusions=0, custom_calls=0, memory=memory, compiled=False)
+        cost = result.cost or {}
+        return Plan(
+            **common,
+            hlo_text=result.hlo_text,
+            memory=memory_of(result.memory, capacity),
+            estimated_seconds=cost.get("optimal_seconds") if parsed.platform == "tpu" else None,
+            bytes_accessed=cost.get("bytes accessed") if parsed.platform == "tpu" else None,
+            **read_module(parse_module(result.hlo_text), parsed.platform),
         )
 
-    return plan
+    return compile_plan

@@ -1,0 +1,547 @@
+"""What an optimized HLO module runs and holds, as the parts of a plan: its GEMMs with their
+operand dtypes and precision, fused attention kernels and scatters, read from XLA's text for a
+GPU or a TPU, and the memory XLA's analysis of the compile reports (:class:`PlanMemory`).
+
+A GPU compile wraps each GEMM in a Triton or cuDNN fusion or a cuBLAS custom call, and fused
+attention in a cuDNN custom call; a TPU compile runs matmuls as ``dot`` or ``convolution``
+instructions (a batched matmul is written as a convolution whose batch dimensions are dilated
+windows) on its matrix units, and Pallas kernels as ``tpu_custom_call``. :func:`read_module`
+turns either into the fields of a :class:`~mpjax.Plan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from mpjax.inspection.hlo_text import HloComputation, HloInstruction, HloModule, HloShape
+
+__all__ = [
+    "LIBRARIES",
+    "PlanAttention",
+    "PlanGemm",
+    "PlanMemory",
+    "PlanScatter",
+    "bytes_text",
+    "memory_of",
+    "out_of_memory",
+    "read_module",
+]
+
+LIBRARIES = ("cublaslt", "cublaslt_fp8", "cublas", "triton", "cudnn", "xla", "mxu")
+"""What runs a :class:`PlanGemm`: on a GPU cuBLASLt (``__cublas$lt$matmul``), its fp8 form
+(``__cublas$lt$matmul$f8``), legacy cuBLAS (``__cublas$gemm``), a Triton GEMM fusion, a cuDNN
+GEMM fusion, or XLA's own emitter (a ``dot`` left in place or inside an ordinary fusion); on a
+TPU its matrix units (``"mxu"``)."""
+
+_HBM_OOM = re.compile(
+    r"required for HLO temporaries \((?P<need>[\d.]+)(?P<unit>[KMGT]?)\) exceeds available "
+    r"HBM \((?P<have>[\d.]+)(?P<unit2>[KMGT]?)\)"
+)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+# Instructions whose called computations run as part of the caller's own sequence of kernels;
+# every other called computation (a fusion's body, a reducer) runs inside one kernel.
+_CONTROL_FLOW = frozenset({"while", "conditional", "call", "async-start"})
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_HLO_DTYPES = {"pred": "bool", "bf16": "bfloat16", "c64": "complex64", "c128": "complex128"}
+# Words in a TPU custom call's JAX name that make it an attention kernel (Pallas's flash and
+# splash attention, and mpjax's own).
+_TPU_ATTENTION = re.compile(r"flash|splash|attention|mha", re.IGNORECASE)
+_TPU_BACKWARD = re.compile(r"bwd|backward|transpose\(", re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanGemm:
+    """One GEMM (a matmul kernel) of a :class:`~mpjax.Plan`.
+
+    Attributes:
+      name: the HLO instruction that launches it (a fusion or a custom call).
+      computation: the HLO computation holding that instruction (the entry computation, or a
+        loop body).
+      library: what runs it: on a GPU ``"cublaslt"`` (``__cublas$lt$matmul``),
+        ``"cublaslt_fp8"`` (``__cublas$lt$matmul$f8``), ``"cublas"`` (legacy
+        ``__cublas$gemm``), ``"triton"`` (a Triton GEMM fusion), ``"cudnn"`` (a cuDNN GEMM
+        fusion) or ``"xla"`` (a ``dot`` XLA emits itself, alone or inside an ordinary fusion);
+        on a TPU ``"mxu"`` (a ``dot`` or ``convolution`` XLA runs on the matrix units);
+        :data:`LIBRARIES` lists them.
+      lhs_dtype, rhs_dtype: the operand dtypes the GEMM reads.
+      out_dtype: the dtype it writes. A GEMM that XLA splits along its contracted dimension
+        (split-K, common for weight gradients) writes float32 partial sums, which a following
+        fusion adds and converts: its operands then show the split as an extra dimension.
+      flops: ``2 * prod(output dims) * prod(contracted dims)``, for one execution.
+      executions: how many times one call of the function runs it: the product of the trip
+        counts XLA knows for the loops around it (1 outside loops, and for a loop whose trip
+        count XLA does not know).
+      lhs_shape, rhs_shape: the operand shapes.
+      op_name: the JAX name of the operation it came from (``"jit(step)/.../dot_general"``),
+        when the HLO carries one.
+      precision: how float32 operands are multiplied, as the HLO says: ``"default"`` (the
+        platform's fastest: TF32 on an Ampere or Hopper GPU, one bf16 pass on a TPU),
+        ``"high"`` (TF32 on a GPU, three bf16 passes on a TPU) or ``"highest"`` (true float32 on
+        a GPU, six bf16 passes on a TPU), or the dot algorithm the HLO names
+        (``"dot_f32_f32_f32"``). Operands narrower than float32 ignore it.
+    """
+
+    name: str
+    computation: str
+    library: str
+    lhs_dtype: np.dtype
+    rhs_dtype: np.dtype
+    out_dtype: np.dtype
+    flops: int
+    executions: int = 1
+    lhs_shape: tuple[int, ...] = ()
+    rhs_shape: tuple[int, ...] = ()
+    op_name: str = ""
+    precision: str = "default"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanAttention:
+    """One fused attention kernel of a :class:`~mpjax.Plan`: a cuDNN ``__cudnn$fmha*`` custom
+    call on a GPU, a Pallas flash-attention kernel (``tpu_custom_call``) on a TPU.
+
+    Attributes:
+      name: the HLO instruction.
+      target: the custom-call target, for example ``"__cudnn$fmhaSoftmax"`` or
+        ``"__cudnn$fmhaSoftmaxBackward"`` (variants name dropout, scale, bias or mask), or
+        ``"tpu_custom_call"``.
+      backward: whether it is the backward pass.
+      dtype: the dtype of the queries.
+      flops: nominal matmul FLOPs for one execution, from the query and key shapes: two
+        GEMMs forward (``4*B*H*Tq*Tk*D``), four backward (``8*B*H*Tq*Tk*D``, split evenly
+        where the backward pass is two kernels, as Pallas's is). A causal or other mask is not
+        discounted, and the backward pass's recomputation of the scores not added.
+      executions: as for :class:`PlanGemm`.
+      op_name: as for :class:`PlanGemm`.
+    """
+
+    name: str
+    target: str
+    backward: bool
+    dtype: np.dtype
+    flops: int
+    executions: int = 1
+    op_name: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanScatter:
+    """One scatter of a :class:`~mpjax.Plan` (an embedding gradient's scatter-add, for one).
+
+    Attributes:
+      name: the HLO instruction that launches it (usually an ``input_scatter_fusion``).
+      computation: the computation holding that instruction.
+      dtype: the dtype of the array scattered into: the dtype the updates accumulate in.
+      executions: as for :class:`PlanGemm`.
+      op_name: as for :class:`PlanGemm`.
+    """
+
+    name: str
+    computation: str
+    dtype: np.dtype
+    executions: int = 1
+    op_name: str = ""
+
+
+def _np_dtype(hlo_type: str) -> np.dtype:
+    """The NumPy dtype of an HLO element type: ``bf16`` -> bfloat16, ``f8e4m3fn`` ->
+    float8_e4m3fn."""
+    name = _HLO_DTYPES.get(hlo_type)
+    if name is None:
+        match = re.fullmatch(r"([fsu])(\d+)(.*)", hlo_type)
+        if match is None:
+            raise ValueError(f"unknown HLO element type {hlo_type!r}")
+        kind = {"f": "float", "s": "int", "u": "uint"}[match[1]]
+        name = f"{kind}{match[2]}" + (f"_{match[3]}" if match[3] else "")
+    return np.dtype(jnp.dtype(name))
+
+
+def _dims(value: str | None) -> tuple[int, ...]:
+    """``"{1,2}"`` as ``(1, 2)``."""
+    return tuple(int(d) for d in (value or "").strip("{}").split(",") if d.strip())
+
+
+def _prod(values: Any) -> int:
+    return math.prod(int(v) for v in values)
+
+
+def _op_name(inst: HloInstruction) -> str:
+    match = _OP_NAME.search(inst.attribute("metadata") or "")
+    return match[1] if match else ""
+
+
+def _fusion_kind(inst: HloInstruction) -> str:
+    """A fusion's backend kind (``"__triton_gemm"``, ``"__cudnn$fusion"``), or ``""``."""
+    config = inst.backend_config().get("fusion_backend_config", {})
+    return str(config.get("kind", "")) if isinstance(config, dict) else ""
+
+
+def _fusion_library(kind: str) -> str:
+    if "triton" in kind:
+        return "triton"
+    if "cudnn" in kind:
+        return "cudnn"
+    return "xla"
+
+
+def _cublas_library(target: str) -> str:
+    if target.startswith("__cublas$lt$matmul$f8"):
+        return "cublaslt_fp8"
+    if target.startswith("__cublas$lt$matmul"):
+        return "cublaslt"
+    return "cublas"
+
+
+def _kernel_computations(module: HloModule) -> dict[str, int]:
+    """The computations that launch kernels, each with how many times one call runs it:
+    the entry, and what its loops, conditionals and calls run (a while body times its known
+    trip count)."""
+    executions = {module.entry: 1}
+    todo = [module.entry]
+    while todo:
+        computation = module.computations[todo.pop()]
+        for inst in computation.instructions:
+            if inst.opcode not in _CONTROL_FLOW:
+                continue
+            times = 1
+            if inst.opcode == "while":
+                count = inst.backend_config().get("known_trip_count", {})
+                times = int(count.get("n", 1)) if isinstance(count, dict) else 1
+            for callee in inst.called_computations():
+                if callee in module.computations and callee not in executions:
+                    executions[callee] = executions[computation.name] * times
+                    todo.append(callee)
+    return executions
+
+
+def _inside(module: HloModule, inst: HloInstruction) -> Iterator[tuple[HloInstruction, str]]:
+    """Every instruction of the computations ``inst`` calls, nested calls included, with the
+    name of the computation holding it."""
+    seen: set[str] = set()
+    todo = list(inst.called_computations())
+    while todo:
+        name = todo.pop(0)
+        if name in seen or name not in module.computations:
+            continue
+        seen.add(name)
+        for inner in module.computations[name].instructions:
+            yield inner, name
+            todo += inner.called_computations()
+
+
+def _precision(inst: HloInstruction) -> str:
+    """How ``inst`` (a ``dot``, ``convolution`` or cuBLAS call) multiplies float32 operands:
+    its dot algorithm if it names one, else its operand precision (``"default"`` when
+    unset)."""
+    algorithm = inst.attribute("algorithm")
+    if algorithm and algorithm != "alg_unset":
+        return algorithm
+    precision = (inst.attribute("operand_precision") or "").strip("{}").split(",")
+    config = inst.backend_config().get("gemm_backend_config", {})
+    if isinstance(config, dict) and isinstance(config.get("precision_config"), dict):
+        precision_config = config["precision_config"]
+        algorithm = str(precision_config.get("algorithm", "ALG_UNSET")).lower()
+        if algorithm != "alg_unset":
+            return algorithm
+        precision = [str(p) for p in precision_config.get("operand_precision", ())]
+    levels = ("default", "high", "highest")
+    named = [p.strip().lower() for p in precision if p.strip().lower() in levels]
+    return max(named, key=levels.index) if named else "default"
+
+
+def _convolution_contracting(inst: HloInstruction, rhs: HloShape) -> tuple[int, ...] | None:
+    """The sizes a TPU ``convolution`` sums over: its kernel's input-feature dimension and the
+    spatial windows that are real windows. XLA's TPU compiler writes a batched matmul as a
+    convolution whose batch dimensions are windows over a base dilated by the window size
+    (``window={size=2x4 ... lhs_dilate=2x4}``): those select one batch element each and sum
+    over nothing. None when the dimension labels do not parse."""
+    labels = inst.attribute("dim_labels") or ""
+    match = re.fullmatch(r"[0-9bf]+_([0-9io]+)->[0-9bf]+", labels)
+    if match is None or len(match[1]) != len(rhs.dims):
+        return None
+    window = inst.attribute("window") or ""
+    size = re.search(r"size=([0-9x]+)", window)
+    dilate = re.search(r"lhs_dilate=([0-9x]+)", window)
+    sizes = size[1].split("x") if size else []
+    dilations = dilate[1].split("x") if dilate else ["1"] * len(sizes)
+    contracting = []
+    for dim, label in enumerate(match[1]):
+        if label == "i":
+            contracting.append(rhs.dims[dim])
+        elif label.isdigit():
+            spatial = int(label)
+            batch_trick = spatial < len(sizes) and dilations[spatial] == sizes[spatial] != "1"
+            if not batch_trick:
+                contracting.append(rhs.dims[dim])
+    return tuple(contracting)
+
+
+def _gemm(
+    computation: HloComputation,
+    inst: HloInstruction,
+    contracting: tuple[int, ...] | None,
+    name: str,
+    where: str,
+    library: str,
+    executions: int,
+) -> PlanGemm | None:
+    """The row of a matmul ``inst``; ``contracting`` names the dimensions of its first operand
+    it sums over, or is None for a convolution (read from its labels)."""
+    lhs, rhs = computation.operand_shape(inst, 0), computation.operand_shape(inst, 1)
+    if lhs is None or rhs is None or not inst.shapes:
+        return None
+    out = inst.shapes[0]
+    if contracting is None:
+        sizes = _convolution_contracting(inst, rhs)
+        if sizes is None:
+            return None
+        summed = _prod(sizes)
+    else:
+        summed = _prod(lhs.dims[d] for d in contracting)
+    return PlanGemm(
+        name=name,
+        computation=where,
+        library=library,
+        lhs_dtype=_np_dtype(lhs.dtype),
+        rhs_dtype=_np_dtype(rhs.dtype),
+        out_dtype=_np_dtype(out.dtype),
+        flops=2 * out.size * summed,
+        executions=executions,
+        lhs_shape=lhs.dims,
+        rhs_shape=rhs.dims,
+        op_name=_op_name(inst),
+        precision=_precision(inst),
+    )
+
+
+def _attention_flops(q: HloShape, k: HloShape, config: Mapping[str, Any], backward: bool) -> int:
+    # The backward call carries no bmm1 numbers; its bmm2_grad_gemm2 (dO x V^T) has the same
+    # dimension layout as bmm1 (Q x K^T), so it reads the query and key shapes the same way.
+    # Without either (an unknown version), JAX's default layout BTNH is assumed.
+    numbers = config.get("bmm1_dot_dimension_numbers") or config.get(
+        "bmm2_grad_gemm2_dot_dimension_numbers", {}
+    )
+    lhs_batch = tuple(int(d) for d in numbers.get("lhs_batch_dimensions", (0, 2)))
+    lhs_contracting = tuple(int(d) for d in numbers.get("lhs_contracting_dimensions", (3,)))
+    rhs_batch = tuple(int(d) for d in numbers.get("rhs_batch_dimensions", (0, 2)))
+    rhs_contracting = tuple(int(d) for d in numbers.get("rhs_contracting_dimensions", (3,)))
+    batch = _prod(q.dims[d] for d in lhs_batch)
+    head = _prod(q.dims[d] for d in lhs_contracting)
+    tq = _prod(s for d, s in enumerate(q.dims) if d not in lhs_batch + lhs_contracting)
+    tk = _prod(s for d, s in enumerate(k.dims) if d not in rhs_batch + rhs_contracting)
+    return (4 if backward else 2) * 2 * batch * tq * tk * head
+
+
+def _row_of(
+    inst: HloInstruction,
+    computation: HloComputation,
+    *,
+    kernel: HloInstruction,
+    where: str,
+    library: str,
+    executions: int,
+) -> PlanGemm | PlanAttention | PlanScatter | None:
+    """What ``inst``, an instruction of ``computation`` run by the kernel ``kernel`` of the
+    computation ``where``, adds to a plan, if anything."""
+    target = inst.custom_call_target or ""
+    if inst.opcode == "dot":
+        contracting = _dims(inst.attribute("lhs_contracting_dims"))
+        return _gemm(computation, inst, contracting, kernel.name, where, library, executions)
+    if inst.opcode == "convolution":
+        return _gemm(computation, inst, None, kernel.name, where, library, executions)
+    if target.startswith("__cublas$"):
+        config = inst.backend_config().get("gemm_backend_config")
+        if not isinstance(config, dict) or "dot_dimension_numbers" not in config:
+            return None  # a cuBLAS call that is no GEMM (a triangular solve)
+        numbers = config["dot_dimension_numbers"]
+        contracting = tuple(int(d) for d in numbers["lhs_contracting_dimensions"])
+        library = _cublas_library(target)
+        return _gemm(computation, inst, contracting, kernel.name, where, library, executions)
+    if target.startswith("__cudnn$fmha"):
+        q, k = computation.operand_shape(inst, 0), computation.operand_shape(inst, 1)
+        if q is None or k is None:
+            return None
+        backward = "Backward" in target
+        config = inst.backend_config().get("cudnn_fmha_backend_config", {})
+        return PlanAttention(
+            name=kernel.name,
+            target=target,
+            backward=backward,
+            dtype=_np_dtype(q.dtype),
+            flops=_attention_flops(q, k, config, backward),
+            executions=executions,
+            op_name=_op_name(inst),
+        )
+    if target == "tpu_custom_call" and _TPU_ATTENTION.search(_op_name(inst)):
+        return _tpu_attention(inst, computation, kernel=kernel, executions=executions)
+    if inst.opcode == "scatter" and inst.shapes:
+        dtype = _np_dtype(inst.shapes[0].dtype)
+        return PlanScatter(kernel.name, where, dtype, executions, _op_name(inst))
+    return None
+
+
+def _tpu_attention(
+    inst: HloInstruction, computation: HloComputation, *, kernel: HloInstruction, executions: int
+) -> PlanAttention | None:
+    """The row of a Pallas attention kernel on a TPU: queries and keys are its first two
+    operands, laid out ``[batch, heads, length, head_dim]`` (the layout of JAX's Pallas TPU
+    attention kernels); the backward pass is two kernels (one for the queries' gradient, one
+    for the keys' and values'), each given half the backward pass's nominal FLOPs."""
+    q, k = computation.operand_shape(inst, 0), computation.operand_shape(inst, 1)
+    if q is None or k is None or len(q.dims) != 4 or len(k.dims) != 4:
+        return None
+    batch, heads, tq, head_dim = q.dims
+    tk = k.dims[2]
+    backward = bool(_TPU_BACKWARD.search(_op_name(inst)))
+    return PlanAttention(
+        name=kernel.name,
+        target="tpu_custom_call",
+        backward=backward,
+        dtype=_np_dtype(q.dtype),
+        flops=4 * batch * heads * tq * tk * head_dim,
+        executions=executions,
+        op_name=_op_name(inst),
+    )
+
+
+def read_module(module: HloModule, platform: str) -> dict[str, Any]:
+    """The fields of a :class:`~mpjax.Plan` that the optimized ``module``, compiled for
+    ``platform`` (``"gpu"`` or ``"tpu"``), decides: its GEMMs, fused attention and scatters,
+    and its fusion and custom-call counts."""
+    rows: list[PlanGemm | PlanAttention | PlanScatter] = []
+    fusions = custom_calls = 0
+    for where, executions in _kernel_computations(module).items():
+        for kernel in module.computations[where].instructions:
+            if kernel.opcode == "fusion":
+                fusions += 1
+                library = _fusion_library(_fusion_kind(kernel))
+                found = list(_inside(module, kernel))
+            elif kernel.opcode in ("custom-call", "dot", "convolution", "scatter"):
+                if kernel.opcode == "custom-call":
+                    custom_calls += 1
+                library = "xla"  # for a dot left unfused: XLA's own emitter runs it
+                found = [(kernel, where)]
+            else:
+                continue
+            if platform == "tpu":
+                library = "mxu"
+            for inst, holder in found:
+                row = _row_of(
+                    inst,
+                    module.computations[holder],
+                    kernel=kernel,
+                    where=where,
+                    library=library,
+                    executions=executions,
+                )
+                if row is not None:
+                    rows.append(row)
+    return {
+        "gemms": tuple(r for r in rows if isinstance(r, PlanGemm)),
+        "attention": tuple(r for r in rows if isinstance(r, PlanAttention)),
+        "scatters": tuple(r for r in rows if isinstance(r, PlanScatter)),
+        "fusions": fusions,
+        "custom_calls": custom_calls,
+    }
+
+
+def bytes_text(n: float) -> str:
+    """``n`` bytes for a reader: ``"1.23 GB"``."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanMemory:
+    """What one device of a :class:`Plan` holds, from XLA's memory analysis of the compile.
+
+    Attributes:
+      argument_bytes, output_bytes: the function's inputs and outputs on the device.
+      alias_bytes: outputs that reuse an input's buffer (donated arguments), counted once.
+      temp_bytes: temporaries: activations kept for the backward pass, workspaces.
+      generated_code_bytes: the compiled program.
+      capacity_bytes: the device's memory (its chip's HBM, shared by its cores).
+      available_bytes: what XLA said it could use, where a compile failed for lack of it
+        (XLA reserves part of the HBM); else None.
+    """
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    generated_code_bytes: int
+    capacity_bytes: int
+    available_bytes: int | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything the device holds at the peak XLA planned for."""
+        return (
+            self.argument_bytes
+            + self.output_bytes
+            - self.alias_bytes
+            + self.temp_bytes
+            + self.generated_code_bytes
+        )
+
+    @property
+    def fits(self) -> bool:
+        """Whether the step fits in the device's memory (in what XLA said was available,
+        where it said)."""
+        limit = self.available_bytes if self.available_bytes is not None else self.capacity_bytes
+        return self.total_bytes <= limit
+
+    @property
+    def margin_bytes(self) -> int:
+        """Memory left over (negative: missing) against the capacity, or what XLA said was
+        available."""
+        limit = self.available_bytes if self.available_bytes is not None else self.capacity_bytes
+        return limit - self.total_bytes
+
+    def __str__(self) -> str:
+        verdict = "fits" if self.fits else "does NOT fit"
+        margin = f"{bytes_text(abs(self.margin_bytes))} {'left' if self.fits else 'missing'}"
+        if self.available_bytes is None:
+            limit = f"{bytes_text(self.capacity_bytes)}"
+        else:
+            limit = f"{bytes_text(self.available_bytes)} available"
+        return (
+            f"memory per device: {bytes_text(self.total_bytes)} of {limit} ({verdict}, "
+            f"{margin}): arguments {bytes_text(self.argument_bytes)}, outputs "
+            f"{bytes_text(self.output_bytes)}, temporaries {bytes_text(self.temp_bytes)}"
+        )
+
+
+def memory_of(analysis: Any, capacity: int) -> PlanMemory | None:
+    """The :class:`PlanMemory` of XLA's memory ``analysis`` of a compile (None stays None)."""
+    if analysis is None:
+        return None
+    return PlanMemory(
+        argument_bytes=int(analysis.argument_size_in_bytes),
+        output_bytes=int(analysis.output_size_in_bytes),
+        alias_bytes=int(analysis.alias_size_in_bytes),
+        temp_bytes=int(analysis.temp_size_in_bytes),
+        generated_code_bytes=int(analysis.generated_code_size_in_bytes),
+        capacity_bytes=capacity,
+    )
+
+
+def out_of_memory(error: Exception, capacity: int) -> PlanMemory | None:
+    """The memory of a TPU compile that stopped for lack of it, from XLA's message."""
+    match = _HBM_OOM.search(str(error))
+    if match is None:
+        return None
+    need = float(match["need"]) * _UNITS[match["unit"]]
+    have = float(match["have"]) * _UNITS[match["unit2"]]
+    return PlanMemory(0, 0, 0, int(need), 0, capacity, available_bytes=int(have))

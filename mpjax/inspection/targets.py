@@ -1,0 +1,162 @@
+"""The accelerators :func:`mpjax.plan` compiles for without one: GPUs and TPU generations, with
+the figures a plan sets its estimates against (memory, bandwidth, peak matmul rates).
+
+A target is named by its chip (``"h100"``, ``"a100"``, ``"h200"``; ``"v4"``, ``"v5e"``, ``"v5p"``,
+``"v6e"``) for one chip, or, for a TPU, by a slice topology (``"v5p:2x2x1"``, ``"v5e:2x2"``) for
+the chips of that slice. The figures are the vendors' published dense peaks per chip; XLA's own
+estimate of a TPU step's time (``optimal_seconds``) comes from the compiler, not from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["CHIPS", "Chip", "Target", "parse_target"]
+
+_T = 1e12
+_GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """An accelerator chip's published figures.
+
+    Attributes:
+      name: the short name (``"v5p"``, ``"h100"``).
+      platform: ``"gpu"`` or ``"tpu"``.
+      device: what the chip calls itself (``"NVIDIA H100 80GB HBM3"``, ``"TPU v5p"``).
+      hbm_bytes: its memory.
+      hbm_bandwidth: its memory bandwidth, bytes per second.
+      peak_flops: dense matmul FLOP/s by what the matrix units compute: ``"bf16"`` (bfloat16
+        and float16 operands), ``"fp8"`` (8-bit floats; absent where the chip has no fp8 matrix
+        unit: its fp8 matmuls run at the bf16 rate), ``"tf32"``, ``"f32"`` (float32 without
+        tensor cores, on a GPU).
+      spec: the GPU's description file in ``gpu_targets/`` (XLA's ``GpuTargetConfigProto``),
+        for the CUDA plugin's compile; empty for a TPU.
+    """
+
+    name: str
+    platform: str
+    device: str
+    hbm_bytes: int
+    hbm_bandwidth: float
+    peak_flops: Mapping[str, float]
+    spec: str = ""
+
+
+CHIPS: dict[str, Chip] = {
+    chip.name: chip
+    for chip in (
+        Chip(
+            "h100",
+            "gpu",
+            "NVIDIA H100 80GB HBM3",
+            84_942_979_072,
+            3.35e12,
+            {"bf16": 989 * _T, "fp8": 1979 * _T, "tf32": 495 * _T, "f32": 67 * _T},
+            "h100_sxm.txtpb",
+        ),
+        Chip(
+            "h200",
+            "gpu",
+            "NVIDIA H200 141GB HBM3e",
+            151_397_597_184,
+            4.8e12,
+            {"bf16": 989 * _T, "fp8": 1979 * _T, "tf32": 495 * _T, "f32": 67 * _T},
+            "h200.txtpb",
+        ),
+        Chip(
+            "a100",
+            "gpu",
+            "NVIDIA A100-SXM4-80GB",
+            85_100_068_864,
+            2.04e12,
+            {"bf16": 312 * _T, "tf32": 156 * _T, "f32": 19.5 * _T},
+            "a100_sxm_80.txtpb",
+        ),
+        Chip("v4", "tpu", "TPU v4", 32 * _GIB, 1.2e12, {"bf16": 275 * _T}),
+        Chip("v5e", "tpu", "TPU v5e", 16 * _GIB, 0.819e12, {"bf16": 197 * _T}),
+        Chip("v5p", "tpu", "TPU v5p", 95 * _GIB, 2.765e12, {"bf16": 459 * _T}),
+        Chip("v6e", "tpu", "TPU v6e", 32 * _GIB, 1.64e12, {"bf16": 918 * _T}),
+    )
+}
+"""The chips a plan knows, by short name."""
+
+# "v5p:2x2x1", "v5e:2x2": a TPU generation and a slice's chips along each axis.
+_TOPOLOGY = re.compile(r"(v\d+[a-z]?):(\d+(?:x\d+){1,2})")
+# The single-chip slice each TPU generation's compiler accepts.
+_ONE_CHIP = {"v4": "1x1x1", "v5p": "1x1x1", "v5e": "1x1", "v6e": "1x1"}
+# TPU passes of bf16 per float32 matmul at each precision: one pass at DEFAULT, three at HIGH
+# (bf16_3x), six at HIGHEST (bf16_6x). On a GPU, HIGH and DEFAULT are TF32, HIGHEST is float32.
+_TPU_F32_PASSES = {"default": 1, "high": 3, "highest": 6}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What a plan compiles for: a chip, and for a TPU the slice's topology.
+
+    Attributes:
+      name: the name given (lowercase): ``"h100"``, ``"v5p"``, ``"v5p:2x2x1"``.
+      chip: the :class:`Chip`.
+      topology: the topology the compiler is asked for (``"v5p:1x1x1"`` for ``"v5p"``);
+        ``"1x1x1"`` for a GPU.
+    """
+
+    name: str
+    chip: Chip
+    topology: str
+
+    @property
+    def platform(self) -> str:
+        return self.chip.platform
+
+    @property
+    def chips(self) -> int:
+        """How many chips the target has."""
+        counts = self.topology.split(":")[-1].split("x")
+        total = 1
+        for count in counts:
+            total *= int(count)
+        return total
+
+    def peak_flops(self, lhs: str, rhs: str, precision: str = "default") -> float:
+        """The chip's peak FLOP/s for a matmul on ``lhs`` x ``rhs`` operands (dtype names) at
+        ``precision`` (``"default"``, ``"high"``, ``"highest"``: how float32 operands are
+        multiplied; other operands ignore it)."""
+        peaks = self.chip.peak_flops
+        narrow = [d for d in (lhs, rhs) if d in ("bfloat16", "float16") or d.startswith("float8")]
+        if len(narrow) == 2:
+            if all(d.startswith("float8") for d in narrow):
+                return peaks.get("fp8", peaks["bf16"])
+            return peaks["bf16"]
+        if self.platform == "tpu":
+            return peaks["bf16"] / _TPU_F32_PASSES.get(precision, 1)
+        return peaks["f32"] if precision == "highest" else peaks.get("tf32", peaks["f32"])
+
+
+def parse_target(target: Any, *, caller: str = "plan") -> Target:
+    """The :class:`Target` named by ``target``.
+
+    Raises:
+      ValueError: naming the valid chips and the topology form, if ``target`` is not one.
+    """
+    name = target.lower() if isinstance(target, str) else None
+    if name in CHIPS:
+        chip = CHIPS[name]
+        topology = f"{name}:{_ONE_CHIP[name]}" if chip.platform == "tpu" else "1x1x1"
+        return Target(name, chip, topology)
+    match = _TOPOLOGY.fullmatch(name or "")
+    if match and match[1] in CHIPS and CHIPS[match[1]].platform == "tpu":
+        axes = match[2].count("x") + 1
+        if axes == len(_ONE_CHIP[match[1]].split("x")):
+            return Target(name or "", CHIPS[match[1]], name or "")
+    gpus = sorted(c for c in CHIPS if CHIPS[c].platform == "gpu")
+    tpus = sorted(c for c in CHIPS if CHIPS[c].platform == "tpu")
+    raise ValueError(
+        f"{caller}: unknown target {target!r}; valid targets: GPUs {gpus}, TPUs {tpus} (one "
+        "chip), or a TPU slice as 'generation:topology' with the generation's axes, such as "
+        "'v5p:2x2x1', 'v4:2x2x2', 'v5e:2x2', 'v6e:4x4'."
+    )
