@@ -158,6 +158,7 @@ class TrainConfig:
     diagnose_every: int = 0  # measure each module's amax and non-finite count every N steps
     diagnose: bool = False  # print mpjax.diagnose's report for the model and policy, no training
     diagnose_batch: int = 1  # sequences --diagnose runs on
+    plan: str = ""  # print mpjax.plan's plan of the train step for this target, no training
     # The fields the user set (their command-line flags), which a resumed run checks against
     # its checkpoint; None (a config built in code) means every field not at its default.
     explicit: tuple[str, ...] | None = None
@@ -796,6 +797,7 @@ _INVOCATION_FIELDS = (
     "diagnose_every",
     "diagnose",
     "diagnose_batch",
+    "plan",
 )
 
 
@@ -1297,6 +1299,37 @@ def diagnose(cfg: TrainConfig) -> mpjax.DiagnosisReport:
     return mpjax.diagnose(loss, policy="float32")(variables["params"], x, y)
 
 
+def plan_step(cfg: TrainConfig) -> mpjax.Plan:
+    """``mpjax.plan`` of the train step ``cfg`` gives, for the target ``--plan`` names,
+    compiled without it: the step ``train`` would compile, with its state sharded as it would
+    train over the target's devices (``--fsdp`` of them slicing each large param, the batch
+    split over all), and nothing run. The report ``--plan`` prints."""
+    mesh_devices = mpjax.plan_mesh(cfg.plan).devices.flatten().tolist()
+    if cfg.batch_size % len(mesh_devices):
+        raise ValueError(
+            f"--batch-size {cfg.batch_size} must be a multiple of the {len(mesh_devices)} "
+            f"devices of --plan {cfg.plan}, since each device takes an equal share."
+        )
+    mesh = sharding.make_mesh(mesh_devices, cfg.fsdp)
+    policy = mpjax.get_policy(cfg.policy)
+    mcfg = cfg.model_config()
+    model = build_model(mcfg, policy, cfg.mode, fp8_head=cfg.fp8_head)
+    tx = make_optimizer(cfg, policy)
+    abstract = jax.eval_shape(lambda: init_state(model, tx, cfg.seed, mcfg.block_size))
+    shardings = sharding.state_shardings(abstract, mesh)
+    replicated = NamedSharding(mesh, P())
+    shardings = shardings._replace(fp8=jax.tree.map(lambda _: replicated, abstract.fp8))
+    state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+    x_spec = jax.ShapeDtypeStruct(
+        (cfg.grad_accum, cfg.batch_size, mcfg.block_size),
+        jnp.int32,
+        sharding=sharding.batch_sharding(mesh),
+    )
+    return mpjax.plan(make_train_step(model, tx), cfg.plan)(state, x_spec, x_spec)
+
+
 def train(cfg: TrainConfig) -> dict:
     """Runs (or resumes) training; returns the summary that is also written to summary.json.
 
@@ -1790,6 +1823,16 @@ def make_parser() -> argparse.ArgumentParser:
         "sequences; no training",
     )
     g.add_argument(
+        "--plan",
+        default=TrainConfig.plan,
+        metavar="TARGET",
+        help="print mpjax.plan's plan of the train step for TARGET (h100, a100, h200; v4, v5e, "
+        "v5p, v6e; a TPU slice such as v5p:2x2x1), sharded as it would train there, compiled "
+        "on this machine without it: matmul dtypes, fused attention, memory per device, and "
+        "on a TPU XLA's estimated step time and MFU; no training (needs the cuda12 or tpu "
+        "extra)",
+    )
+    g.add_argument(
         "--diagnose-batch",
         type=_positive_int,
         default=TrainConfig.diagnose_batch,
@@ -1887,6 +1930,24 @@ def main(argv: list[str] | None = None) -> None:
             f"{cfg.model_config().block_size} bytes\n"
         )
         print(diagnose(cfg))
+        return
+    if cfg.plan:
+        mcfg = cfg.model_config()
+        tokens = cfg.grad_accum * cfg.batch_size * mcfg.block_size
+        print(
+            f"mpjax.plan: the {cfg.preset} train step under {cfg.policy} (mode {cfg.mode}), "
+            f"{tokens:,} tokens a step, compiled for {cfg.plan} without one; nothing runs\n"
+        )
+        try:
+            plan = plan_step(cfg)
+        except (ValueError, mpjax.PlanUnavailableError) as e:
+            sys.exit(f"error: {e}")
+        print(plan)
+        mfu = plan.mfu(tokens * mcfg.flops_per_token() / plan.devices)
+        if mfu is not None:
+            print(
+                f"estimated MFU of the model FLOPs ({mcfg.flops_per_token():,} a token): {mfu:.1%}"
+            )
         return
     if jax.process_index() != 0:  # process 0 reports for all
         cfg = dataclasses.replace(cfg, progress=False)

@@ -49,7 +49,16 @@ NEEDS = (
     ),
     (r"^\s*(import|from) jmp\b|\bto_jmp\(|\bfrom_jmp\(", "the jmp extra", _module_missing("jmp")),
     (r"^\s*(import|from) orbax\b", "the test extra", _module_missing("orbax.checkpoint")),
-    (r"\bmpjax\.plan\(", "the cuda12 extra (JAX's CUDA plugin)", mpjax.plan_unavailable),
+    (
+        r"\bmpjax\.plan\((?![^\n]*\"v\d)",
+        "the cuda12 extra (JAX's CUDA plugin)",
+        mpjax.plan_unavailable,
+    ),
+    (
+        r"\bmpjax\.plan(_mesh)?\([^\n]*\"v\d",
+        "the tpu extra (libtpu)",
+        lambda: mpjax.plan_unavailable("v5p"),
+    ),
 )
 
 # Pages whose code trains or compiles several models (5 to 15 s each on 2 CPU cores with the
@@ -157,13 +166,15 @@ def test_blocks_that_need_an_extra_are_recognised():
         "the equinox extra": ("import equinox as eqx", "mpjax.equinox.apply_policy(m, p)"),
         "the jmp extra": ("import jmp", "policy.to_jmp()"),
         "the test extra": ("import orbax.checkpoint as ocp",),
-        "the cuda12 extra (JAX's CUDA plugin)": ('mpjax.plan(f, "h100")(x)',),
+        "the cuda12 extra (JAX's CUDA plugin)": ('mpjax.plan(f, "h100")(x)', "mpjax.plan(f)(x)"),
+        "the tpu extra (libtpu)": ('mpjax.plan(f, "v5p")(x)', 'mpjax.plan_mesh("v5e:2x2")'),
     }
     assert set(cases) == set(needs)
     for extra, codes in cases.items():
         for code in codes:
             assert re.search(needs[extra], code, re.M), code
     assert not re.search(needs["the flax extra"], "import flaxen\nx = mpjax.linear", re.M)
+    assert not re.search(needs["the cuda12 extra (JAX's CUDA plugin)"], 'mpjax.plan(f, "v5p")')
     assert _missing("import no_such_package_anywhere") is None  # only the known extras
     assert _module_missing("no_such_package_anywhere.sub")() == (
         "no_such_package_anywhere.sub is not installed"

@@ -1240,3 +1240,23 @@ def test_the_summary_says_better_or_worse_than_the_baseline(val, verdict, monkey
     tt.main(["--steps", "5", "--warmup-steps", "1"])
     out = capsys.readouterr().out
     assert f"unigram baseline 3.2000 nats/byte (4.617 bits/byte): {verdict}\n" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    mpjax.plan_unavailable("v5p") is not None, reason="the plan cannot compile for a TPU here"
+)
+def test_the_example_plans_its_step_for_a_tpu_without_training(capsys):
+    # --plan compiles the train step for the target, sharded as it would train there, and
+    # prints the plan: its matmul FLOPs are the model's (the estimate the example's MFU uses).
+    tt.main(["--plan", "v5p:2x2x1", "--preset", "tiny", "--batch-size", "8"])
+    out = capsys.readouterr().out
+    assert "TPU plan for v5p:2x2x1 (TPU v5, 4 devices)" in out
+    assert "matmul FLOPs:" in out and "(bfloat16 100.0%)" in out
+    assert "estimated time per call (XLA's cost model, an estimate)" in out
+    mcfg = tt.TrainConfig(preset="tiny").model_config()
+    model_flops = 8 * mcfg.block_size * mcfg.flops_per_token() / 4
+    plan_flops = float(out.split("matmul FLOPs: ")[1].split("G ")[0]) * 1e9
+    assert plan_flops == pytest.approx(model_flops, rel=0.02)
+    with pytest.raises(SystemExit, match="multiple of the 4 devices of --plan v5p:2x2x1"):
+        tt.main(["--plan", "v5p:2x2x1", "--preset", "tiny", "--batch-size", "6"])

@@ -497,6 +497,13 @@ def test_a_tpu_batched_matmul_written_as_a_convolution_counts_only_what_it_sums(
         sds((batch, i, j), jnp.bfloat16), sds((batch, j, k), jnp.bfloat16)
     )
     assert p.total_flops == 2 * batch * i * j * k
+    # Its gradients are two more batched matmuls of the same size, one written with the
+    # dilation and padding of a transpose: they sum over nothing more either.
+    loss = lambda a, b: jnp.einsum("bij,bjk->bik", a, b).astype(jnp.float32).sum()  # noqa: E731
+    grads = mpjax.plan(jax.grad(loss, argnums=(0, 1)), "v5p")(
+        sds((batch, i, j), jnp.bfloat16), sds((batch, j, k), jnp.bfloat16)
+    )
+    assert grads.total_flops == 2 * (2 * batch * i * j * k)
 
 
 @needs_libtpu

@@ -541,7 +541,7 @@ def plan_mesh(
 ) -> Mesh:
     """A mesh over ``target``'s compile-only devices, for sharding code to run unchanged
     against a TPU slice this machine does not have: build ``NamedSharding(mesh, spec)`` from
-    it and give :func:`plan` ``jax.ShapeDtypeStruct``s (or arrays' shapes) with those
+    it and give :func:`plan` ``jax.ShapeDtypeStruct`` values (or arrays) with those
     shardings.
 
     Args:

@@ -258,29 +258,38 @@ def _precision(inst: HloInstruction) -> str:
     return max(named, key=levels.index) if named else "default"
 
 
-def _convolution_contracting(inst: HloInstruction, rhs: HloShape) -> tuple[int, ...] | None:
+def _convolution_contracting(
+    inst: HloInstruction, rhs: HloShape, out: HloShape
+) -> tuple[int, ...] | None:
     """The sizes a TPU ``convolution`` sums over: its kernel's input-feature dimension and the
     spatial windows that are real windows. XLA's TPU compiler writes a batched matmul as a
-    convolution whose batch dimensions are windows over a base dilated by the window size
-    (``window={size=2x4 ... lhs_dilate=2x4}``): those select one batch element each and sum
-    over nothing. None when the dimension labels do not parse."""
+    convolution whose batch dimensions are windows over a dilated base
+    (``window={size=16x4 stride=15x3 lhs_dilate=16x4}``, or in a transpose ``lhs_dilate=15x3``
+    with padding): along such a dimension the input is dilated and the output has exactly the
+    window's size, so each output element meets one tap and nothing is summed. None when the
+    dimension labels do not parse."""
     labels = inst.attribute("dim_labels") or ""
-    match = re.fullmatch(r"[0-9bf]+_([0-9io]+)->[0-9bf]+", labels)
-    if match is None or len(match[1]) != len(rhs.dims):
+    match = re.fullmatch(r"[0-9bf]+_([0-9io]+)->([0-9bf]+)", labels)
+    if match is None or len(match[1]) != len(rhs.dims) or len(match[2]) != len(out.dims):
         return None
     window = inst.attribute("window") or ""
     size = re.search(r"size=([0-9x]+)", window)
     dilate = re.search(r"lhs_dilate=([0-9x]+)", window)
-    sizes = size[1].split("x") if size else []
-    dilations = dilate[1].split("x") if dilate else ["1"] * len(sizes)
+    sizes = [int(n) for n in size[1].split("x")] if size else []
+    dilations = [int(n) for n in dilate[1].split("x")] if dilate else [1] * len(sizes)
+    out_spatial = {int(label): out.dims[d] for d, label in enumerate(match[2]) if label.isdigit()}
     contracting = []
     for dim, label in enumerate(match[1]):
         if label == "i":
             contracting.append(rhs.dims[dim])
         elif label.isdigit():
             spatial = int(label)
-            batch_trick = spatial < len(sizes) and dilations[spatial] == sizes[spatial] != "1"
-            if not batch_trick:
+            batch = (
+                spatial < len(sizes)
+                and dilations[spatial] > 1
+                and out_spatial.get(spatial) == sizes[spatial]
+            )
+            if not batch:
                 contracting.append(rhs.dims[dim])
     return tuple(contracting)
 
@@ -301,7 +310,7 @@ def _gemm(
         return None
     out = inst.shapes[0]
     if contracting is None:
-        sizes = _convolution_contracting(inst, rhs)
+        sizes = _convolution_contracting(inst, rhs, out)
         if sizes is None:
             return None
         summed = _prod(sizes)
