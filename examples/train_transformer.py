@@ -1330,6 +1330,23 @@ def plan_step(cfg: TrainConfig) -> mpjax.Plan:
     return mpjax.plan(make_train_step(model, tx), cfg.plan)(state, x_spec, x_spec)
 
 
+def largest_batch_that_fits(cfg: TrainConfig, devices: int) -> str:
+    """What ``--plan`` says when the step does not fit: the largest batch (``--batch-size``
+    halved, a multiple of the target's ``devices``) whose step fits in each device's memory,
+    each try one compile."""
+    batch = cfg.batch_size
+    while batch // 2 >= devices and (batch // 2) % devices == 0:
+        batch //= 2
+        memory = plan_step(dataclasses.replace(cfg, batch_size=batch)).memory
+        if memory is not None and memory.fits:
+            return (
+                f"--batch-size {batch} fits on {cfg.plan} ({memory}); "
+                f"--grad-accum {cfg.grad_accum * cfg.batch_size // batch} keeps "
+                f"{cfg.grad_accum * cfg.batch_size} sequences a step"
+            )
+    return f"no batch of at least {devices} sequences fits on {cfg.plan}: use more devices"
+
+
 def train(cfg: TrainConfig) -> dict:
     """Runs (or resumes) training; returns the summary that is also written to summary.json.
 
@@ -1948,6 +1965,8 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"estimated MFU of the model FLOPs ({mcfg.flops_per_token():,} a token): {mfu:.1%}"
             )
+        if plan.memory is not None and not plan.memory.fits:
+            print(largest_batch_that_fits(cfg, plan.devices))
         return
     if jax.process_index() != 0:  # process 0 reports for all
         cfg = dataclasses.replace(cfg, progress=False)

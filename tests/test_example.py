@@ -1260,3 +1260,16 @@ def test_the_example_plans_its_step_for_a_tpu_without_training(capsys):
     assert plan_flops == pytest.approx(model_flops, rel=0.02)
     with pytest.raises(SystemExit, match="multiple of the 4 devices of --plan v5p:2x2x1"):
         tt.main(["--plan", "v5p:2x2x1", "--preset", "tiny", "--batch-size", "6"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    mpjax.plan_unavailable("v5e") is not None, reason="the plan cannot compile for a TPU here"
+)
+def test_a_step_too_big_for_the_target_gets_the_batch_that_fits(capsys):
+    # 8,192 tiny sequences need about 17.6 GB of temporaries, more than a v5e's 16 GiB: the
+    # plan says so, and which batch fits, with the accumulation that keeps the step's tokens.
+    tt.main(["--plan", "v5e", "--preset", "tiny", "--batch-size", "8192"])
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "the compile stopped there" in out
+    assert "--batch-size 4096 fits on v5e" in out and "--grad-accum 2 keeps 8192 sequences" in out
