@@ -24,9 +24,14 @@ from mpjax.describe import Runner, runner_of
 from mpjax.diagnosis_report import Birth, DiagnosisReport, ErrorRow, RangeRow
 from mpjax.policy import is_floating
 from mpjax.range_stats import DTYPES, RangeStats, check_dtypes
-from mpjax.recommendations import fp8_fitness, keep_in_float32, loss_scale_advice
+from mpjax.recommendations import (
+    float16_gradients,
+    fp8_fitness,
+    keep_in_float32,
+    loss_scale_advice,
+)
 from mpjax.rules import Rules, RulesLike, as_rules
-from mpjax.side_by_side import Evaluation, Kernels, to_exact
+from mpjax.side_by_side import STRUCTURAL, Evaluation, Kernels, to_exact
 
 
 def _is_array(leaf: Any) -> bool:
@@ -170,8 +175,9 @@ def _report(results, rules: Rules, dtypes, max_error) -> DiagnosisReport:
                 values["range_counts"][row], values["range_extremes"][row]
             )
             site = sites[index]
-            by_module[site.module, site.backward].append(stats)
-            by_op[site.primitive, site.backward].append(stats)
+            if site.primitive not in STRUCTURAL:  # a gradient's cast: for the loss scale
+                by_module[site.module, site.backward].append(stats)
+                by_op[site.primitive, site.backward].append(stats)
             per_site[index].append(stats)
     modules = tuple(RangeRow(m, b, RangeStats.merge(s)) for (m, b), s in by_module.items())
     ops = tuple(RangeRow(p, b, RangeStats.merge(s)) for (p, b), s in by_op.items())
@@ -188,10 +194,8 @@ def _report(results, rules: Rules, dtypes, max_error) -> DiagnosisReport:
                 recommended = recommended.with_rule(path, f32)
             else:
                 recommended = recommended.with_default(f32)
-    backward = [r.stats for r in modules if r.backward]
-    loss_scale = (
-        loss_scale_advice(RangeStats.merge(backward)) if trace.backward and backward else None
-    )
+    gradients = float16_gradients(per_site, sites)
+    loss_scale = loss_scale_advice(gradients) if gradients is not None else None
     fp8 = fp8_fitness(results, sites, indices["dots"])
     return DiagnosisReport(
         policy=rules,

@@ -126,9 +126,10 @@ class LossScaleAdvice:
     """The loss scales that keep the gradient values in float16's range.
 
     Attributes:
-      candidates: each scale ``2**0 ... 2**32`` with the shares of the gradient values (every
-        value of the backward pass of the float32 run, times the scale) it would overflow,
-        make subnormal or flush to zero in float16.
+      candidates: each scale ``2**0 ... 2**32`` with the shares of the gradient values (those
+        that run in float16 under the policy, their casts to float16 included, as the float32
+        run computes them, times the scale) it would overflow, make subnormal or flush to zero
+        in float16. Gradients computed in float32 are left out: no loss scale overflows them.
       low, high: the recommended range ``2**low ... 2**high``: no value overflows and at most
         ``mpjax.recommendations.FLUSH_TOLERANCE`` of them flush (or, if no scale flushes that
         little, the largest scale that overflows nothing); None when every scale overflows.
@@ -191,8 +192,8 @@ class DiagnosisReport:
       rules: the recommended rules (the policy, with the modules that overflow, make a
         non-finite value or lose more than ``max_error`` in float32), or None when none does.
       reasons: why each module is in ``rules``, with the figures.
-      loss_scale: the loss scales that keep gradients in float16's range (None without a
-        backward pass).
+      loss_scale: the loss scales that keep float16 gradients in float16's range (None
+        without a backward pass or when no gradient runs in float16).
       fp8: per matmul, its fitness for fp8.
     """
 

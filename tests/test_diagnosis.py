@@ -392,23 +392,58 @@ def test_the_recommended_rules_keep_the_overflowing_module_in_float32_and_remove
 
 
 def test_the_loss_scale_range_keeps_float16_gradients_in_range():
-    # The gradient of sum(w * c) with respect to w is c: values from 2**-30 to 2**4.
+    # The gradients of sum(v @ w), in float16: with respect to w, v's values c, from 2**-30 to
+    # 2**4; with respect to v, w's ones; and the loss's cotangent, 1, cast to float16.
     c = np.exp2(np.linspace(-30, 4, 35)).astype(np.float32)
-    report = mpjax.diagnose(lambda w: jnp.sum(w * c), policy="mixed_float16")(
-        np.ones(c.size, np.float32)
+    report = mpjax.diagnose(lambda v, w: jnp.sum(v @ w), policy="mixed_float16")(
+        c[None], np.ones((c.size, 1), np.float32)
     )
+    values = np.concatenate([c, np.ones(c.size + 1, np.float32)])
     advice = report.loss_scale
     for candidate in advice.candidates:
         s = candidate.shares
-        expected = _numpy_shares(c, "float16", 2.0**candidate.log2_scale)
+        expected = _numpy_shares(values, "float16", 2.0**candidate.log2_scale)
         assert (s.overflow, s.subnormal, s.flush) == pytest.approx(expected, abs=0)
     # 2**4 * 2**11 = 32768 fits, 2**16 overflows; 2**-30 * 2**6 is float16's smallest
     # subnormal, and 2**-25 would round to zero. Unscaled, what is below 2**-25 flushes.
     assert (advice.low, advice.high) == (6, 11)
-    assert _numpy_shares(c, "float16")[2] > 0.1
-    assert _numpy_shares(c, "float16", 2.0**advice.low)[2] <= mpjax.recommendations.FLUSH_TOLERANCE
-    assert _numpy_shares(c, "float16", 2.0 ** (advice.high + 1))[0] > 0
-    assert "2**11 overflows none" in advice.why
+    assert _numpy_shares(values, "float16")[2] > 0.05
+    low = _numpy_shares(values, "float16", 2.0**advice.low)
+    assert low[2] <= mpjax.recommendations.FLUSH_TOLERANCE
+    assert _numpy_shares(values, "float16", 2.0 ** (advice.high + 1))[0] > 0
+    assert "2**11 overflows none of the 71 float16 gradient values" in advice.why
+    # Under bfloat16 no gradient runs in float16: there is no loss scale to advise.
+    assert mpjax.diagnose(lambda v, w: jnp.sum(v @ w), policy="mixed_bfloat16")(
+        c[None], np.ones((c.size, 1), np.float32)
+    ).loss_scale is None
+
+
+def _small_norm(x, w):
+    with jax.named_scope("proj"):
+        h = x @ w
+    with jax.named_scope("norm"):  # a layer norm of small activations: large values inside
+        mu = jnp.mean(h, -1, keepdims=True)
+        var = jnp.mean((h - mu) ** 2, -1, keepdims=True)
+        y = (h - mu) * jax.lax.rsqrt(var + 1e-12)
+    return jnp.mean(y[:, :4] ** 2)
+
+
+def test_the_loss_scale_comes_from_the_gradients_that_run_in_float16():
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    w = jax.random.normal(jax.random.key(1), (16, 32)) * 1e-3
+    rules = mpjax.Rules({"norm": "float32"}, default="mixed_float16")
+    report = mpjax.diagnose(_small_norm, policy=rules)(x, w)
+    # The float16 gradients: the norm's input gradient, cast to float16, and the matmul's two.
+    h = x @ w
+    g_h = jax.grad(lambda h: _small_norm(h, jnp.eye(32)))(h)
+    amax = max(float(jnp.max(jnp.abs(g))) for g in (g_h, x.T @ g_h, g_h @ w.T))
+    overflow = float(range_stats.bounds("float16").overflow)
+    expected = max(k for k in range(33) if amax * 2.0**k < overflow)
+    assert report.loss_scale.high == expected
+    # The norm's backward, in float32, reaches far more: it would have set a lower ceiling.
+    norm_amax = report.module("norm", backward=True).stats.amax
+    assert norm_amax * 2.0**expected > 100 * overflow
+    assert report.rules is None
 
 
 def _two_matmuls(x, w):
