@@ -107,6 +107,18 @@ def test_loss_scale_shares_match_numpy_on_the_scaled_values():
         assert (shares.overflow, shares.subnormal, shares.flush) == pytest.approx(expected, abs=0)
 
 
+def test_excluded_values_are_counted_apart_and_left_out_of_every_statistic():
+    rng = np.random.default_rng(5)
+    values = (rng.standard_normal(4000) * np.exp2(rng.uniform(-30, 20, 4000))).astype(np.float32)
+    excluded = rng.uniform(size=values.size) < 0.3
+    values[excluded] = np.finfo(np.float32).min
+    values[np.flatnonzero(excluded)[:3]] = [np.inf, 0.0, 1.0]
+    counts, extremes = jax.jit(range_stats.summarize)(values, excluded)
+    stats = RangeStats.from_summary(np.asarray(counts), np.asarray(extremes))
+    assert stats.masked == excluded.sum()
+    _assert_stats_match(stats, values[~excluded])
+
+
 def test_unknown_dtypes_are_refused_by_name():
     with pytest.raises(ValueError, match="float64.*float16, bfloat16, float8_e4m3fn"):
         mpjax.diagnose(jnp.tanh, policy="mixed_float16", dtypes=["float16", "float64"])
@@ -179,6 +191,36 @@ def test_the_histogram_plot_draws_each_share_and_the_dtypes_limits(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
     with pytest.raises(ImportError, match="pip install matplotlib"):
         report.plot("proj")
+
+
+def _causal_attention(q, k):
+    # Flax's attention: the masked scores filled with finfo(float32).min before the softmax.
+    mask = nn.make_causal_mask(jnp.ones(q.shape[:2]))
+    with jax.named_scope("attn"):
+        out = nn.dot_product_attention(q, k, k, mask=mask)
+    return jnp.sum(out**2)
+
+
+def test_mask_fills_are_counted_apart_not_as_overflow():
+    q, k = jax.random.normal(jax.random.key(0), (2, 2, 6, 2, 4))
+    report = mpjax.diagnose(_causal_attention, policy="mixed_float16")(q, k)
+    attn = report.module("attn").stats
+    assert all(attn.shares(d).overflow == 0 for d in DTYPES)
+    # Each (batch, head) masks the 15 keys above the diagonal of its 6 queries: the select
+    # writes them, the softmax's sub, exp and div compute from them.
+    masked = 2 * 2 * 15
+    assert report.op("select_n").stats.masked == masked
+    assert report.op("exp").stats.masked == masked
+    assert attn.masked >= 4 * masked
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 2.0
+    causal = np.tril(np.ones((6, 6), bool))
+    np.testing.assert_allclose(
+        report.op("select_n").stats.amax,
+        np.max(np.abs(np.asarray(scores)[..., causal])),
+        rtol=tolerance(jnp.float32, 4),
+    )
+    assert report.birth is None and report.rules is None
+    assert json.loads(report.to_json())["modules"][0]["masked"] >= 0
 
 
 # --- Non-finite birth and precision lost ----------------------------------------------------
