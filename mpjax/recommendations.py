@@ -41,8 +41,8 @@ def keep_in_float32(per_site, sites, birth, errors, max_error) -> tuple[list[str
             text = (
                 f"its {s.primitive} ({'backward' if s.backward else 'forward'}) runs in {s.dtype} "
                 f"and reaches {stats.amax:.3g} in the float32 run, past {s.dtype}'s "
-                f"{float(jnp.finfo(jnp.dtype(s.dtype)).max):.5g} ({100 * share:.3g}% of its "
-                f"values overflow from {float(b.overflow):.6g} up)"
+                f"{float(jnp.finfo(jnp.dtype(s.dtype)).max):.5g} ({100 * share:.3g}% of the "
+                f"{s.primitive}'s values overflow from {float(b.overflow):.6g} up)"
             )
             if text not in why[s.module]:
                 why[s.module].append(text)

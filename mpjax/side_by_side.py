@@ -476,9 +476,7 @@ class Evaluation:
     def _closed(self, closed: Any, inputs: list[_Value], path, backward) -> list[_Value]:
         consts = list(closed.consts)
         refs = self._counted(consts)
-        values = [
-            (to_exact(c), c, r, FILL if _is_fill(c) else None) for c, r in zip(consts, refs)
-        ]
+        values = [(to_exact(c), c, r, FILL if _is_fill(c) else None) for c, r in zip(consts, refs)]
         return self._jaxpr(closed.jaxpr, values, inputs, path, backward)
 
     def _jaxpr(self, jaxpr, consts: list[_Value], inputs: list[_Value], path, backward):
@@ -556,9 +554,7 @@ class Evaluation:
             nonfinite=[_measure_nonfinite(x) for x in actual] if plan.counts else [],
             ranges=[range_of(x, m) for x, m in zip(exact, left_out)] if plan.ranges else [],
             operands=[_measure_amax(ins[i][0]) for i in _floating(eqn.invars)[: plan.operands]],
-            entering=[
-                error_of(a, b, m) for a, b, m in zip(local, reference or exact, left_out)
-            ],
+            entering=[error_of(a, b, m) for a, b, m in zip(local, reference or exact, left_out)],
             accumulated=(
                 [error_of(a, b, m) for a, b, m in zip(actual, exact, left_out)]
                 if plan.errors

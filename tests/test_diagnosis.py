@@ -3,6 +3,7 @@ precision lost per module, and recommendations that fix the problem planted for 
 
 import collections
 import json
+import os
 import sys
 
 import flax.linen as nn
@@ -57,6 +58,31 @@ def _assert_stats_match(stats: RangeStats, values: np.ndarray):
 def _summary(values) -> RangeStats:
     counts, extremes = jax.jit(range_stats.summarize)(values)
     return RangeStats.from_summary(np.asarray(counts), np.asarray(extremes))
+
+
+def _assert_table_and_verdict_agree(report):
+    """The default view (str) keeps to 100 columns and its table shows exactly the modules the
+    verdict keeps in float32; every module whose values overflow the dtype they run in, where
+    a non-finite value is born or whose error is above max_error is one of them; the "at"
+    column never points into mpjax."""
+    text = str(report)
+    assert max(map(len, text.splitlines())) <= 100
+    assert text.splitlines()[1].startswith("verdict: ")
+    flagged = {r.where for r in report.modules if r.as_run.overflow > 0}
+    flagged |= {r.module for r in report.errors if r.local > report.max_error}
+    flagged |= {report.birth.module} if report.birth is not None else set()
+    assert flagged == set(report.keep)
+    assert (report.rules is None) == (not report.keep)
+    assert ("the policy keeps every module" in text) == (not report.keep)
+    rows = text.split("\nmodule ", 1)[1].split("\n\n")[0].splitlines()[2:] if report.keep else []
+    assert {row.split()[0] for row in rows} == {m or "<root>" for m in report.keep}
+    for row in rows:
+        overflow = row.split()[4]
+        if overflow != "0":
+            assert row.split()[0] in {m or "<root>" for m in flagged}
+    package = os.path.dirname(mpjax.__file__) + os.sep
+    located = [r.location for r in report.errors] + [report.birth.location if report.birth else ""]
+    assert not any(location.startswith(package) for location in located), located
 
 
 # --- Statistics -------------------------------------------------------------------------------
@@ -409,8 +435,10 @@ def test_the_recommended_rules_keep_the_overflowing_scope_in_float32_and_remove_
     assert jnp.isinf(mpjax.autocast(_scaled_gram, "mixed_float16")(x))
     # In float32 for the matmul, the rest in float16: 4 * 80000 / 1024, exact in both.
     assert mpjax.autocast(_scaled_gram, rules=report.rules)(x) == _scaled_gram(x) == 312.5
+    _assert_table_and_verdict_agree(report)
     again = mpjax.diagnose(_scaled_gram, policy=report.rules)(x)
     assert again.birth is None and again.rules is None
+    _assert_table_and_verdict_agree(again)
 
 
 @pytest.mark.slow
@@ -428,9 +456,11 @@ def test_the_recommended_rules_keep_the_overflowing_module_in_float32_and_remove
     fixed = mpjax.linen.apply_policy(model, report.rules)
     assert jnp.linalg.norm(wrapped.apply(variables, x) - exact) > 0.3 * jnp.linalg.norm(exact)
     assert_close_in_norm(fixed.apply(variables, x), exact, tolerance(jnp.float16, 32))
+    _assert_table_and_verdict_agree(report)
     again = mpjax.diagnose(fixed, variables=variables, loss=_mse)(x)
     assert again.birth is None and again.rules is None
     assert again.error("norm").local < 1e-6
+    _assert_table_and_verdict_agree(again)
 
 
 def test_the_loss_scale_range_keeps_float16_gradients_in_range():
@@ -455,9 +485,41 @@ def test_the_loss_scale_range_keeps_float16_gradients_in_range():
     assert _numpy_shares(values, "float16", 2.0 ** (advice.high + 1))[0] > 0
     assert "2**11 overflows none of the 71 float16 gradient values" in advice.why
     # Under bfloat16 no gradient runs in float16: there is no loss scale to advise.
-    assert mpjax.diagnose(lambda v, w: jnp.sum(v @ w), policy="mixed_bfloat16")(
-        c[None], np.ones((c.size, 1), np.float32)
-    ).loss_scale is None
+    assert (
+        mpjax.diagnose(lambda v, w: jnp.sum(v @ w), policy="mixed_bfloat16")(
+            c[None], np.ones((c.size, 1), np.float32)
+        ).loss_scale
+        is None
+    )
+
+
+class CausalBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+        h = nn.LayerNorm(name="ln")(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=2, name="attn")(h, h, mask=mask)
+        return x + nn.Dense(x.shape[-1], name="mlp")(nn.gelu(x))
+
+
+@pytest.mark.slow
+def test_a_healthy_causal_attention_model_shows_no_overflow_and_its_table_agrees_with_the_verdict():
+    x = jax.random.normal(jax.random.key(1), (2, 8, 16))
+    model = mpjax.linen.apply_policy(CausalBlock(), "mixed_float16")
+    variables = model.init(jax.random.key(0), x)
+    report = mpjax.diagnose(model, variables=variables, loss=_mse)(x)
+    attention = [r for r in report.modules if r.where == "attn" and not r.backward]
+    assert attention and attention[0].stats.masked > 0
+    for row in report.modules:
+        assert all(row.stats.shares(d).overflow == 0 for d in ("float16", "bfloat16")), row
+        assert row.as_run.overflow == 0
+    assert attention[0].stats.amax < 100
+    assert report.keep == () and report.rules is None
+    _assert_table_and_verdict_agree(report)
+    text = str(report)
+    assert "mask fills, counted apart" in text and "attn" in text
+    assert len(text.splitlines()) < 20
+    assert "f16 over/sub/ftz" in report.table() and "runs in" in report.table()
 
 
 def _small_norm(x, w):
