@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -249,6 +250,23 @@ def test_mask_fills_are_counted_apart_not_as_overflow():
     assert json.loads(report.to_json())["modules"][0]["masked"] >= 0
 
 
+@pytest.mark.slow
+def test_equinox_attention_mask_fills_are_counted_apart():
+    mha = eqx.nn.MultiheadAttention(2, 8, key=jax.random.key(0))
+    mask = np.tril(np.ones((5, 5), bool))
+
+    def attend(q):
+        with jax.named_scope("attn"):
+            return jnp.sum(mha(q, q, q, mask=mask) ** 2)
+
+    q = jax.random.normal(jax.random.key(1), (5, 8))
+    report = mpjax.diagnose(attend, policy="mixed_float16")(q)
+    attn = report.module("attn").stats
+    assert attn.amax < 100 and all(attn.shares(d).overflow == 0 for d in DTYPES)
+    assert report.op("select_n").stats.masked == 2 * 10  # 2 heads, 10 above the diagonal
+    assert report.rules is None
+
+
 # --- Non-finite birth and precision lost ----------------------------------------------------
 
 
@@ -379,6 +397,10 @@ def test_a_platform_dependent_attention_is_measured_in_the_default_branch_this_p
     else:
         assert "cond" not in ops and {"dot_general", "exp"} <= ops
     assert report.module("attn").stats.count > 0
+    attn = report.module("attn").stats
+    assert all(attn.shares(d).overflow == 0 for d in DTYPES)
+    if mpjax.jax_compat.lowering_platform() != "cuda":  # the mask's fill, counted apart
+        assert report.op("select_n").stats.masked == 2 * 15 * 16 // 2
 
     # A branch written for this very platform (as cuDNN's is for CUDA) may take only its own
     # dtypes: the conditional is measured as one equation, typed as written.
