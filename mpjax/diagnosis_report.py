@@ -344,14 +344,18 @@ class DiagnosisReport:
         errors = {r.module: r for r in self.errors}
         body = []
         for path in self.keep:
-            for r in self.modules:
-                if r.where != path:
-                    continue
+            name = path or "<root>"
+            name = name if len(name) <= 32 else "..." + name[-29:]
+            rows = [r for r in self.modules if r.where == path]
+            if not rows:  # only casts ran there (a birth at one): no ranges to show
+                error = errors.get(path)
+                local = "-" if error is None else f"{error.local:.2e}"
+                body.append((name, "-", "-", "-", "-", "-", local))
+            for r in rows:
                 error = errors.get(path) if not r.backward else None
-                name = path or "<root>"
                 body.append(
                     (
-                        name if len(name) <= 32 else "..." + name[-29:],
+                        name,
                         "bwd" if r.backward else "fwd",
                         "+".join(_SHORT.get(d, d.replace("float", "f")) for d in r.runs_in),
                         f"{r.stats.amax:.3g}",

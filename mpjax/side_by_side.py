@@ -7,8 +7,8 @@ forward or backward pass.
 
 - Ranges come from the exact values: per equation, the summary
   (:func:`mpjax.range_stats.summarize`) of the values it computes (copies such as reshapes and
-  casts, ``STRUCTURAL``, left out, except the casts of gradients to a lower precision, whose
-  values run there from then on: the loss scale applies to them).
+  casts, ``STRUCTURAL``, left out, except the casts of gradients to float16, whose values run
+  there from then on: the loss scale applies to them).
 - A non-finite birth is an equation whose inputs are all finite and whose output is not, as
   it runs: the non-finite values of each output are counted where it is computed, and an
   equation's inputs are the outputs counted before it.
@@ -241,12 +241,12 @@ def _plan(eqn: Any, backward: bool, compare: bool) -> _Plan | None:
     if not floats_out:
         return None
     name = eqn.primitive.name
-    # A cast of a gradient to a lower precision is where it starts to run there: its range
-    # counts for the loss scale (a float32 gradient cast to float16 overflows under it).
+    # A cast of a gradient to float16 is where it starts to run there: its range counts for
+    # the loss scale (a float32 gradient cast to float16 overflows under it).
     ranges = name not in STRUCTURAL or (
         backward
         and name in _CAST
-        and _is_low(eqn.outvars[0].aval.dtype)
+        and np.dtype(eqn.outvars[0].aval.dtype) == np.dtype(jnp.float16)
         and not _is_low(eqn.invars[0].aval.dtype)
     )
     errors = compare and not backward and (ranges or name in _CAST)
