@@ -188,8 +188,10 @@ def _amax(x: jax.Array) -> jax.Array:
 def _is_fill(value: Any) -> bool:
     """Whether a constant (a literal, a scalar const) is a mask fill: a single float at least
     :data:`FILL_MIN` in magnitude, or not finite."""
+    if np.size(value) != 1:  # before reading it: a const may be a large device array
+        return False
     value = np.asarray(value)
-    if value.size != 1 or not is_floating(value.dtype):
+    if not is_floating(value.dtype):
         return False
     v = float(value.reshape(()).astype(np.float32))
     return not np.isfinite(v) or abs(v) >= FILL_MIN
