@@ -1946,7 +1946,8 @@ def main(argv: list[str] | None = None) -> None:
             f"the loss around it in float32, on {n} sequence{'s' if n != 1 else ''} of "
             f"{cfg.model_config().block_size} bytes\n"
         )
-        print(diagnose(cfg))
+        report = diagnose(cfg)
+        print(report.table(), report, sep="\n\n")  # every row, then the verdict, last on screen
         return
     if cfg.plan:
         mcfg = cfg.model_config()

@@ -202,10 +202,23 @@ def is_backward(eqn: Any) -> bool:
     )
 
 
+# mpjax's own frames: the casts it writes (a region's output boundary, the engine's casts)
+# belong to the line that called the module or wrote the operation, outside mpjax.
+_MPJAX_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def source_location(eqn: Any) -> str:
-    """Where ``eqn`` was written: the innermost frame of its traceback outside JAX,
-    ``"file.py:12:8 (fn)"`` (``"unknown"`` when the traceback was not recorded)."""
-    return source_info_util.summarize(eqn.source_info)
+    """Where ``eqn`` was written: the innermost frame of its traceback outside JAX and outside
+    mpjax, ``"file.py:12:8 (fn)"`` (``"unknown"`` when the traceback was not recorded). An
+    operation mpjax writes, such as the cast at a module's output boundary, is where the
+    module was called; one with only JAX's and mpjax's frames, the innermost of mpjax's."""
+    frames = list(source_info_util.user_frames(eqn.source_info.traceback))
+    if not frames:
+        return "unknown"
+    frame = next((f for f in frames if not f.file_name.startswith(_MPJAX_DIR)), frames[0])
+    if frame.start_column != 0:
+        return f"{frame.file_name}:{frame.start_line}:{frame.start_column} ({frame.function_name})"
+    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
 
 
 def preferred_element_type(eqn: Any) -> np.dtype | None:

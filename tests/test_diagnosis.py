@@ -3,8 +3,10 @@ precision lost per module, and recommendations that fix the problem planted for 
 
 import collections
 import json
+import os
 import sys
 
+import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -59,6 +61,31 @@ def _summary(values) -> RangeStats:
     return RangeStats.from_summary(np.asarray(counts), np.asarray(extremes))
 
 
+def _assert_table_and_verdict_agree(report):
+    """The default view (str) keeps to 100 columns and its table shows exactly the modules the
+    verdict keeps in float32; every module whose values overflow the dtype they run in, where
+    a non-finite value is born or whose error is above max_error is one of them; the "at"
+    column never points into mpjax."""
+    text = str(report)
+    assert max(map(len, text.splitlines())) <= 100
+    assert text.splitlines()[1].startswith("verdict: ")
+    flagged = {r.where for r in report.modules if r.as_run.overflow > 0}
+    flagged |= {r.module for r in report.errors if r.local > report.max_error}
+    flagged |= {report.birth.module} if report.birth is not None else set()
+    assert flagged == set(report.keep)
+    assert (report.rules is None) == (not report.keep)
+    assert ("the policy keeps every module" in text) == (not report.keep)
+    rows = text.split("\nmodule ", 1)[1].split("\n\n")[0].splitlines()[2:] if report.keep else []
+    assert {row.split()[0] for row in rows} == {m or "<root>" for m in report.keep}
+    for row in rows:
+        overflow = row.split()[4]
+        if overflow != "0":
+            assert row.split()[0] in {m or "<root>" for m in flagged}
+    package = os.path.dirname(mpjax.__file__) + os.sep
+    located = [r.location for r in report.errors] + [report.birth.location if report.birth else ""]
+    assert not any(location.startswith(package) for location in located), located
+
+
 # --- Statistics -------------------------------------------------------------------------------
 
 
@@ -105,6 +132,18 @@ def test_loss_scale_shares_match_numpy_on_the_scaled_values():
         shares = stats.shares("float16", k)
         expected = _numpy_shares(values, "float16", 2.0**k)
         assert (shares.overflow, shares.subnormal, shares.flush) == pytest.approx(expected, abs=0)
+
+
+def test_excluded_values_are_counted_apart_and_left_out_of_every_statistic():
+    rng = np.random.default_rng(5)
+    values = (rng.standard_normal(4000) * np.exp2(rng.uniform(-30, 20, 4000))).astype(np.float32)
+    excluded = rng.uniform(size=values.size) < 0.3
+    values[excluded] = np.finfo(np.float32).min
+    values[np.flatnonzero(excluded)[:3]] = [np.inf, 0.0, 1.0]
+    counts, extremes = jax.jit(range_stats.summarize)(values, excluded)
+    stats = RangeStats.from_summary(np.asarray(counts), np.asarray(extremes))
+    assert stats.masked == excluded.sum()
+    _assert_stats_match(stats, values[~excluded])
 
 
 def test_unknown_dtypes_are_refused_by_name():
@@ -179,6 +218,53 @@ def test_the_histogram_plot_draws_each_share_and_the_dtypes_limits(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
     with pytest.raises(ImportError, match="pip install matplotlib"):
         report.plot("proj")
+
+
+def _causal_attention(q, k):
+    # Flax's attention: the masked scores filled with finfo(float32).min before the softmax.
+    mask = nn.make_causal_mask(jnp.ones(q.shape[:2]))
+    with jax.named_scope("attn"):
+        out = nn.dot_product_attention(q, k, k, mask=mask)
+    return jnp.sum(out**2)
+
+
+def test_mask_fills_are_counted_apart_not_as_overflow():
+    q, k = jax.random.normal(jax.random.key(0), (2, 2, 6, 2, 4))
+    report = mpjax.diagnose(_causal_attention, policy="mixed_float16")(q, k)
+    attn = report.module("attn").stats
+    assert all(attn.shares(d).overflow == 0 for d in DTYPES)
+    # Each (batch, head) masks the 15 keys above the diagonal of its 6 queries: the select
+    # writes them, the softmax's sub, exp and div compute from them.
+    masked = 2 * 2 * 15
+    assert report.op("select_n").stats.masked == masked
+    assert report.op("exp").stats.masked == masked
+    assert attn.masked >= 4 * masked
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 2.0
+    causal = np.tril(np.ones((6, 6), bool))
+    np.testing.assert_allclose(
+        report.op("select_n").stats.amax,
+        np.max(np.abs(np.asarray(scores)[..., causal])),
+        rtol=tolerance(jnp.float32, 4),
+    )
+    assert report.birth is None and report.rules is None
+    assert json.loads(report.to_json())["modules"][0]["masked"] >= 0
+
+
+@pytest.mark.slow
+def test_equinox_attention_mask_fills_are_counted_apart():
+    mha = eqx.nn.MultiheadAttention(2, 8, key=jax.random.key(0))
+    mask = np.tril(np.ones((5, 5), bool))
+
+    def attend(q):
+        with jax.named_scope("attn"):
+            return jnp.sum(mha(q, q, q, mask=mask) ** 2)
+
+    q = jax.random.normal(jax.random.key(1), (5, 8))
+    report = mpjax.diagnose(attend, policy="mixed_float16")(q)
+    attn = report.module("attn").stats
+    assert attn.amax < 100 and all(attn.shares(d).overflow == 0 for d in DTYPES)
+    assert report.op("select_n").stats.masked == 2 * 10  # 2 heads, 10 above the diagonal
+    assert report.rules is None
 
 
 # --- Non-finite birth and precision lost ----------------------------------------------------
@@ -311,6 +397,10 @@ def test_a_platform_dependent_attention_is_measured_in_the_default_branch_this_p
     else:
         assert "cond" not in ops and {"dot_general", "exp"} <= ops
     assert report.module("attn").stats.count > 0
+    attn = report.module("attn").stats
+    assert all(attn.shares(d).overflow == 0 for d in DTYPES)
+    if mpjax.jax_compat.lowering_platform() != "cuda":  # the mask's fill, counted apart
+        assert report.op("select_n").stats.masked == 2 * 15 * 16 // 2
 
     # A branch written for this very platform (as cuDNN's is for CUDA) may take only its own
     # dtypes: the conditional is measured as one equation, typed as written.
@@ -367,8 +457,10 @@ def test_the_recommended_rules_keep_the_overflowing_scope_in_float32_and_remove_
     assert jnp.isinf(mpjax.autocast(_scaled_gram, "mixed_float16")(x))
     # In float32 for the matmul, the rest in float16: 4 * 80000 / 1024, exact in both.
     assert mpjax.autocast(_scaled_gram, rules=report.rules)(x) == _scaled_gram(x) == 312.5
+    _assert_table_and_verdict_agree(report)
     again = mpjax.diagnose(_scaled_gram, policy=report.rules)(x)
     assert again.birth is None and again.rules is None
+    _assert_table_and_verdict_agree(again)
 
 
 @pytest.mark.slow
@@ -386,32 +478,98 @@ def test_the_recommended_rules_keep_the_overflowing_module_in_float32_and_remove
     fixed = mpjax.linen.apply_policy(model, report.rules)
     assert jnp.linalg.norm(wrapped.apply(variables, x) - exact) > 0.3 * jnp.linalg.norm(exact)
     assert_close_in_norm(fixed.apply(variables, x), exact, tolerance(jnp.float16, 32))
+    _assert_table_and_verdict_agree(report)
     again = mpjax.diagnose(fixed, variables=variables, loss=_mse)(x)
     assert again.birth is None and again.rules is None
     assert again.error("norm").local < 1e-6
+    _assert_table_and_verdict_agree(again)
 
 
 def test_the_loss_scale_range_keeps_float16_gradients_in_range():
-    # The gradient of sum(w * c) with respect to w is c: values from 2**-30 to 2**4.
+    # The gradients of sum(v @ w), in float16: with respect to w, v's values c, from 2**-30 to
+    # 2**4; with respect to v, w's ones; and the loss's cotangent, 1, cast to float16.
     c = np.exp2(np.linspace(-30, 4, 35)).astype(np.float32)
-    report = mpjax.diagnose(lambda w: jnp.sum(w * c), policy="mixed_float16")(
-        np.ones(c.size, np.float32)
+    report = mpjax.diagnose(lambda v, w: jnp.sum(v @ w), policy="mixed_float16")(
+        c[None], np.ones((c.size, 1), np.float32)
     )
+    values = np.concatenate([c, np.ones(c.size + 1, np.float32)])
     advice = report.loss_scale
     for candidate in advice.candidates:
         s = candidate.shares
-        expected = _numpy_shares(c, "float16", 2.0**candidate.log2_scale)
+        expected = _numpy_shares(values, "float16", 2.0**candidate.log2_scale)
         assert (s.overflow, s.subnormal, s.flush) == pytest.approx(expected, abs=0)
     # 2**4 * 2**11 = 32768 fits, 2**16 overflows; 2**-30 * 2**6 is float16's smallest
     # subnormal, and 2**-25 would round to zero. Unscaled, what is below 2**-25 flushes.
     assert (advice.low, advice.high) == (6, 11)
-    assert _numpy_shares(c, "float16")[2] > 0.1
+    assert _numpy_shares(values, "float16")[2] > 0.05
+    low = _numpy_shares(values, "float16", 2.0**advice.low)
+    assert low[2] <= mpjax.doctor.recommendations.FLUSH_TOLERANCE
+    assert _numpy_shares(values, "float16", 2.0 ** (advice.high + 1))[0] > 0
+    assert "2**11 overflows none of the 71 float16 gradient values" in advice.why
+    # Under bfloat16 no gradient runs in float16: there is no loss scale to advise.
     assert (
-        _numpy_shares(c, "float16", 2.0**advice.low)[2]
-        <= mpjax.doctor.recommendations.FLUSH_TOLERANCE
+        mpjax.diagnose(lambda v, w: jnp.sum(v @ w), policy="mixed_bfloat16")(
+            c[None], np.ones((c.size, 1), np.float32)
+        ).loss_scale
+        is None
     )
-    assert _numpy_shares(c, "float16", 2.0 ** (advice.high + 1))[0] > 0
-    assert "2**11 overflows none" in advice.why
+
+
+class CausalBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+        h = nn.LayerNorm(name="ln")(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=2, name="attn")(h, h, mask=mask)
+        return x + nn.Dense(x.shape[-1], name="mlp")(nn.gelu(x))
+
+
+@pytest.mark.slow
+def test_a_healthy_causal_attention_model_shows_no_overflow_and_its_table_agrees_with_the_verdict():
+    x = jax.random.normal(jax.random.key(1), (2, 8, 16))
+    model = mpjax.linen.apply_policy(CausalBlock(), "mixed_float16")
+    variables = model.init(jax.random.key(0), x)
+    report = mpjax.diagnose(model, variables=variables, loss=_mse)(x)
+    attention = [r for r in report.modules if r.where == "attn" and not r.backward]
+    assert attention and attention[0].stats.masked > 0
+    for row in report.modules:
+        assert all(row.stats.shares(d).overflow == 0 for d in ("float16", "bfloat16")), row
+        assert row.as_run.overflow == 0
+    assert attention[0].stats.amax < 100
+    assert report.keep == () and report.rules is None
+    _assert_table_and_verdict_agree(report)
+    text = str(report)
+    assert "mask fills, counted apart" in text and "attn" in text
+    assert len(text.splitlines()) < 20
+    assert "f16 over/sub/ftz" in report.table() and "runs in" in report.table()
+
+
+def _small_norm(x, w):
+    with jax.named_scope("proj"):
+        h = x @ w
+    with jax.named_scope("norm"):  # a layer norm of small activations: large values inside
+        mu = jnp.mean(h, -1, keepdims=True)
+        var = jnp.mean((h - mu) ** 2, -1, keepdims=True)
+        y = (h - mu) * jax.lax.rsqrt(var + 1e-12)
+    return jnp.mean(y[:, :4] ** 2)
+
+
+def test_the_loss_scale_comes_from_the_gradients_that_run_in_float16():
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    w = jax.random.normal(jax.random.key(1), (16, 32)) * 1e-3
+    rules = mpjax.Rules({"norm": "float32"}, default="mixed_float16")
+    report = mpjax.diagnose(_small_norm, policy=rules)(x, w)
+    # The float16 gradients: the norm's input gradient, cast to float16, and the matmul's two.
+    h = x @ w
+    g_h = jax.grad(lambda h: _small_norm(h, jnp.eye(32)))(h)
+    amax = max(float(jnp.max(jnp.abs(g))) for g in (g_h, x.T @ g_h, g_h @ w.T))
+    overflow = float(range_stats.bounds("float16").overflow)
+    expected = max(k for k in range(33) if amax * 2.0**k < overflow)
+    assert report.loss_scale.high == expected
+    # The norm's backward, in float32, reaches far more: it would have set a lower ceiling.
+    norm_amax = report.module("norm", backward=True).stats.amax
+    assert norm_amax * 2.0**expected > 100 * overflow
+    assert report.rules is None
 
 
 def _two_matmuls(x, w):

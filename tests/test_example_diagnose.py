@@ -62,3 +62,4 @@ def test_diagnose_prints_the_report_of_the_model_and_policy(data, capsys):
     assert "precision diagnosis" in out and "h0/mlp/fc" in out
     assert "on 1 sequence of" in out  # --diagnose-batch's default
     assert "loss scale for float16 gradients" in out
+    assert "verdict: " in out.rsplit("precision diagnosis", 1)[1]  # the summary comes last

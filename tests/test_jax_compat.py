@@ -16,6 +16,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from mpjax import jax_compat
+from mpjax.casting import regions
 
 F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
 JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:3])
@@ -417,3 +418,16 @@ def test_a_bound_equation_keeps_the_source_location_it_was_traced_at():
 
     (converted,) = jax.make_jaxpr(cast)(X).jaxpr.eqns
     assert jax_compat.source_location(converted) == jax_compat.source_location(sin)
+
+
+def _module_output(x):
+    return regions.output_boundary(jnp.sin(x), jnp.float16)  # the module's call
+
+
+def test_an_operation_mpjax_writes_is_located_at_the_line_outside_mpjax_that_led_to_it():
+    # The output boundary's marker is written in mpjax/casting/regions.py, for the module called here.
+    (marker,) = _eqns(_module_output, X, primitive="name")
+    location = jax_compat.source_location(marker)
+    assert location.startswith(f"{__file__}:") and "(_module_output)" in location
+    line = jax_compat.source_location(_eqn(_module_output, X, primitive="sin")).split(":")[1]
+    assert location.split(":")[1] == line

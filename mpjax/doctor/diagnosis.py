@@ -22,8 +22,13 @@ import numpy as np
 
 from mpjax.doctor.diagnosis_report import Birth, DiagnosisReport, ErrorRow, RangeRow
 from mpjax.doctor.range_stats import DTYPES, RangeStats, check_dtypes
-from mpjax.doctor.recommendations import fp8_fitness, keep_in_float32, loss_scale_advice
-from mpjax.doctor.side_by_side import Evaluation, Kernels, to_exact
+from mpjax.doctor.recommendations import (
+    float16_gradients,
+    fp8_fitness,
+    keep_in_float32,
+    loss_scale_advice,
+)
+from mpjax.doctor.side_by_side import STRUCTURAL, Evaluation, Kernels, to_exact
 from mpjax.inspection.describe import Runner, runner_of
 from mpjax.policy import is_floating
 from mpjax.rules import Rules, RulesLike, as_rules
@@ -161,8 +166,8 @@ def _report(results, rules: Rules, dtypes, max_error) -> DiagnosisReport:
     sites = ev.sites
     indices = ev.indices()
     # Ranges: every batch's values together, by module and by primitive.
-    by_module: dict[tuple[str, bool], list[RangeStats]] = collections.defaultdict(list)
-    by_op: dict[tuple[str, bool], list[RangeStats]] = collections.defaultdict(list)
+    by_module: dict[tuple[str, bool], list] = collections.defaultdict(list)
+    by_op: dict[tuple[str, bool], list] = collections.defaultdict(list)
     per_site: dict[int, list[RangeStats]] = collections.defaultdict(list)
     for _, values in results:
         for row, index in enumerate(indices["ranges"]):
@@ -170,14 +175,18 @@ def _report(results, rules: Rules, dtypes, max_error) -> DiagnosisReport:
                 values["range_counts"][row], values["range_extremes"][row]
             )
             site = sites[index]
-            by_module[site.module, site.backward].append(stats)
-            by_op[site.primitive, site.backward].append(stats)
+            if site.primitive not in STRUCTURAL:  # a gradient's cast: for the loss scale
+                by_module[site.module, site.backward].append((site.dtype, stats))
+                by_op[site.primitive, site.backward].append((site.dtype, stats))
             per_site[index].append(stats)
-    modules = tuple(RangeRow(m, b, RangeStats.merge(s)) for (m, b), s in by_module.items())
-    ops = tuple(RangeRow(p, b, RangeStats.merge(s)) for (p, b), s in by_op.items())
+    modules = tuple(RangeRow.of(m, b, parts) for (m, b), parts in by_module.items())
+    ops = tuple(RangeRow.of(p, b, parts) for (p, b), parts in by_op.items())
     birth = _birth(results, sites, indices["births"])
     errors = _errors(results, sites, indices["errors"])
-    reasons, keep = keep_in_float32(per_site, sites, birth, errors, max_error)
+    # The ranges of the module rows, as the policy runs them, decide what is kept in float32
+    # (a gradient's cast overflows at a birth or under a loss scale, not in a row).
+    in_rows = {i: p for i, p in per_site.items() if sites[i].primitive not in STRUCTURAL}
+    reasons, keep = keep_in_float32(in_rows, sites, birth, errors, max_error)
     recommended = None
     if keep:
         recommended = rules
@@ -188,10 +197,8 @@ def _report(results, rules: Rules, dtypes, max_error) -> DiagnosisReport:
                 recommended = recommended.with_rule(path, f32)
             else:
                 recommended = recommended.with_default(f32)
-    backward = [r.stats for r in modules if r.backward]
-    loss_scale = (
-        loss_scale_advice(RangeStats.merge(backward)) if trace.backward and backward else None
-    )
+    gradients = float16_gradients(per_site, sites)
+    loss_scale = loss_scale_advice(gradients) if gradients is not None else None
     fp8 = fp8_fitness(results, sites, indices["dots"])
     return DiagnosisReport(
         policy=rules,
@@ -205,6 +212,8 @@ def _report(results, rules: Rules, dtypes, max_error) -> DiagnosisReport:
         reasons=tuple(reasons),
         loss_scale=loss_scale,
         fp8=fp8,
+        keep=tuple(keep),
+        max_error=max_error,
     )
 
 

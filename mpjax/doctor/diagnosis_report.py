@@ -1,6 +1,7 @@
 """What the precision doctor found, as a value: :class:`DiagnosisReport` and its rows
 (ranges, precision lost, the non-finite birth, the loss-scale and fp8 advice), with its text
-table, histograms and JSON form.
+views (:meth:`DiagnosisReport.summary`, the verdict and the modules it names, and
+:meth:`DiagnosisReport.table`, everything), histograms and JSON form.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import collections
 import dataclasses
 import json
 import math
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +32,9 @@ __all__ = [
 ]
 
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+WIDTH = 100
+"""The width :meth:`DiagnosisReport.summary` keeps to."""
+_NO_SHARES = Shares(0.0, 0.0, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,18 +44,38 @@ class RangeRow:
     Attributes:
       where: the module path (``""`` for the root) or the primitive name.
       backward: True for the gradient pass.
-      stats: their :class:`mpjax.doctor.range_stats.RangeStats`.
+      stats: their :class:`mpjax.doctor.range_stats.RangeStats` (the float32 run's values); their
+        ``shares(dtype)`` are what rounding them all to ``dtype`` would do.
+      runs_in: the dtypes the values are computed in under the policy.
+      as_run: the shares of the values that overflow, turn subnormal or flush to zero in the
+        dtype each is computed in (none for float32): what the policy does to them.
     """
 
     where: str
     backward: bool
     stats: RangeStats
+    runs_in: tuple[str, ...] = ()
+    as_run: Shares = _NO_SHARES
+
+    @classmethod
+    def of(cls, where: str, backward: bool, parts: Sequence[tuple[str, RangeStats]]) -> RangeRow:
+        """The row of values computed in several parts, each ``(dtype it runs in, stats)``."""
+        counts = np.zeros(3)
+        for dtype, stats in parts:
+            if dtype in _SHORT:
+                counts += np.array(dataclasses.astuple(stats.shares(dtype))) * stats.finite
+        merged = RangeStats.merge([stats for _, stats in parts])
+        as_run = Shares(*(float(c) / max(merged.finite, 1) for c in counts))
+        runs_in = tuple(sorted({d for d, _ in parts}, key=lambda d: (d not in _SHORT, d)))
+        return cls(where, backward, merged, runs_in, as_run)
 
     def to_dict(self, dtypes: Sequence[str]) -> dict[str, Any]:
         return {
             "where": self.where,
             "pass": "backward" if self.backward else "forward",
             **self.stats.to_dict(dtypes),
+            "runs_in": list(self.runs_in),
+            "as_run": self.as_run.to_dict(),
         }
 
 
@@ -126,9 +151,10 @@ class LossScaleAdvice:
     """The loss scales that keep the gradient values in float16's range.
 
     Attributes:
-      candidates: each scale ``2**0 ... 2**32`` with the shares of the gradient values (every
-        value of the backward pass of the float32 run, times the scale) it would overflow,
-        make subnormal or flush to zero in float16.
+      candidates: each scale ``2**0 ... 2**32`` with the shares of the gradient values (those
+        that run in float16 under the policy, their casts to float16 included, as the float32
+        run computes them, times the scale) it would overflow, make subnormal or flush to zero
+        in float16. Gradients computed in float32 are left out: no loss scale overflows them.
       low, high: the recommended range ``2**low ... 2**high``: no value overflows and at most
         ``mpjax.doctor.recommendations.FLUSH_TOLERANCE`` of them flush (or, if no scale flushes that
         little, the largest scale that overflows nothing); None when every scale overflows.
@@ -178,7 +204,8 @@ class Fp8Matmul:
 
 @dataclasses.dataclass(frozen=True)
 class DiagnosisReport:
-    """What :func:`mpjax.diagnose` found; ``str`` gives :meth:`table`.
+    """What :func:`mpjax.diagnose` found; ``str`` gives :meth:`summary` (the verdict and the
+    modules it names), :meth:`table` every row, :meth:`to_json` everything.
 
     Attributes:
       policy: the rules the target ran under.
@@ -191,9 +218,12 @@ class DiagnosisReport:
       rules: the recommended rules (the policy, with the modules that overflow, make a
         non-finite value or lose more than ``max_error`` in float32), or None when none does.
       reasons: why each module is in ``rules``, with the figures.
-      loss_scale: the loss scales that keep gradients in float16's range (None without a
-        backward pass).
+      loss_scale: the loss scales that keep float16 gradients in float16's range (None
+        without a backward pass or when no gradient runs in float16).
       fp8: per matmul, its fitness for fp8.
+      keep: the paths of the modules ``rules`` keeps in float32, in the order they first ran
+        (``reasons`` says why, in the same order).
+      max_error: the error entering a module above which it is kept in float32.
     """
 
     policy: Rules
@@ -207,6 +237,8 @@ class DiagnosisReport:
     reasons: tuple[str, ...]
     loss_scale: LossScaleAdvice | None
     fp8: tuple[Fp8Matmul, ...]
+    keep: tuple[str, ...] = ()
+    max_error: float = 0.05
 
     def module(self, path: str, backward: bool = False) -> RangeRow:
         """The ranges of the module at ``path`` in one pass."""
@@ -233,13 +265,114 @@ class DiagnosisReport:
         raise KeyError(f"No forward equations measured in module {path!r}.")
 
     def __str__(self) -> str:
-        return self.table()
+        return self.summary()
+
+    def _verdict(self) -> list[str]:
+        """The verdict's items: why each module is kept in float32, the loss scale, fp8."""
+        items = list(self.reasons)
+        if self.loss_scale is not None:
+            items.append(self.loss_scale.why)
+        if self.batches > 1 and self.fp8:
+            fit = sum(m.fit for m in self.fp8)
+            items.append(
+                f"fp8: {fit} of {len(self.fp8)} matmuls are fit for delayed scaling, by how "
+                f"their operands' amax moves across {self.batches} batches (report.fp8 says "
+                "why for each)"
+            )
+        elif self.fp8:
+            items.append(
+                f"fp8: {len(self.fp8)} matmuls; their fitness needs the amax of several "
+                "batches (diagnose(...).over(batches))"
+            )
+        return items
+
+    def summary(self) -> str:
+        """The report for a terminal, at most :data:`WIDTH` columns wide: the verdict first
+        (the modules to keep in float32 and why, the loss scale, fp8), the figures of the
+        modules it keeps, and what the others come to. Each module the verdict keeps is in the
+        table, and no other: the overflow and flush columns are what the policy does to the
+        values, in the dtype each is computed in. :meth:`table` has every row."""
+        plural = "es" if self.batches != 1 else ""
+        passes = "forward and backward" if any(r.backward for r in self.modules) else "forward"
+        lines = [
+            f"precision diagnosis under {self.policy.default} ({passes}, "
+            f"{self.batches} batch{plural})"
+        ]
+        if self.keep:
+            n = len(self.keep)
+            lines.append(
+                f"verdict: keep {n} module{'s' if n != 1 else ''} in float32 (report.rules):"
+            )
+        else:
+            lines.append("verdict: the policy keeps every module")
+        for item in self._verdict():
+            lines += textwrap.wrap(item, WIDTH, initial_indent="- ", subsequent_indent="  ")
+        if self.keep:
+            lines += ["", self._kept_table()]
+        others = [m for m in dict.fromkeys(r.where for r in self.modules) if m not in self.keep]
+        if others:
+            errors = [r for r in self.errors if r.module in others]
+            worst = max(errors, key=lambda r: r.local, default=None)
+            text = (
+                f"{len(others)} {'other ' if self.keep else ''}module"
+                f"{'s' if len(others) != 1 else ''}: no value overflows the dtype it is "
+                "computed in and no non-finite value is born"
+            )
+            if worst is not None:
+                text += (
+                    f"; the error entering stays within max_error={self.max_error:g} (at most "
+                    f"{worst.local:.2g}, in {worst.module or '<root>'})"
+                )
+            lines += [""] + textwrap.wrap(text + ".", WIDTH)
+        masked = [r for r in self.modules if r.stats.masked]
+        if masked:
+            names = list(dict.fromkeys(r.where or "<root>" for r in masked))
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            text = (
+                f"mask fills, counted apart (constants written where a mask excludes a "
+                f"position, not numbers the model computes): {sum(r.stats.masked for r in masked):,}"
+                f" values in {shown}."
+            )
+            lines += textwrap.wrap(text, WIDTH)
+        lines += [
+            "every row: report.table(); one module: report.module(path), report.histogram(path)"
+        ]
+        return "\n".join(lines)
+
+    def _kept_table(self) -> str:
+        """The rows of the modules the verdict keeps, with what the policy does to them."""
+        errors = {r.module: r for r in self.errors}
+        body = []
+        for path in self.keep:
+            name = path or "<root>"
+            name = name if len(name) <= 32 else "..." + name[-29:]
+            rows = [r for r in self.modules if r.where == path]
+            if not rows:  # only casts ran there (a birth at one): no ranges to show
+                error = errors.get(path)
+                local = "-" if error is None else f"{error.local:.2e}"
+                body.append((name, "-", "-", "-", "-", "-", local))
+            for r in rows:
+                error = errors.get(path) if not r.backward else None
+                body.append(
+                    (
+                        name,
+                        "bwd" if r.backward else "fwd",
+                        "+".join(_SHORT.get(d, d.replace("float", "f")) for d in r.runs_in),
+                        f"{r.stats.amax:.3g}",
+                        _percent(r.as_run.overflow),
+                        _percent(r.as_run.flush),
+                        "-" if error is None else f"{error.local:.2e}",
+                    )
+                )
+        header = ("module", "pass", "runs in", "amax", "overflow", "flushed", "error entering")
+        return format_table(header, body, right=frozenset({3, 4, 5, 6}))
 
     def _range_table(self, rows: Sequence[RangeRow], title: str) -> str:
         short = {d: _SHORT[d] for d in self.dtypes}
         header = (
             title,
             "pass",
+            "runs in",
             "values",
             "amax",
             "min nonzero",
@@ -254,18 +387,24 @@ class DiagnosisReport:
                 (
                     r.where or "<root>",
                     "bwd" if r.backward else "fwd",
-                    f"{s.count:,}" + (f" ({s.nonfinite} non-finite)" if s.nonfinite else ""),
+                    "+".join(_SHORT.get(d, d.replace("float", "f")) for d in r.runs_in),
+                    f"{s.count:,}"
+                    + (f" ({s.nonfinite} non-finite)" if s.nonfinite else "")
+                    + (f" (+{s.masked:,} mask fill)" if s.masked else ""),
                     f"{s.amax:.3g}",
                     "-" if math.isinf(s.min_nonzero) else f"{s.min_nonzero:.3g}",
                     "-" if log2 is None else f"[{log2[0]}, {log2[1]}]",
                     *(_shares_text(s.shares(d)) for d in self.dtypes),
                 )
             )
-        return format_table(header, body, right=frozenset({2, 3, 4}))
+        return format_table(header, body, right=frozenset({3, 4, 5}))
 
     def table(self) -> str:
-        """The report as text: ranges by module and by primitive, the precision lost by
-        module, the non-finite birth, and the recommendations."""
+        """The whole report as text: ranges by module and by primitive (``runs in``: the
+        dtypes the values are computed in; ``over/sub/ftz``: the shares rounding them all to
+        each dtype would overflow, make subnormal or flush to zero, whatever they run in; mask
+        fills counted apart), the precision lost by module, the non-finite birth, and the
+        recommendations. :meth:`summary` is the short form."""
         lines = [
             f"precision diagnosis under {self.policy.default} (ranges from the float32 run, "
             f"{self.batches} batch{'es' if self.batches != 1 else ''})",
@@ -419,6 +558,8 @@ class DiagnosisReport:
             "reasons": list(self.reasons),
             "loss_scale": None if self.loss_scale is None else self.loss_scale.to_dict(),
             "fp8": [m.to_dict() for m in self.fp8],
+            "keep": list(self.keep),
+            "max_error": self.max_error,
         }
 
     def to_json(self) -> str:
@@ -426,8 +567,9 @@ class DiagnosisReport:
         return json.dumps(self.to_dict(), indent=1)
 
 
-def _shares_text(shares: Shares) -> str:
-    def pct(x):
-        return "0" if x == 0 else f"{100 * x:.3g}%"
+def _percent(x: float) -> str:
+    return "0" if x == 0 else f"{100 * x:.3g}%"
 
-    return "/".join(pct(x) for x in (shares.overflow, shares.subnormal, shares.flush))
+
+def _shares_text(shares: Shares) -> str:
+    return "/".join(_percent(x) for x in (shares.overflow, shares.subnormal, shares.flush))

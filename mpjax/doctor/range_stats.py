@@ -135,14 +135,18 @@ def mantissas() -> tuple[int, ...]:
 
 def summary_size() -> int:
     """The length of the counts :func:`summarize` returns."""
-    return 3 + _BINS * (len(mantissas()) + 1)
+    return 4 + _BINS * (len(mantissas()) + 1)
 
 
-def summarize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def summarize(x: jax.Array, exclude: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The statistics of the values of ``x`` as two arrays, computed where ``x`` is traced:
-    counts (int32: values, non-finite, zeros, then the finite nonzero magnitudes by binade and,
-    within it, by how many of :func:`mantissas` their mantissa reaches) and extremes (float32:
-    the largest finite magnitude, the smallest nonzero one, inf when there is none).
+    counts (int32: values, non-finite, zeros, values excluded, then the finite nonzero
+    magnitudes by binade and, within it, by how many of :func:`mantissas` their mantissa
+    reaches) and extremes (float32: the largest finite magnitude, the smallest nonzero one,
+    inf when there is none).
+
+    ``exclude`` (booleans, broadcastable to ``x``) marks values that are counted apart and
+    left out of everything else: the mask fills of :mod:`mpjax.doctor.side_by_side`.
 
     One histogram of the magnitudes' bit patterns gives every count: a float32's exponent field
     is its binade (0 for zeros and subnormals, which XLA flushes to zero on CPU and GPU: they
@@ -157,10 +161,18 @@ def summarize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     cuts = mantissas()
     width = len(cuts) + 1
     part = sum((mantissa >= m).astype(jnp.int32) for m in cuts) if cuts else 0
-    histogram = jnp.bincount(exponent * width + part, length=256 * width).astype(jnp.int32)
+    index = exponent * width + part
+    if exclude is None:
+        keep = jnp.ones(bits.shape, bool)
+        histogram = jnp.bincount(index, length=256 * width).astype(jnp.int32)
+    else:
+        keep = ~jnp.broadcast_to(exclude, jnp.shape(x)).ravel()
+        weights = keep.astype(jnp.int32)
+        histogram = jnp.bincount(index, weights, length=256 * width).astype(jnp.int32)
+    excluded = jnp.int32(bits.size) - jnp.sum(keep, dtype=jnp.int32)
     inf = jnp.uint32(0x7F800000)
-    largest = jnp.where(exponent < 255, bits, jnp.uint32(0))
-    smallest = jnp.where(exponent > 0, bits, inf)
+    largest = jnp.where(keep & (exponent < 255), bits, jnp.uint32(0))
+    smallest = jnp.where(keep & (exponent > 0), bits, inf)
     largest, smallest = jax.lax.reduce(
         (largest, smallest),
         (jnp.uint32(0), inf),
@@ -174,9 +186,10 @@ def summarize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
         [
             jnp.stack(
                 [
-                    jnp.int32(bits.size),
+                    jnp.int32(bits.size) - excluded,
                     jnp.sum(histogram[255 * width :]),
                     jnp.sum(histogram[:width]),
+                    excluded,
                 ]
             ),
             histogram[width : 255 * width],
@@ -211,6 +224,10 @@ class RangeStats:
       min_nonzero: the smallest nonzero finite magnitude (inf when there is none).
       bins: ``bins[i, j]`` values have ``floor(log2|x|) == LOG2_MIN + i`` and a mantissa that
         reaches ``j`` of :func:`mantissas`.
+      masked: how many more values are mask fills (a large constant such as
+        ``finfo(dtype).min`` written where a mask excludes a position, and what elementwise
+        operations compute from it), not numbers the model computes: left out of everything
+        above.
     """
 
     count: int
@@ -219,6 +236,7 @@ class RangeStats:
     amax: float
     min_nonzero: float
     bins: np.ndarray
+    masked: int = 0
 
     @classmethod
     def from_summary(cls, counts: np.ndarray, extremes: np.ndarray) -> RangeStats:
@@ -230,7 +248,8 @@ class RangeStats:
             zeros=int(counts[2]),
             amax=float(extremes[0]),
             min_nonzero=float(extremes[1]),
-            bins=counts[3:].reshape(_BINS, len(mantissas()) + 1),
+            bins=counts[4:].reshape(_BINS, len(mantissas()) + 1),
+            masked=int(counts[3]),
         )
 
     @classmethod
@@ -243,6 +262,7 @@ class RangeStats:
             amax=max(p.amax for p in parts),
             min_nonzero=min(p.min_nonzero for p in parts),
             bins=np.sum([p.bins for p in parts], axis=0),
+            masked=sum(p.masked for p in parts),
         )
 
     @property
@@ -298,6 +318,7 @@ class RangeStats:
             "count": self.count,
             "nonfinite": self.nonfinite,
             "zeros": self.zeros,
+            "masked": self.masked,
             "amax": self.amax,
             "min_nonzero": None if np.isinf(self.min_nonzero) else self.min_nonzero,
             "log2_histogram": {

@@ -14,7 +14,7 @@ import numpy as np
 from mpjax.doctor.diagnosis_report import Fp8Matmul, LossScaleAdvice, LossScaleCandidate
 from mpjax.doctor.range_stats import DTYPES, RangeStats, bounds
 
-__all__ = ["fp8_fitness", "keep_in_float32", "loss_scale_advice"]
+__all__ = ["float16_gradients", "fp8_fitness", "keep_in_float32", "loss_scale_advice"]
 
 # A matmul is fit for fp8 with delayed scaling when its operands' amax moves by at most this
 # factor between batches: a scale set from earlier batches then neither overflows nor wastes
@@ -41,8 +41,8 @@ def keep_in_float32(per_site, sites, birth, errors, max_error) -> tuple[list[str
             text = (
                 f"its {s.primitive} ({'backward' if s.backward else 'forward'}) runs in {s.dtype} "
                 f"and reaches {stats.amax:.3g} in the float32 run, past {s.dtype}'s "
-                f"{float(jnp.finfo(jnp.dtype(s.dtype)).max):.5g} ({100 * share:.3g}% of its "
-                f"values overflow from {float(b.overflow):.6g} up)"
+                f"{float(jnp.finfo(jnp.dtype(s.dtype)).max):.5g} ({100 * share:.3g}% of the "
+                f"{s.primitive}'s values overflow from {float(b.overflow):.6g} up)"
             )
             if text not in why[s.module]:
                 why[s.module].append(text)
@@ -59,9 +59,24 @@ def keep_in_float32(per_site, sites, birth, errors, max_error) -> tuple[list[str
     return reasons, order
 
 
+def float16_gradients(per_site, sites) -> RangeStats | None:
+    """The ranges (float32 run) of the gradient values that run in float16 under the policy,
+    those a loss scale scales into float16's range (casts to float16 included); None when no
+    gradient runs in float16. Gradients computed in float32 (a norm's backward) never overflow
+    under the scale, whatever their size: they are left out."""
+    parts = [
+        stats
+        for index, found in per_site.items()
+        if sites[index].backward and sites[index].dtype == "float16"
+        for stats in found
+    ]
+    return RangeStats.merge(parts) if parts else None
+
+
 def loss_scale_advice(stats: RangeStats) -> LossScaleAdvice:
-    """The loss scales that keep the gradient values (``stats``, of the float32 run's backward
-    pass) in float16's range, each scale ``2**0 ... 2**LOSS_SCALE_MAX_LOG2`` measured."""
+    """The loss scales that keep the gradient values (``stats``: of the float32 run, those
+    that run in float16, :func:`float16_gradients`) in float16's range, each scale
+    ``2**0 ... 2**LOSS_SCALE_MAX_LOG2`` measured."""
     candidates = tuple(
         LossScaleCandidate(k, stats.shares("float16", k)) for k in range(LOSS_SCALE_MAX_LOG2 + 1)
     )
@@ -84,7 +99,7 @@ def loss_scale_advice(stats: RangeStats) -> LossScaleAdvice:
         low.log2_scale,
         high.log2_scale,
         f"loss scale for float16 gradients: 2**{low.log2_scale} to 2**{high.log2_scale}: "
-        f"2**{high.log2_scale} overflows none of the {stats.finite:,} gradient values and "
+        f"2**{high.log2_scale} overflows none of the {stats.finite:,} float16 gradient values and "
         f"flushes {100 * high.shares.flush:.3g}%, 2**{low.log2_scale} flushes "
         f"{100 * low.shares.flush:.3g}% (unscaled: {100 * candidates[0].shares.flush:.3g}% "
         f"flushed); 2**{high.log2_scale + 1} would overflow "

@@ -7,7 +7,8 @@ forward or backward pass.
 
 - Ranges come from the exact values: per equation, the summary
   (:func:`mpjax.doctor.range_stats.summarize`) of the values it computes (copies such as reshapes and
-  casts, ``STRUCTURAL``, left out).
+  casts, ``STRUCTURAL``, left out, except the casts of gradients to float16, whose values run
+  there from then on: the loss scale applies to them).
 - A non-finite birth is an equation whose inputs are all finite and whose output is not, as
   it runs: the non-finite values of each output are counted where it is computed, and an
   equation's inputs are the outputs counted before it.
@@ -17,6 +18,13 @@ forward or backward pass.
   counts at the cast that rounds them). The relative error of the value as it ran, against
   the exact one, is what has accumulated.
 - Matmuls have the amax of their two operands (exact) measured, for fp8 fitness.
+- Mask fills are not numbers the model computes: where a select (``jnp.where(mask, s, fill)``)
+  takes a case that is a constant *fill* (a literal, or a broadcast or cast of one, at least
+  :data:`FILL_MIN` in magnitude or not finite: ``finfo(dtype).min``, ``-inf``, ``-1e9``), the
+  positions it takes it at are *masked*, and so are the positions elementwise operations
+  compute from masked ones (the softmax's ``exp(s - max)`` of them). Masked values are counted
+  apart in the ranges (:attr:`mpjax.doctor.range_stats.RangeStats.masked`) and left out of the
+  errors; a fill's own non-finite values are no birth.
 
 The evaluation runs equation by equation, outside any trace: each equation, both ways, with
 its measures, is one small jitted *kernel*, compiled once for all the equations that share its
@@ -37,6 +45,7 @@ it measured where) and :func:`to_exact`, the exact counterpart of an input.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -50,7 +59,7 @@ from mpjax.casting.regions import innermost
 from mpjax.doctor import range_stats
 from mpjax.policy import is_floating
 
-__all__ = ["STRUCTURAL", "Evaluation", "Kernels", "Site", "to_exact"]
+__all__ = ["FILL_MIN", "STRUCTURAL", "Evaluation", "Kernels", "Site", "to_exact"]
 
 # Equations whose outputs copy, move or cast their inputs' values: their ranges are those of
 # their inputs. (A cast still can overflow, and loses precision: births and errors see it.)
@@ -74,6 +83,46 @@ STRUCTURAL = frozenset(
     }
 )
 _CAST = frozenset({"convert_element_type", "reduce_precision"})
+FILL_MIN = 1e4
+"""The smallest magnitude of a constant that counts as a mask fill (BERT's ``-10000``; Flax,
+Equinox and mpjax's attention fill with ``finfo(dtype).min`` or a fraction of it)."""
+# Operations that move a value's entries: a mask of its positions moves the same way.
+_MOVES = frozenset(
+    {"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "rev", "slice"}
+)
+# Operations that copy values, cast them or compute each entry from the same entries of
+# their inputs: masked entries in, masked entries out.
+_ELEMENTWISE = frozenset(
+    {
+        "convert_element_type",
+        "reduce_precision",
+        "copy",
+        "copy_p",
+        "stop_gradient",
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "max",
+        "min",
+        "neg",
+        "exp",
+        "exp2",
+        "expm1",
+        "log",
+        "log1p",
+        "tanh",
+        "logistic",
+        "integer_pow",
+        "square",
+        "sqrt",
+        "rsqrt",
+        "abs",
+        "pow",
+    }
+)
+# A value whose every entry is a mask fill (a fill constant and its broadcasts and casts).
+FILL = "fill"
 _MATMULS = frozenset({"dot_general", "conv_general_dilated"})
 _F32 = np.dtype(np.float32)
 
@@ -136,6 +185,27 @@ def _amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
+def _is_fill(value: Any) -> bool:
+    """Whether a constant (a literal, a scalar const) is a mask fill: a single float at least
+    :data:`FILL_MIN` in magnitude, or not finite."""
+    if np.size(value) != 1:  # before reading it: a const may be a large device array
+        return False
+    value = np.asarray(value)
+    if not is_floating(value.dtype):
+        return False
+    v = float(value.reshape(()).astype(np.float32))
+    return not np.isfinite(v) or abs(v) >= FILL_MIN
+
+
+def _without(x: jax.Array, masked: jax.Array) -> jax.Array:
+    return jnp.where(masked, jnp.zeros((), x.dtype), x)
+
+
+def _relative_error_unmasked(value: Any, exact: Any, masked: jax.Array) -> jax.Array:
+    """:func:`_relative_error` over the entries not ``masked``."""
+    return _relative_error(_without(value, masked), _without(exact, masked))
+
+
 @dataclasses.dataclass(frozen=True)
 class Site:
     """An equation the evaluation measured: what, where, in which pass and dtype."""
@@ -173,7 +243,14 @@ def _plan(eqn: Any, backward: bool, compare: bool) -> _Plan | None:
     if not floats_out:
         return None
     name = eqn.primitive.name
-    ranges = name not in STRUCTURAL
+    # A cast of a gradient to float16 is where it starts to run there: its range counts for
+    # the loss scale (a float32 gradient cast to float16 overflows under it).
+    ranges = name not in STRUCTURAL or (
+        backward
+        and name in _CAST
+        and np.dtype(eqn.outvars[0].aval.dtype) == np.dtype(jnp.float16)
+        and not _is_low(eqn.invars[0].aval.dtype)
+    )
     errors = compare and not backward and (ranges or name in _CAST)
     local = errors and any(_is_low(v.aval.dtype) for v in (*eqn.invars, *eqn.outvars))
     operands = min(len(_floating(eqn.invars)), 2) if name in _MATMULS else 0
@@ -210,6 +287,49 @@ _measure_nonfinite = jax.jit(_nonfinite)
 _measure_range = jax.jit(range_stats.summarize)
 _measure_amax = jax.jit(_amax)
 _measure_error = jax.jit(_relative_error)
+_measure_error_unmasked = jax.jit(_relative_error_unmasked)
+
+
+@jax.jit
+def _any(*masks: jax.Array) -> jax.Array:
+    out = masks[0]
+    for m in masks[1:]:
+        out = out | m
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _select_mask(shape: tuple, which: jax.Array, cases: tuple) -> jax.Array:
+    """The positions where a select takes a masked entry: ``cases`` each True (a fill), False
+    (no masked entry) or a mask."""
+    full = [jnp.broadcast_to(jnp.asarray(c, bool), shape) for c in cases]
+    return lax.select_n(jnp.broadcast_to(which, shape), *full)
+
+
+def _masks(eqn: Any, values: list) -> list[Any]:
+    """The masked positions of ``eqn``'s outputs (:data:`FILL`, a boolean mask, or None), from
+    its inputs (``values``, each a ``_Value`` whose last entry is its mask)."""
+    name = eqn.primitive.name
+    ins = [v[3] for v in values]
+    none: list[Any] = [None] * len(eqn.outvars)
+    if all(m is None for m in ins):
+        return none
+    if all(m is FILL for m in ins):  # computed from fills alone: a fill
+        return [FILL if is_floating(v.aval.dtype) else None for v in eqn.outvars]
+    if len(eqn.outvars) != 1 or not is_floating(eqn.outvars[0].aval.dtype):
+        return none
+    shape = tuple(eqn.outvars[0].aval.shape)
+    if name == "select_n":
+        cases = tuple(True if m is FILL else (False if m is None else m) for m in ins[1:])
+        return [_select_mask(shape, values[0][0], cases)]
+    if name in _MOVES and ins[0] is not None and ins[0] is not FILL:
+        return [compat.bind_equation(eqn, [ins[0]])[0]]
+    if name in _ELEMENTWISE:
+        # A fill as an operand of arithmetic (``max(-inf, x)``) is a constant, not a position.
+        arrays = [m for m in ins if m is not None and m is not FILL]
+        if arrays and all(tuple(m.shape) in (shape, ()) for m in arrays):
+            return [jnp.broadcast_to(_any(*arrays), shape)]
+    return none
 
 
 class _Measures(NamedTuple):
@@ -313,10 +433,11 @@ class Kernels:
         return dead
 
 
-# A value in the evaluation: exact, as it runs, and where its non-finite count as it runs is:
-# a count known on the host, ("input", index) for a jaxpr's input, ("site", site, output) for
-# an equation's output, or ("copy", refs) for a copy of the values at refs.
-_Value = tuple[Any, Any, Any]
+# A value in the evaluation: exact, as it runs, where its non-finite count as it runs is (a
+# count known on the host, ("input", index) for a jaxpr's input, ("site", site, output) for
+# an equation's output, or ("copy", refs) for a copy of the values at refs), and its masked
+# positions (see _masks).
+_Value = tuple[Any, Any, Any, Any]
 
 
 class Evaluation:
@@ -335,6 +456,7 @@ class Evaluation:
         self._measures: list[_Measures] = []
         self._inputs: list[list[Any]] = []
         self._inputs_counted: list[Any] = []
+        self._fills: list[bool] = []  # per site: whether its outputs are mask fills
 
     def _counted(self, values: Sequence[Any]) -> list[Any]:
         """Where the non-finite counts of ``values`` (inputs of a jaxpr) are: counted now."""
@@ -350,13 +472,13 @@ class Evaluation:
     def run(self, closed: Any, exact: Sequence[Any], actual: Sequence[Any]) -> tuple[list, list]:
         """Evaluates ``closed`` on its inputs (exact, as they run): its outputs both ways."""
         refs = self._counted(list(actual))
-        outs = self._closed(closed, list(zip(exact, actual, refs)), (), False)
+        outs = self._closed(closed, [(*v, None) for v in zip(exact, actual, refs)], (), False)
         return [v[0] for v in outs], [v[1] for v in outs]
 
     def _closed(self, closed: Any, inputs: list[_Value], path, backward) -> list[_Value]:
         consts = list(closed.consts)
         refs = self._counted(consts)
-        values = [(to_exact(c), c, r) for c, r in zip(consts, refs)]
+        values = [(to_exact(c), c, r, FILL if _is_fill(c) else None) for c, r in zip(consts, refs)]
         return self._jaxpr(closed.jaxpr, values, inputs, path, backward)
 
     def _jaxpr(self, jaxpr, consts: list[_Value], inputs: list[_Value], path, backward):
@@ -366,7 +488,7 @@ class Evaluation:
             if compat.is_literal(atom):
                 value = atom.val
                 finite = not is_floating(np.asarray(value).dtype) or np.isfinite(value)
-                return to_exact(value), value, 0 if finite else 1
+                return to_exact(value), value, 0 if finite else 1, FILL if _is_fill(value) else None
             return env[atom]
 
         env.update(zip(jaxpr.constvars, consts))
@@ -414,18 +536,31 @@ class Evaluation:
         ex_out, ac_out, local, reference = kernel(
             [ins[i][0] for i in dynamic], [ins[i][1] for i in dynamic]
         )
+        masks = _masks(eqn, ins)
         if plan is None:
-            return [(e, a, 0) for e, a in zip(ex_out, ac_out)]
+            return [(e, a, 0, m) for e, a, m in zip(ex_out, ac_out, masks)]
         floats_out = _floating(eqn.outvars)
         actual = [ac_out[i] for i in floats_out]
         exact = [ex_out[i] for i in floats_out]
+        # The masked entries of each floating output, to leave out (all of a fill's).
+        out_masks = [masks[i] for i in floats_out]
+        left_out = [jnp.ones((), bool) if m is FILL else m for m in out_masks]
+
+        def range_of(x, m):
+            return _measure_range(x) if m is None else _measure_range(x, m)
+
+        def error_of(a, b, m):
+            return _measure_error(a, b) if m is None else _measure_error_unmasked(a, b, m)
+
         measures = _Measures(
             nonfinite=[_measure_nonfinite(x) for x in actual] if plan.counts else [],
-            ranges=[_measure_range(x) for x in exact] if plan.ranges else [],
+            ranges=[range_of(x, m) for x, m in zip(exact, left_out)] if plan.ranges else [],
             operands=[_measure_amax(ins[i][0]) for i in _floating(eqn.invars)[: plan.operands]],
-            entering=[_measure_error(a, b) for a, b in zip(local, reference or exact)],
+            entering=[error_of(a, b, m) for a, b, m in zip(local, reference or exact, left_out)],
             accumulated=(
-                [_measure_error(a, b) for a, b in zip(actual, exact)] if plan.errors else []
+                [error_of(a, b, m) for a, b, m in zip(actual, exact, left_out)]
+                if plan.errors
+                else []
             ),
         )
         region = innermost(path)
@@ -440,13 +575,14 @@ class Evaluation:
         )
         self._plans.append(plan)
         self._measures.append(measures)
+        self._fills.append(all(m is FILL for m in out_masks))
         inputs = [ins[i][2] for i in _floating(eqn.invars)]
         self._inputs.append(inputs)
         site = len(self._measures) - 1
         refs: list[Any] = [0] * len(ex_out)
         for rank, i in enumerate(floats_out):
             refs[i] = ("site", site, rank) if plan.counts else ("copy", inputs)
-        return [(e, a, r) for e, a, r in zip(ex_out, ac_out, refs)]
+        return [(e, a, r, m) for e, a, r, m in zip(ex_out, ac_out, refs, masks)]
 
     def assemble(self) -> dict[str, np.ndarray]:
         """Per site, the measures as host values: non-finite counts of outputs and inputs,
@@ -465,9 +601,11 @@ class Evaluation:
 
         width = range_stats.summary_size()
         counts, extremes, births, errors, dots = [], [], [], [], []
-        for plan, m, inputs in zip(self._plans, measured, self._inputs):
+        for plan, m, inputs, fill in zip(self._plans, measured, self._inputs, self._fills):
             held = sum(count(r) for r in inputs)
-            births.append([int(np.sum(m.nonfinite)) if plan.counts else held, held])
+            out = int(np.sum(m.nonfinite)) if plan.counts else held
+            # A fill's non-finite values (-inf, or finfo.min cast to float16) are no birth.
+            births.append([out, held + out if fill else held])
             if plan.ranges:
                 counts.append(np.sum([c for c, _ in m.ranges], axis=0))
                 extremes.append([max(e[0] for _, e in m.ranges), min(e[1] for _, e in m.ranges)])
