@@ -1,6 +1,7 @@
 """Test configuration: 8 fake CPU devices and strict dtype promotion for every test."""
 
 import os
+import sys
 
 import pytest
 
@@ -20,12 +21,22 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 def pytest_sessionstart(session):
     """The sharding tests need 8 devices. With ``MPJAX_REQUIRE_GPU_PLAN`` set (as CI's newest
     suite sets it), a missing CUDA plugin is an error rather than a reason to skip the tests
-    that compile for an H100."""
+    that compile for an H100; with ``MPJAX_REQUIRE_TPU_PLAN`` set, so is a missing libtpu for
+    the tests that compile for a TPU."""
     if jax.device_count() < 8:
         raise pytest.UsageError(
             f"the tests need at least 8 devices; XLA_FLAGS gives {jax.device_count()}: "
             f"{os.environ['XLA_FLAGS']!r}"
         )
+    if os.environ.get("MPJAX_REQUIRE_TPU_PLAN"):
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tests"))
+        from tpu_compile import tpu_compile_unavailable  # a helper of the tests
+
+        reason = tpu_compile_unavailable()
+        if reason is not None:
+            raise pytest.UsageError(
+                f"MPJAX_REQUIRE_TPU_PLAN is set, but nothing compiles for a TPU: {reason}"
+            )
     if not os.environ.get("MPJAX_REQUIRE_GPU_PLAN"):
         return
     from mpjax.inspection.gpu_plan import gpu_plan_unavailable  # after jax is configured above

@@ -872,6 +872,7 @@ def test_modules_kept_in_f32_by_rules_run_their_matmuls_at_highest_unless_their_
             Net(), mpjax.Rules({"head": head}, default="mixed_bfloat16")
         )
         variables = model.init(jax.random.key(0), x)
-        found = _matmul_precisions(jax.grad(lambda v: jnp.sum(model.apply(v, x))), variables)
+        loss = functools.partial(lambda model, v: jnp.sum(model.apply(v, x)), model)
+        found = _matmul_precisions(jax.grad(loss), variables)
         assert [p for d, p in found if d == ("float32", "float32")] == [expected] * 3  # fwd, dW, dx
         assert {p for d, p in found if d == ("bfloat16", "bfloat16")} == {None}

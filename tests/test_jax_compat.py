@@ -432,7 +432,9 @@ def test_matmul_precisions_are_params_that_dot_general_and_conv_take_and_read_ba
             if params is None:  # "default", and the algorithms a convolution cannot take
                 assert name == "default" or eqn is conv
                 continue
-            rebound = jax.make_jaxpr(lambda *a: jax_compat.bind_equation(eqn, a, params))(*args)
+            rebound = jax.make_jaxpr(
+                lambda *a, eqn=eqn, params=params: jax_compat.bind_equation(eqn, a, params)
+            )(*args)
             (new,) = rebound.jaxpr.eqns
             expected = {"bf16_3x": "high"}.get(name, name) if eqn is conv else name
             assert jax_compat.precision_name(new) == expected
