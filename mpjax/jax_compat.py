@@ -275,14 +275,17 @@ def with_precision(eqn: Any, params: dict | None, name: str) -> dict | None:
     return {**(eqn.params if params is None else params), "precision": value}
 
 
-def precision_name(eqn: Any) -> str:
-    """The precision written in a matmul equation, by mpjax's name (:data:`MATMUL_PRECISIONS`):
-    ``"default"`` when none was chosen (:func:`precision_left_default`). A dot algorithm mpjax
-    has no name for is its ``lax.DotAlgorithmPreset`` name in lower case
-    (``"bf16_bf16_f32_x6"``); operands at different precisions, ``"high,default"``."""
-    if precision_left_default(eqn):
+def precision_name(eqn: Any, params: dict | None = None) -> str:
+    """The precision written in a matmul equation (or in ``params``, the params it is bound
+    with), by mpjax's name (:data:`MATMUL_PRECISIONS`): ``"default"`` when none was chosen
+    (:func:`precision_left_default`). A dot algorithm mpjax has no name for is its
+    ``lax.DotAlgorithmPreset`` name in lower case (``"bf16_bf16_f32_x6"``); operands at
+    different precisions, ``"high,default"``."""
+    precision = (eqn.params if params is None else params).get("precision")
+    if precision is None or (
+        isinstance(precision, tuple) and all(p == lax.Precision.DEFAULT for p in precision)
+    ):
         return "default"
-    precision = eqn.params["precision"]
     if isinstance(precision, lax.DotAlgorithmPreset):
         names = [n for n, (dot, _) in _PRECISION_PARAMS.items() if dot == precision]
         return names[0] if names else precision.name.lower()

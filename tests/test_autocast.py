@@ -632,6 +632,7 @@ def test_report_shows_what_autocast_did(capsys):
         "traced": ["f32", "f32"],
         "ran": ["bf16", "bf16"],
         "count": 1,
+        "f32_precision": None,
     } in data["rows"]
     assert len(data["rows"]) == len(report)
 
@@ -876,3 +877,20 @@ def test_modules_kept_in_f32_by_rules_run_their_matmuls_at_highest_unless_their_
         found = _matmul_precisions(jax.grad(loss), variables)
         assert [p for d, p in found if d == ("float32", "float32")] == [expected] * 3  # fwd, dW, dx
         assert {p for d, p in found if d == ("bfloat16", "bfloat16")} == {None}
+
+
+def test_the_autocast_report_shows_the_precision_of_f32_matmuls():
+    def f(x, w):
+        with mpjax.full_precision():
+            y = x @ w
+        return jnp.tanh(y @ w)
+
+    x = jnp.ones((4, 4))
+    fast = mpjax.get_policy("float32").with_f32_matmul_precision("tf32")
+    for policy, ran in [("mixed_bfloat16", None), (fast, "tf32"), ("float32", "highest")]:
+        report = mpjax.describe(mpjax.autocast(f, policy))(x, x)
+        dots = {r.category: r.f32_precision for r in report if r.primitive == "dot_general"}
+        assert dots == {"full_precision": "highest", "lower": ran}
+    table = report.table()
+    assert "f32,f32@highest" in table and "* " not in table.split("dot_general")[1]
+    assert {"tanh"} <= {r.primitive for r in report if r.f32_precision is None}

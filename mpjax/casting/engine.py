@@ -268,7 +268,8 @@ class Interpreter:
             label, ran = "fp8", [jax.ShapeDtypeStruct(a.shape, fp8.E4M3) for a in ran]
         if self.record is not None:
             traced = [v.aval for v in eqn.invars]
-            key = ("/".join(path), name, label, _dtype_names(traced), _dtype_names(ran))
+            precision = _f32_precision_name(eqn, params, ran) if dot is None else None
+            key = ("/".join(path), name, label, _dtype_names(traced), _dtype_names(ran), precision)
             self.record[key] += 1
         if dot is not None:
             return [dot(*invals)]
@@ -630,16 +631,25 @@ class Interpreter:
         return list(fn(*invals))
 
 
+def _runs_in_f32(eqn: Any, ran: list) -> bool:
+    """Whether ``eqn`` is a matmul or convolution whose floating operands run in float32."""
+    floats = [a.dtype for a in ran if is_floating(a.dtype)]
+    return compat.takes_precision(eqn) and bool(floats) and all(d == _F32 for d in floats)
+
+
+def _f32_precision_name(eqn: Any, params: dict | None, ran: list) -> str | None:
+    """The precision an f32 matmul is bound with (its name in :data:`MATMUL_PRECISIONS`), or
+    None for any other equation."""
+    return compat.precision_name(eqn, params) if _runs_in_f32(eqn, ran) else None
+
+
 def _f32_precision(eqn: Any, params: dict | None, ran: list, policy: Policy | None) -> dict | None:
     """``params`` with the precision of ``policy``'s float32 matmuls (``"highest"`` in
     :func:`mpjax.full_precision`, whose ``policy`` is None) when ``eqn`` is a matmul or
     convolution whose floating operands run in float32 and whose code left the precision
     unset; else ``params`` unchanged. Only the matmuls the engine binds get it: the backward
     matmuls JAX derives from them carry the same ``precision`` param."""
-    if not compat.takes_precision(eqn) or not compat.precision_left_default(eqn):
-        return params
-    floats = [a.dtype for a in ran if is_floating(a.dtype)]
-    if not floats or any(d != _F32 for d in floats):
+    if not _runs_in_f32(eqn, ran) or not compat.precision_left_default(eqn):
         return params
     name = DEFAULT_F32_MATMUL_PRECISION if policy is None else policy.f32_matmul_precision
     return compat.with_precision(eqn, params, name)
