@@ -715,3 +715,11 @@ def test_init_fp8_state_refuses_a_policy_without_delayed_fp8():
         r"run no matmul in fp8 with delayed scaling",
     ):
         mpnnx.init_fp8_state(model, x_seq())
+
+
+def test_a_float32_policy_runs_every_matmul_at_highest_forward_and_backward():
+    for policy, expected in [("float32", {"highest"}), ("mixed_bfloat16", {None})]:
+        model, x = block(policy), x_seq()
+        report = mpjax.inspect_matmuls(grad_fn)(model, x)
+        assert {m.f32_precision for m in report} == expected
+        assert len(report) >= 6  # forward and backward
