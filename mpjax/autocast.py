@@ -47,6 +47,10 @@ class AutocastRow:
       traced: the dtypes of its inputs as ``fn`` was traced.
       ran: the dtypes of its inputs as autocast ran it.
       count: how many such equations there are.
+      f32_precision: for a matmul or convolution that ran with float32 operands, the
+        precision they are multiplied at (:attr:`mpjax.Policy.f32_matmul_precision`'s names:
+        ``"highest"`` is true float32, ``"default"`` the platform's, one bf16 pass on TPU);
+        None for other equations.
     """
 
     scope: str
@@ -55,6 +59,7 @@ class AutocastRow:
     traced: tuple[str, ...]
     ran: tuple[str, ...]
     count: int
+    f32_precision: str | None = None
 
 
 class AutocastReport(tuple):
@@ -68,7 +73,7 @@ class AutocastReport(tuple):
 
     def table(self) -> str:
         """The rows as a text table, in which ``*`` marks the rows whose inputs ran in other
-        dtypes than traced."""
+        dtypes than traced, and ``@`` the precision of float32 matmuls (``f32,f32@highest``)."""
         header = ("scope", "primitive", "category", "traced inputs", "ran in", "count")
         rows = [
             (
@@ -76,7 +81,9 @@ class AutocastReport(tuple):
                 r.primitive,
                 r.category,
                 ",".join(r.traced) or "-",
-                ("* " if r.traced != r.ran else "") + (",".join(r.ran) or "-"),
+                ("* " if r.traced != r.ran else "")
+                + (",".join(r.ran) or "-")
+                + ("" if r.f32_precision is None else f"@{r.f32_precision}"),
                 str(r.count),
             )
             for r in self
@@ -87,7 +94,8 @@ class AutocastReport(tuple):
 
     def to_dict(self) -> dict[str, Any]:
         """The rows as JSON-serialisable data: ``{"rows": [{"scope": ..., "primitive": ...,
-        "category": ..., "traced": ["bf16", ...], "ran": [...], "count": 3}, ...]}``."""
+        "category": ..., "traced": ["bf16", ...], "ran": [...], "count": 3, "f32_precision":
+        "highest" or None}, ...]}``."""
         return {
             "rows": [
                 {
@@ -97,6 +105,7 @@ class AutocastReport(tuple):
                     "traced": list(r.traced),
                     "ran": list(r.ran),
                     "count": r.count,
+                    "f32_precision": r.f32_precision,
                 }
                 for r in self
             ]
@@ -391,13 +400,13 @@ def describe_autocast(fn: Callable[..., Any]) -> Callable[..., AutocastReport]:
     info = _autocast_functions[fn]
 
     def report(*args, **kwargs) -> AutocastReport:
-        record: collections.Counter[tuple[str, str, str, tuple[str, ...], tuple[str, ...]]] = (
-            collections.Counter()
-        )
+        record: collections.Counter[
+            tuple[str, str, str, tuple[str, ...], tuple[str, ...], str | None]
+        ] = collections.Counter()
         # Traced as the autocast function traces its arguments: arrays and Python floats (and
         # shape structs, for an abstract trace) are traced; any other leaf is a static value.
         # Delayed fp8 scaling needs no state to be described: the sites are only traced.
         abstractly(lambda a, k: info.call(a, k, DelayedScaling(None), record), args, kwargs)
-        return AutocastReport(AutocastRow(*key, count) for key, count in record.items())
+        return AutocastReport(AutocastRow(*key[:5], count, key[5]) for key, count in record.items())
 
     return report

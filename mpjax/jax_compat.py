@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from jax import lax
 from jax._src import (
     source_info_util,  # the name stack of the trace in progress
     xla_bridge,  # the platform name lowering uses ("cuda" for "gpu")
@@ -238,6 +239,75 @@ class DotParams:
 def dot_params(eqn: Any) -> DotParams:
     """The dimension numbers and precision of a ``dot_general`` equation."""
     return DotParams(_param(eqn, "dimension_numbers"), eqn.params.get("precision"))
+
+
+# --- Matmul precision -----------------------------------------------------------------------
+
+_HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+_HIGH = (lax.Precision.HIGH, lax.Precision.HIGH)
+_DEFAULT = (lax.Precision.DEFAULT, lax.Precision.DEFAULT)
+# mpjax's names of the precisions of f32 matmuls, as the ``precision`` param of ``dot_general``
+# and of ``conv_general_dilated`` carries each. Convolutions take no dot algorithm (JAX lowers a
+# ``DotAlgorithmPreset`` on a convolution as DEFAULT, silently): theirs is the nearest
+# ``lax.Precision``. ``lax.DotAlgorithmPreset`` has these members in every supported JAX.
+_PRECISION_PARAMS: dict[str, tuple[Any, Any]] = {
+    "highest": (_HIGHEST, _HIGHEST),
+    "high": (_HIGH, _HIGH),
+    "default": (None, None),
+    "bf16_3x": (lax.DotAlgorithmPreset.BF16_BF16_F32_X3, _HIGH),
+    "tf32": (lax.DotAlgorithmPreset.TF32_TF32_F32, None),
+    "bf16": (lax.DotAlgorithmPreset.BF16_BF16_F32, None),
+}
+MATMUL_PRECISIONS: tuple[str, ...] = tuple(_PRECISION_PARAMS)
+"""The names of the precisions an f32 matmul can run at (``Policy.f32_matmul_precision``)."""
+# Primitives whose ``precision`` param says how their f32 operands are multiplied.
+_PRECISION_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+
+
+def takes_precision(eqn: Any) -> bool:
+    """Whether ``eqn`` is a matmul or convolution with a ``precision`` param."""
+    return eqn.primitive.name in _PRECISION_PRIMITIVES and "precision" in eqn.params
+
+
+def precision_left_default(eqn: Any) -> bool:
+    """Whether the code that made ``eqn`` left its precision at the default: no ``precision``
+    (None in the jaxpr) or ``lax.Precision.DEFAULT`` for both operands. A
+    ``lax.DotAlgorithmPreset`` (``DEFAULT`` included) or any other precision was chosen."""
+    precision = eqn.params.get("precision")
+    return precision is None or (
+        isinstance(precision, tuple) and all(p == lax.Precision.DEFAULT for p in precision)
+    )
+
+
+def with_precision(eqn: Any, params: dict | None, name: str) -> dict | None:
+    """``params`` (``eqn``'s own when None) with the ``precision`` that mpjax calls ``name``
+    (one of :data:`MATMUL_PRECISIONS`), or ``params`` unchanged for ``"default"``."""
+    dot, conv = _PRECISION_PARAMS[name]
+    value = conv if eqn.primitive.name == "conv_general_dilated" else dot
+    if value is None:
+        return params
+    return {**(eqn.params if params is None else params), "precision": value}
+
+
+def precision_name(eqn: Any, params: dict | None = None) -> str:
+    """The precision written in a matmul equation (or in ``params``, the params it is bound
+    with), by mpjax's name (:data:`MATMUL_PRECISIONS`): ``"default"`` when none was chosen
+    (:func:`precision_left_default`). A dot algorithm mpjax has no name for is its
+    ``lax.DotAlgorithmPreset`` name in lower case (``"bf16_bf16_f32_x6"``); operands at
+    different precisions, ``"high,default"``."""
+    precision = (eqn.params if params is None else params).get("precision")
+    if precision is None or (
+        isinstance(precision, tuple) and all(p == lax.Precision.DEFAULT for p in precision)
+    ):
+        return "default"
+    if isinstance(precision, lax.DotAlgorithmPreset):
+        names = [n for n, (dot, _) in _PRECISION_PARAMS.items() if dot == precision]
+        return names[0] if names else precision.name.lower()
+    if isinstance(precision, tuple) and len(set(precision)) == 1:
+        precision = precision[0]
+    if isinstance(precision, lax.Precision):
+        return precision.name.lower()
+    return ",".join(lax.Precision(p).name.lower() for p in precision)
 
 
 # --- Higher-order primitives --------------------------------------------------------------

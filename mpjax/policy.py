@@ -18,6 +18,7 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from mpjax.fp8 import Fp8Recipe, check_compute_dtype, fp8_recipe
+from mpjax.jax_compat import MATMUL_PRECISIONS
 
 try:
     import jmp
@@ -64,6 +65,9 @@ _KEYS: dict[str, str] = {
     "output": "output_dtype",
 }
 _FP8_KEY = "fp8"
+_F32_MATMUL_KEY = "f32_matmul"
+#: The precision of the f32 matmuls of a policy that names none: true float32 on every platform.
+DEFAULT_F32_MATMUL_PRECISION = "highest"
 
 _FIELD_TO_KEY = {"param_dtype": "params", "compute_dtype": "compute", "output_dtype": "output"}
 
@@ -185,9 +189,33 @@ def storage_dtype(value: Any, role: str) -> np.dtype:
     return dtype
 
 
+def check_f32_matmul_precision(value: Any, role: str = "f32_matmul_precision") -> str:
+    """Checks the name of a precision for float32 matmuls (one of ``"highest"``, ``"high"``,
+    ``"default"``, ``"bf16_3x"``, ``"tf32"``, ``"bf16"``; see :class:`Policy`).
+
+    Raises:
+      ValueError: for another string; TypeError: for a value that is not a string.
+
+    >>> check_f32_matmul_precision("tf32")
+    'tf32'
+    """
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{role} must be one of the names {', '.join(MATMUL_PRECISIONS)}; got {value!r} of "
+            f"type {type(value).__name__}."
+        )
+    if value not in MATMUL_PRECISIONS:
+        raise ValueError(
+            f"{role}: unknown precision {value!r}. Valid names: {', '.join(MATMUL_PRECISIONS)} "
+            "(highest: true float32 on every platform)."
+        )
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """A mixed-precision policy: storage, compute and output dtypes, and optionally fp8 matmuls.
+    """A mixed-precision policy: storage, compute and output dtypes, the precision of float32
+    matmuls, and optionally fp8 matmuls.
 
     Args:
       param_dtype: dtype parameters are stored in (the optimizer's dtype). Must be a floating
@@ -198,7 +226,28 @@ class Policy:
         matmuls this policy lowers to the compute dtype run with fp8 operands instead (e4m3
         forward, e5m2 gradients, per-tensor scales; :mod:`mpjax.fp8`), their results in the
         compute dtype. The compute dtype must then be bfloat16, float16 or float32.
+      f32_matmul_precision: how the matmuls and convolutions that run with float32 operands
+        under this policy multiply them (those of an f32 compute dtype, of a module a rule
+        keeps in f32, of :func:`mpjax.full_precision`), where the code left their precision
+        unset. ``"highest"`` (the default) is true float32 on every platform; the others
+        trade accuracy for speed, like ``torch.set_float32_matmul_precision``:
 
+        - ``"highest"``: ``lax.Precision.HIGHEST``. TPU: six bf16 passes (float32 accuracy);
+          GPU: float32 FMAs, no TF32; CPU: float32.
+        - ``"high"``: ``lax.Precision.HIGH``. TPU: three bf16 passes (bf16_3x); GPU: TF32
+          in cuBLAS GEMMs and float32 in XLA's Triton GEMMs (XLA's choice per GEMM); CPU:
+          float32.
+        - ``"bf16_3x"``: ``lax.DotAlgorithmPreset.BF16_BF16_F32_X3``, three bf16 passes on
+          TPU, GPU and CPU alike (convolutions: ``Precision.HIGH``).
+        - ``"tf32"``: ``lax.DotAlgorithmPreset.TF32_TF32_F32``, one TF32 pass: GPUs from
+          Ampere on only; XLA refuses it on TPU and CPU (convolutions: the default).
+        - ``"bf16"``: ``lax.DotAlgorithmPreset.BF16_BF16_F32``, one bf16 pass on every
+          platform (convolutions: the default).
+        - ``"default"``: the precision is left to JAX and XLA (``jax_default_matmul_precision``
+          if set): one bf16 pass on TPU, TF32 on Ampere and later GPUs, float32 on CPU.
+
+        A precision the code writes (``precision=`` of ``jnp.dot``, ``lax.dot_general``, a
+        Flax layer) is kept, except ``lax.Precision.DEFAULT``, which is the default.
     Dtypes may be given as numpy/jax dtypes or scalar types, or as names (``"bf16"``,
     ``"float32"``...); they are stored as ``numpy.dtype``.
 
@@ -213,6 +262,8 @@ class Policy:
     Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=float32)
     >>> str(policy)
     'p=f32,c=bf16,o=f32'
+    >>> get_policy("float32").with_f32_matmul_precision("tf32")
+    Policy(param_dtype=float32, compute_dtype=float32, output_dtype=float32, f32_matmul_precision='tf32')
     >>> policy.cast_to_compute({"w": jnp.ones(2), "step": 3})["w"].dtype
     dtype(bfloat16)
     """
@@ -221,6 +272,7 @@ class Policy:
     compute_dtype: np.dtype
     output_dtype: np.dtype
     fp8: Fp8Recipe | None = None
+    f32_matmul_precision: str = DEFAULT_F32_MATMUL_PRECISION
 
     if TYPE_CHECKING:  # the generated __init__ takes any dtype spelling; __post_init__ converts
 
@@ -230,6 +282,7 @@ class Policy:
             compute_dtype: DTypeLike,
             output_dtype: DTypeLike,
             fp8: Fp8Recipe | str | None = None,
+            f32_matmul_precision: str = DEFAULT_F32_MATMUL_PRECISION,
         ) -> None: ...
 
     def __post_init__(self):
@@ -245,6 +298,7 @@ class Policy:
                 check_compute_dtype(self.compute_dtype)
             except ValueError as error:
                 raise ValueError(f"Policy(fp8=...): {error}") from None
+        check_f32_matmul_precision(self.f32_matmul_precision, "Policy(f32_matmul_precision=...)")
 
     @property
     def needs_loss_scaling(self) -> bool:
@@ -289,14 +343,30 @@ class Policy:
         """Returns a copy of this policy with ``fp8`` replaced (None: no fp8 matmuls)."""
         return dataclasses.replace(self, fp8=None if fp8 is None else fp8_recipe(fp8))
 
+    def with_f32_matmul_precision(self, precision: str) -> Policy:
+        """Returns a copy of this policy whose float32 matmuls run at ``precision`` (see
+        ``f32_matmul_precision`` above).
+
+        >>> str(get_policy("float32").with_f32_matmul_precision("bf16_3x"))
+        'p=f32,c=f32,o=f32,f32_matmul=bf16_3x'
+        """
+        precision = check_f32_matmul_precision(precision, "with_f32_matmul_precision(precision)")
+        return dataclasses.replace(self, f32_matmul_precision=precision)
+
     def __str__(self) -> str:
         names = (short_dtype_name(d) for d in self._dtypes())
         text = "p={},c={},o={}".format(*names)
-        return text if self.fp8 is None else f"{text},{_FP8_KEY}={self.fp8}"
+        if self.fp8 is not None:
+            text += f",{_FP8_KEY}={self.fp8}"
+        if self.f32_matmul_precision != DEFAULT_F32_MATMUL_PRECISION:
+            text += f",{_F32_MATMUL_KEY}={self.f32_matmul_precision}"
+        return text
 
     def __repr__(self) -> str:
         p, c, o = (d.name for d in self._dtypes())
         fp8 = "" if self.fp8 is None else f", fp8={str(self.fp8)!r}"
+        if self.f32_matmul_precision != DEFAULT_F32_MATMUL_PRECISION:
+            fp8 += f", f32_matmul_precision={self.f32_matmul_precision!r}"
         return f"Policy(param_dtype={p}, compute_dtype={c}, output_dtype={o}{fp8})"
 
     def _dtypes(self) -> tuple[np.dtype, np.dtype, np.dtype]:
@@ -306,6 +376,9 @@ class Policy:
     def from_jmp(cls, policy: JmpStylePolicy) -> Policy:
         """Converts a ``jmp.Policy`` (or any object with the three dtype attributes) to an
         mpjax :class:`Policy`; jmp itself is not needed.
+
+        A jmp policy only casts; it has no precision for float32 matmuls. The policy returned
+        has the default, ``"highest"``: run through mpjax, its float32 matmuls are true float32.
 
         Raises:
           TypeError: if ``policy`` lacks ``param_dtype``, ``compute_dtype`` or
@@ -327,6 +400,10 @@ class Policy:
 
     def to_jmp(self) -> Any:
         """Returns the equivalent ``jmp.Policy``.
+
+        jmp only casts: ``f32_matmul_precision`` has no place in a ``jmp.Policy`` and is left
+        out (code run under jmp multiplies at the precision it writes, else JAX's default), so
+        ``Policy.from_jmp(policy.to_jmp()) == policy`` for the default ``"highest"`` only.
 
         Raises:
           ImportError: if jmp is not installed (``pip install "mpjax[jmp]"``).
@@ -434,14 +511,23 @@ def _parse(spec: str) -> Policy:
 
     fields: dict[str, np.dtype] = {}
     fp8: Fp8Recipe | None = None
+    precision: str | None = None
     for part in text.split(","):
         key, sep, value = (s.strip() for s in part.partition("="))
         if not sep or not key or not value:
             raise ValueError(
                 f"Malformed entry {part.strip()!r} in policy {spec!r}: expected key=dtype "
-                f"with key one of {', '.join(_KEYS)} and dtype one of {_valid_names()}, or "
-                f"{_FP8_KEY}=<recipe> (for example {_FP8_KEY}=current)."
+                f"with key one of {', '.join(_KEYS)} and dtype one of {_valid_names()}, "
+                f"{_FP8_KEY}=<recipe> (for example {_FP8_KEY}=current) or "
+                f"{_F32_MATMUL_KEY}=<precision> (for example {_F32_MATMUL_KEY}=tf32)."
             )
+        if key == _F32_MATMUL_KEY:
+            if precision is not None:
+                raise ValueError(f"Duplicate key {key!r} in policy {spec!r}.")
+            precision = check_f32_matmul_precision(
+                value, f"The {_F32_MATMUL_KEY}= entry of policy {spec!r}"
+            )
+            continue
         if key == _FP8_KEY:
             if fp8 is not None:
                 raise ValueError(f"Duplicate key {key!r} in policy {spec!r}.")
@@ -453,7 +539,7 @@ def _parse(spec: str) -> Policy:
         if key not in _KEYS:
             raise ValueError(
                 f"Unknown key {key!r} in policy {spec!r}. Valid keys: "
-                f"{', '.join([*_KEYS, _FP8_KEY])}."
+                f"{', '.join([*_KEYS, _FP8_KEY, _F32_MATMUL_KEY])}."
             )
         field = _KEYS[key]
         if field in fields:
@@ -466,7 +552,7 @@ def _parse(spec: str) -> Policy:
     param = fields.get("param_dtype", np.dtype(jnp.float32))
     compute = fields.get("compute_dtype", param)
     output = fields.get("output_dtype", compute)
-    return Policy(param, compute, output, fp8)
+    return Policy(param, compute, output, fp8, precision or DEFAULT_F32_MATMUL_PRECISION)
 
 
 def get_policy(spec: PolicyLike) -> Policy:
@@ -485,7 +571,9 @@ def get_policy(spec: PolicyLike) -> Policy:
         - jmp's grammar, ``"p=f32,c=bf16,o=f32"`` or ``"params=float32,compute=bfloat16"``,
           with jmp's defaults: params f32, compute follows params, output follows compute.
           Spaces around commas and ``=`` are allowed. An ``fp8=<recipe>`` entry
-          (``"p=f32,c=bf16,o=f32,fp8=current"``) adds fp8 matmuls (:class:`mpjax.Fp8Recipe`);
+          (``"p=f32,c=bf16,o=f32,fp8=current"``) adds fp8 matmuls (:class:`mpjax.Fp8Recipe`),
+          an ``f32_matmul=<precision>`` entry (``"p=f32,f32_matmul=tf32"``) sets
+          :attr:`Policy.f32_matmul_precision`;
         - a dtype object (``jnp.bfloat16``, ``np.dtype("float32")``) for all three dtypes.
 
     Raises:

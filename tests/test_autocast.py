@@ -632,6 +632,7 @@ def test_report_shows_what_autocast_did(capsys):
         "traced": ["f32", "f32"],
         "ran": ["bf16", "bf16"],
         "count": 1,
+        "f32_precision": None,
     } in data["rows"]
     assert len(data["rows"]) == len(report)
 
@@ -761,3 +762,135 @@ def test_a_platform_dependent_cond_stays_platform_dependent():
     report = mpjax.inspect_matmuls(f)(x, w)
     assert len(report) == 2 and set(report.operand_dtypes()) == {("bfloat16", "bfloat16")}
     np.testing.assert_array_equal(jax.jit(f)(x, w), np.full((2, 3), 2.0, np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# The precision of float32 matmuls
+
+
+def _matmul_precisions(fn, *args):
+    """(operand dtype names, precision param) of every matmul of ``fn``, read from its jaxpr."""
+    return [
+        ((eqn.invars[0].aval.dtype.name, eqn.invars[1].aval.dtype.name), eqn.params["precision"])
+        for eqn, _ in iter_equations(fn, *args)
+        if eqn.primitive.name in ("dot_general", "conv_general_dilated")
+    ]
+
+
+def _grad_of(fn):
+    return jax.grad(lambda *args: jnp.sum(fn(*args).astype(jnp.float32)), argnums=(0, 1, 2))
+
+
+HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+
+
+@pytest.mark.parametrize("order", ["grad_of_autocast", "autocast_of_grad"])
+def test_f32_matmuls_run_at_highest_forward_and_backward_and_bf16_ones_are_untouched(order):
+    def f(x, w, v):
+        with mpjax.full_precision():
+            y = jnp.tanh(x @ w)  # f32 inside full_precision
+        return y @ v  # bf16 under mixed_bfloat16
+
+    x, w, v = jnp.ones((2, 4)), jnp.ones((4, 4)), jnp.ones((4, 3))
+    for policy in ["float32", "mixed_bfloat16"]:
+        if order == "grad_of_autocast":
+            fn = _grad_of(mpjax.autocast(f, policy=policy))
+        else:
+            fn = mpjax.autocast(_grad_of(f), policy=policy)
+        found = _matmul_precisions(fn, x, w, v)
+        assert len(found) == 6  # two forward, four backward
+        f32 = [p for dtypes, p in found if dtypes == ("float32", "float32")]
+        bf16 = [p for dtypes, p in found if dtypes == ("bfloat16", "bfloat16")]
+        assert len(f32) + len(bf16) == 6
+        assert f32 and all(p == HIGHEST for p in f32)
+        assert len(bf16) == (3 if policy == "mixed_bfloat16" else 0)
+        assert all(p is None for p in bf16)
+    # Without mpjax nothing changes: JAX's default.
+    assert {p for _, p in _matmul_precisions(_grad_of(f), x, w, v)} == {None}
+
+
+@pytest.mark.parametrize(
+    "name, dot, conv",
+    [
+        ("highest", HIGHEST, HIGHEST),
+        ("high", (lax.Precision.HIGH,) * 2, (lax.Precision.HIGH,) * 2),
+        ("bf16_3x", lax.DotAlgorithmPreset.BF16_BF16_F32_X3, (lax.Precision.HIGH,) * 2),
+        ("tf32", lax.DotAlgorithmPreset.TF32_TF32_F32, None),
+        ("bf16", lax.DotAlgorithmPreset.BF16_BF16_F32, None),
+        ("default", None, None),
+    ],
+)
+def test_each_f32_matmul_precision_is_the_precision_param_of_dots_and_convolutions(name, dot, conv):
+    def f(x, w, img, k):
+        y = lax.conv_general_dilated(img, k, (1, 1), "SAME")
+        return jnp.sum(x @ w) + jnp.sum(y)
+
+    args = jnp.ones((2, 4)), jnp.ones((4, 4)), jnp.ones((1, 3, 8, 8)), jnp.ones((4, 3, 3, 3))
+    policy = mpjax.get_policy("float32").with_f32_matmul_precision(name)
+    grad = jax.grad(mpjax.autocast(f, policy=policy), argnums=(0, 1, 2, 3))
+    found = [
+        (eqn.primitive.name, eqn.params["precision"])
+        for eqn, _ in iter_equations(grad, *args)
+        if eqn.primitive.name in ("dot_general", "conv_general_dilated")
+    ]
+    assert sorted(found, key=str) == sorted(
+        [("dot_general", dot)] * 3 + [("conv_general_dilated", conv)] * 3, key=str
+    )
+
+
+def test_a_precision_the_code_writes_is_kept_and_precision_default_is_the_default():
+    def f(x, w):
+        return (
+            jnp.dot(x, w, precision=lax.Precision.HIGH)
+            + jnp.dot(x, w, precision=lax.DotAlgorithmPreset.DEFAULT)
+            + jnp.dot(x, w, precision=lax.Precision.DEFAULT)
+        )
+
+    found = _matmul_precisions(
+        mpjax.autocast(f, policy="float32"), jnp.ones((2, 2)), jnp.ones((2, 2))
+    )
+    assert [p for _, p in found] == [
+        (lax.Precision.HIGH,) * 2,
+        lax.DotAlgorithmPreset.DEFAULT,
+        HIGHEST,
+    ]
+
+
+def test_modules_kept_in_f32_by_rules_run_their_matmuls_at_highest_unless_their_policy_says():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(4, name="body")(x)
+            x = nn.LayerNorm(name="norm")(x)
+            return nn.Dense(2, name="head")(x)
+
+    x = jnp.ones((3, 4))
+    for head, expected in [
+        ("float32", HIGHEST),
+        ("p=f32,f32_matmul=bf16_3x", lax.DotAlgorithmPreset.BF16_BF16_F32_X3),
+    ]:
+        model = mpjax.linen.apply_policy(
+            Net(), mpjax.Rules({"head": head}, default="mixed_bfloat16")
+        )
+        variables = model.init(jax.random.key(0), x)
+        loss = functools.partial(lambda model, v: jnp.sum(model.apply(v, x)), model)
+        found = _matmul_precisions(jax.grad(loss), variables)
+        assert [p for d, p in found if d == ("float32", "float32")] == [expected] * 3  # fwd, dW, dx
+        assert {p for d, p in found if d == ("bfloat16", "bfloat16")} == {None}
+
+
+def test_the_autocast_report_shows_the_precision_of_f32_matmuls():
+    def f(x, w):
+        with mpjax.full_precision():
+            y = x @ w
+        return jnp.tanh(y @ w)
+
+    x = jnp.ones((4, 4))
+    fast = mpjax.get_policy("float32").with_f32_matmul_precision("tf32")
+    for policy, ran in [("mixed_bfloat16", None), (fast, "tf32"), ("float32", "highest")]:
+        report = mpjax.describe(mpjax.autocast(f, policy))(x, x)
+        dots = {r.category: r.f32_precision for r in report if r.primitive == "dot_general"}
+        assert dots == {"full_precision": "highest", "lower": ran}
+    table = report.table()
+    assert "f32,f32@highest" in table and "* " not in table.split("dot_general")[1]
+    assert {"tanh"} <= {r.primitive for r in report if r.f32_precision is None}

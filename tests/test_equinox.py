@@ -710,3 +710,11 @@ def test_mpjax_imports_without_equinox_and_says_how_to_get_mpjax_equinox():
         check=True,
     )
     assert 'pip install "mpjax[equinox]"' in result.stdout, result.stdout + result.stderr
+
+
+def test_a_float32_policy_runs_every_matmul_at_highest_forward_and_backward():
+    model = eqx.nn.MLP(4, 3, 8, 2, key=key(0))
+    for policy, expected in [("float32", {"highest"}), ("mixed_bfloat16", {None})]:
+        forward, backward = matmuls(mpe.apply_policy(model, policy), normal(4))
+        assert {m.f32_precision for m in (*forward, *backward)} == expected
+        assert len(forward) == 3 and len(backward) >= 5

@@ -119,7 +119,17 @@ def test_scope_comes_from_named_scopes():
 def test_report_prints_a_table():
     text = str(mpjax.inspect_matmuls(lambda x, w: x @ w)(*_x_w()))
     header, rule, row = text.splitlines()
-    assert header.split() == ["primitive", "lhs", "rhs", "out", "preferred", "context", "scope"]
+    assert header.split() == [
+        "primitive",
+        "lhs",
+        "rhs",
+        "out",
+        "preferred",
+        "f32",
+        "precision",
+        "context",
+        "scope",
+    ]
     assert set(rule.replace(" ", "")) == {"-"}
     assert row.split()[:4] == ["dot_general", "bfloat16[2,", "4]", "bfloat16[4,"]
     assert str(mpjax.inspect_matmuls(jnp.sin)(jnp.ones(2))) == "no matmuls or convolutions"
@@ -201,3 +211,24 @@ def test_uncurried_calls_are_a_type_error_naming_the_curried_form():
         mpjax.inspect_matmuls(lambda x, *, w: x @ w, w=w, primitives=frozenset())
     with pytest.raises(TypeError, match=r"call hlo_op_counts\(fn\)\(\*args, \*\*kwargs\)"):
         mpjax.hlo_op_counts(lambda x, w: x @ w, x, w, compiled=False)
+
+
+def test_f32_matmuls_show_the_precision_they_run_at():
+    def f(x, w):
+        with mpjax.full_precision():
+            y = x @ w
+        return y @ w
+
+    x, w = _x_w(jnp.float32)
+    plain = mpjax.inspect_matmuls(f)(x, w)
+    assert [m.f32_precision for m in plain] == ["default", "default"]
+    ran = mpjax.inspect_matmuls(jax.grad(lambda x, w: mpjax.autocast(f)(x, w).sum()))(x, w)
+    assert {(m.lhs_dtype.name, m.f32_precision) for m in ran} == {
+        ("float32", "highest"),
+        ("bfloat16", None),
+    }
+    fast = mpjax.autocast(f, policy=mpjax.get_policy("float32").with_f32_matmul_precision("tf32"))
+    report = mpjax.inspect_matmuls(fast)(x, w)
+    assert [m.f32_precision for m in report] == ["highest", "tf32"]  # full_precision: highest
+    rows = str(report).splitlines()[2:]
+    assert "highest" in rows[0].split() and "tf32" in rows[1].split()

@@ -431,3 +431,43 @@ def test_an_operation_mpjax_writes_is_located_at_the_line_outside_mpjax_that_led
     assert location.startswith(f"{__file__}:") and "(_module_output)" in location
     line = jax_compat.source_location(_eqn(_module_output, X, primitive="sin")).split(":")[1]
     assert location.split(":")[1] == line
+
+
+def test_matmul_precisions_are_params_that_dot_general_and_conv_take_and_read_back():
+    x, img, k = jnp.ones((2, 2)), jnp.ones((1, 3, 4, 4)), jnp.ones((2, 3, 3, 3))
+    dot = jax.make_jaxpr(lambda a: a @ a)(x).jaxpr.eqns[0]
+    conv = jax.make_jaxpr(lambda i, k: lax.conv(i, k, (1, 1), "SAME"))(img, k).jaxpr.eqns[0]
+    assert jax_compat.takes_precision(dot) and jax_compat.takes_precision(conv)
+    for eqn, args in [(dot, (x, x)), (conv, (img, k))]:
+        assert jax_compat.precision_left_default(eqn)
+        assert jax_compat.precision_name(eqn) == "default"
+        for name in jax_compat.MATMUL_PRECISIONS:
+            params = jax_compat.with_precision(eqn, None, name)
+            if params is None:  # "default", and the algorithms a convolution cannot take
+                assert name == "default" or eqn is conv
+                continue
+            rebound = jax.make_jaxpr(
+                lambda *a, eqn=eqn, params=params: jax_compat.bind_equation(eqn, a, params)
+            )(*args)
+            (new,) = rebound.jaxpr.eqns
+            expected = {"bf16_3x": "high"}.get(name, name) if eqn is conv else name
+            assert jax_compat.precision_name(new) == expected
+
+
+@pytest.mark.parametrize(
+    "precision, name, left_default",
+    [
+        (None, "default", True),
+        (lax.Precision.DEFAULT, "default", True),
+        (lax.Precision.HIGHEST, "highest", False),
+        ((lax.Precision.HIGH, lax.Precision.DEFAULT), "high,default", False),
+        (lax.DotAlgorithmPreset.DEFAULT, "default", False),
+        (lax.DotAlgorithmPreset.BF16_BF16_F32_X6, "bf16_bf16_f32_x6", False),
+        (lax.DotAlgorithmPreset.TF32_TF32_F32, "tf32", False),
+    ],
+)
+def test_precision_name_reads_what_the_code_wrote(precision, name, left_default):
+    x = jnp.ones((2, 2))
+    (eqn,) = jax.make_jaxpr(lambda a: jnp.dot(a, a, precision=precision))(x).jaxpr.eqns
+    assert jax_compat.precision_name(eqn) == name
+    assert jax_compat.precision_left_default(eqn) == left_default

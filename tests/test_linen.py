@@ -598,12 +598,12 @@ def test_describe_returns_the_table_and_prints_nothing(capsys):
         report = mpjax.describe(mpl.apply_policy(Tiny(), rules))(jnp.ones((1, 3)))
     expected = [
         "path    type       params   compute   output    rule                             #params  bytes  matmuls ran in",
-        "------  ---------  -------  --------  --------  -------------------------------  -------  -----  --------------",
+        "------  ---------  -------  --------  --------  -------------------------------  -------  -----  ------------------",
         "<root>  Tiny       float32  bfloat16  float32   default                                0    0 B  -",
         "proj    Dense      float32  bfloat16  float32   default                               16   64 B  3x bf16,bf16",
         "norm    LayerNorm  float32  float32   bfloat16  builtin: linen.LayerNorm in f32        8   32 B  -",
-        "scale   Scale      float32  float32   float32   scale                                 20   80 B  3x f32,f32",
-        "------  ---------  -------  --------  --------  -------------------------------  -------  -----  --------------",
+        "scale   Scale      float32  float32   float32   scale                                 20   80 B  3x f32,f32@highest",
+        "------  ---------  -------  --------  --------  -------------------------------  -------  -----  ------------------",
         "total                                                                                 44  176 B",
         "warning: rule 'decoder' matches no module.",
     ]
@@ -625,6 +625,7 @@ def test_describe_to_dict_is_plain_json():
             "param_dtype": "float32",
             "compute_dtype": "bfloat16",
             "output_dtype": "float32",
+            "f32_matmul_precision": "highest",
         },
         "rule": "default",
         "param_count": 16,

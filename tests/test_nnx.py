@@ -580,12 +580,12 @@ def test_wrapped_block_compiles_to_no_more_converts_than_the_hand_written_one():
 
 EXPECTED_TABLE = """\
 path    type       params   compute   output    rule                           #params  bytes  matmuls ran in
-------  ---------  -------  --------  --------  -----------------------------  -------  -----  --------------
+------  ---------  -------  --------  --------  -----------------------------  -------  -----  ------------------
 <root>  ConvNet    float32  bfloat16  float32   default                              0    0 B  -
 bn      BatchNorm  float32  float32   bfloat16  builtin: nnx.BatchNorm in f32        8   32 B  -
 conv    Conv       float32  bfloat16  float32   default                            112  448 B  3x bf16,bf16
-head    Dense      float32  float32   float32   head                                10   40 B  3x f32,f32
-------  ---------  -------  --------  --------  -----------------------------  -------  -----  --------------
+head    Dense      float32  float32   float32   head                                10   40 B  3x f32,f32@highest
+------  ---------  -------  --------  --------  -----------------------------  -------  -----  ------------------
 total                                                                              130  520 B
 warning: rule 'decoder/*' matches no module."""
 
@@ -625,6 +625,7 @@ def test_describe_to_dict_is_plain_json():
             "param_dtype": "float32",
             "compute_dtype": "bfloat16",
             "output_dtype": "float32",
+            "f32_matmul_precision": "highest",
         },
         "rule": "default",
         "param_count": 112,
@@ -714,3 +715,11 @@ def test_init_fp8_state_refuses_a_policy_without_delayed_fp8():
         r"run no matmul in fp8 with delayed scaling",
     ):
         mpnnx.init_fp8_state(model, x_seq())
+
+
+def test_a_float32_policy_runs_every_matmul_at_highest_forward_and_backward():
+    for policy, expected in [("float32", {"highest"}), ("mixed_bfloat16", {None})]:
+        model, x = block(policy), x_seq()
+        report = mpjax.inspect_matmuls(grad_fn)(model, x)
+        assert {m.f32_precision for m in report} == expected
+        assert len(report) >= 6  # forward and backward

@@ -486,3 +486,75 @@ def test_any_string_parses_or_raises_value_error(text):
         return
     assert isinstance(policy, Policy)
     assert get_policy(str(policy)) == policy
+
+
+# ---------------------------------------------------------------------------------------------
+# The precision of float32 matmuls
+
+
+def test_f32_matmuls_are_true_f32_unless_a_policy_opts_into_a_fast_mode():
+    for spec in ["float32", "mixed_bfloat16", "p=f32,c=f16", jnp.float32]:
+        assert get_policy(spec).f32_matmul_precision == "highest"
+    fast = get_policy("p=f32,c=f32,o=f32,f32_matmul=tf32")
+    assert fast.f32_matmul_precision == "tf32"
+    assert fast == get_policy("float32").with_f32_matmul_precision("tf32")
+    assert fast == Policy(F32, F32, F32, f32_matmul_precision="tf32")
+    assert fast != get_policy("float32") and hash(fast) != hash(get_policy("float32"))
+    assert jax.tree.leaves(fast) == [fast]
+
+
+def test_f32_matmul_precision_is_printed_when_not_the_default_and_round_trips():
+    assert str(get_policy("float32")) == "p=f32,c=f32,o=f32"
+    for name in ["high", "default", "bf16_3x", "tf32", "bf16"]:
+        policy = get_policy("mixed_bfloat16_fp8").with_f32_matmul_precision(name)
+        assert str(policy) == f"p=f32,c=bf16,o=f32,fp8=current,f32_matmul={name}"
+        assert repr(policy).endswith(f", fp8='current', f32_matmul_precision='{name}')")
+        assert get_policy(str(policy)) == policy
+        # A precision region's name carries its policy, precision included.
+        assert (
+            mpjax.casting.regions.innermost([mpjax.casting.regions.scope_name(policy)]).policy
+            == policy
+        )
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (
+            lambda: get_policy("p=f32,f32_matmul=fast"),
+            ValueError,
+            r"The f32_matmul= entry of policy 'p=f32,f32_matmul=fast': unknown precision 'fast'\. Valid names: highest, high, default, bf16_3x, tf32, bf16",
+        ),
+        (
+            lambda: get_policy("p=f32,f32_matmul=high,f32_matmul=tf32"),
+            ValueError,
+            "Duplicate key 'f32_matmul'",
+        ),
+        (
+            lambda: Policy(F32, F32, F32, f32_matmul_precision="HIGHEST"),
+            ValueError,
+            r"Policy\(f32_matmul_precision=...\): unknown precision 'HIGHEST'",
+        ),
+        (
+            lambda: Policy(F32, F32, F32, f32_matmul_precision=jax.lax.Precision.HIGHEST),
+            TypeError,
+            r"Policy\(f32_matmul_precision=...\) must be one of the names highest, .*; got .*HIGHEST.* of type Precision\.",
+        ),
+        (
+            lambda: get_policy("float32").with_f32_matmul_precision(None),
+            TypeError,
+            r"with_f32_matmul_precision\(precision\) must be one of the names",
+        ),
+    ],
+)
+def test_f32_matmul_precision_errors_name_the_argument_and_the_valid_names(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_jmp_has_no_f32_matmul_precision_so_from_jmp_gives_true_f32():
+    fast = get_policy("float32").with_f32_matmul_precision("bf16")
+    theirs = fast.to_jmp()
+    assert (theirs.param_dtype, theirs.compute_dtype, theirs.output_dtype) == fast._dtypes()
+    assert Policy.from_jmp(theirs) == get_policy("float32")
+    assert Policy.from_jmp(theirs).f32_matmul_precision == "highest"

@@ -43,7 +43,7 @@ from mpjax.casting.fp8_sites import DelayedScaling
 from mpjax.casting.op_categories import F32, KEEP, LOWER, ORIGINAL, PROMOTE, merge_categories
 from mpjax.casting.regions import boundary_dtype
 from mpjax.casting.trace_context import Settings, abstractly, observers, trace, unobserved
-from mpjax.policy import Policy, is_floating, short_dtype_name
+from mpjax.policy import DEFAULT_F32_MATMUL_PRECISION, Policy, is_floating, short_dtype_name
 
 __all__ = [
     "Interpreter",
@@ -262,12 +262,14 @@ class Interpreter:
         # gradient (a weight's, in the compute dtype) is measured there.
         tap = functools.partial(observers()[-1].tap, region.path) if observers() else None
         invals, params, ran = self._cast_inputs(eqn, invals, avals, category, compute, casts, tap)
+        params = _f32_precision(eqn, params, ran, region.policy)
         dot = self._fp8_dot(eqn, region, category, compute, ran, path)
         if dot is not None:
             label, ran = "fp8", [jax.ShapeDtypeStruct(a.shape, fp8.E4M3) for a in ran]
         if self.record is not None:
             traced = [v.aval for v in eqn.invars]
-            key = ("/".join(path), name, label, _dtype_names(traced), _dtype_names(ran))
+            precision = _f32_precision_name(eqn, params, ran) if dot is None else None
+            key = ("/".join(path), name, label, _dtype_names(traced), _dtype_names(ran), precision)
             self.record[key] += 1
         if dot is not None:
             return [dot(*invals)]
@@ -627,6 +629,30 @@ class Interpreter:
         fn = jax.custom_vjp(primal)
         fn.defvjp(fwd, bwd)
         return list(fn(*invals))
+
+
+def _runs_in_f32(eqn: Any, ran: list) -> bool:
+    """Whether ``eqn`` is a matmul or convolution whose floating operands run in float32."""
+    floats = [a.dtype for a in ran if is_floating(a.dtype)]
+    return compat.takes_precision(eqn) and bool(floats) and all(d == _F32 for d in floats)
+
+
+def _f32_precision_name(eqn: Any, params: dict | None, ran: list) -> str | None:
+    """The precision an f32 matmul is bound with (its name in :data:`MATMUL_PRECISIONS`), or
+    None for any other equation."""
+    return compat.precision_name(eqn, params) if _runs_in_f32(eqn, ran) else None
+
+
+def _f32_precision(eqn: Any, params: dict | None, ran: list, policy: Policy | None) -> dict | None:
+    """``params`` with the precision of ``policy``'s float32 matmuls (``"highest"`` in
+    :func:`mpjax.full_precision`, whose ``policy`` is None) when ``eqn`` is a matmul or
+    convolution whose floating operands run in float32 and whose code left the precision
+    unset; else ``params`` unchanged. Only the matmuls the engine binds get it: the backward
+    matmuls JAX derives from them carry the same ``precision`` param."""
+    if not _runs_in_f32(eqn, ran) or not compat.precision_left_default(eqn):
+        return params
+    name = DEFAULT_F32_MATMUL_PRECISION if policy is None else policy.f32_matmul_precision
+    return compat.with_precision(eqn, params, name)
 
 
 def _original(eqn: Any, args: Sequence[Any], fidx: Sequence[int], fargs: Sequence[Any]) -> list:

@@ -66,9 +66,14 @@ def full_precision():
     """A context manager (or decorator) whose computations :func:`mpjax.autocast` leaves in
     their traced dtypes, those of the modules of a wrapped Flax model called inside included.
 
+    Its float32 matmuls and convolutions run at true float32 (``lax.Precision.HIGHEST``, the
+    default ``f32_matmul_precision`` of :class:`mpjax.Policy`) where the code left their
+    precision unset, whatever the policy around it says: at JAX's default a TPU would run them
+    as one bf16 pass and a recent GPU in TF32.
+
     It is ``jax.named_scope("mpjax_full_precision")``, so it can be written anywhere inside the
     autocast function or a wrapped Flax model, in library code included, and also outside
-    autocast (it then does nothing but name a scope).
+    autocast (it then does nothing but name a scope, and leaves the precision to JAX).
 
     >>> import jax, jax.numpy as jnp, mpjax
     >>> def f(x):

@@ -25,6 +25,7 @@ MATMUL_PRIMITIVES = frozenset(
     {"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"}
 )
 """Primitive names that :func:`inspect_matmuls` reports."""
+_F32 = np.dtype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,11 @@ class MatmulInfo:
       region: the path of the module whose precision region it ran in (``"block/attn"``,
         ``""`` for the root of a wrapped model), or None outside any region (see
         :mod:`mpjax.casting.regions`).
+      f32_precision: for a matmul with float32 operands, the precision they are multiplied
+        at, as the jaxpr writes it, by the names of :attr:`mpjax.Policy.f32_matmul_precision`:
+        ``"highest"`` (true float32), ``"high"``, ``"bf16_3x"``, ``"tf32"``, ``"bf16"``, or
+        ``"default"`` when nothing chose one (one bf16 pass on TPU, TF32 on recent GPUs).
+        None for other matmuls.
     """
 
     primitive: str
@@ -59,6 +65,7 @@ class MatmulInfo:
     scope: str
     context: tuple[str, ...]
     region: str | None = None
+    f32_precision: str | None = None
 
     @property
     def operand_dtypes(self) -> tuple[np.dtype, np.dtype]:
@@ -69,7 +76,16 @@ class MatmulReport(tuple):
     """A tuple of :class:`MatmulInfo` whose ``str`` is a readable table."""
 
     def __str__(self) -> str:
-        header = ("primitive", "lhs", "rhs", "out", "preferred", "context", "scope")
+        header = (
+            "primitive",
+            "lhs",
+            "rhs",
+            "out",
+            "preferred",
+            "f32 precision",
+            "context",
+            "scope",
+        )
         rows = [
             (
                 m.primitive,
@@ -77,6 +93,7 @@ class MatmulReport(tuple):
                 f"{m.rhs_dtype.name}{list(m.rhs_shape)}",
                 f"{m.out_dtype.name}{list(m.out_shape)}",
                 m.preferred_element_type.name if m.preferred_element_type is not None else "-",
+                m.f32_precision or "-",
                 "/".join(m.context) or "-",
                 m.scope or "-",
             )
@@ -171,6 +188,7 @@ def _matmuls(
         lhs, rhs = (v.aval for v in eqn.invars[:2])
         out = eqn.outvars[0].aval
         region = innermost(jax_compat.scope_names(eqn))
+        f32 = _F32 in (lhs.dtype, rhs.dtype) and jax_compat.takes_precision(eqn)
         found.append(
             MatmulInfo(
                 primitive=eqn.primitive.name,
@@ -184,6 +202,7 @@ def _matmuls(
                 scope=jax_compat.name_stack(eqn),
                 context=context,
                 region=None if region is None else region.path,
+                f32_precision=jax_compat.precision_name(eqn) if f32 else None,
             )
         )
     return MatmulReport(found)

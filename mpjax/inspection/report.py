@@ -32,9 +32,10 @@ class ModuleRow:
       param_count: number of parameter elements the module owns directly (not its children).
       param_bytes: bytes those parameters take in their stored dtypes.
       matmuls: the matmuls and convolutions that ran in the module's region (its own code,
-        not its children's), forward and backward, counted by operand dtypes:
-        ``(("bf16,bf16", 3),)``. Empty when the report was made without example inputs
-        (see :attr:`PrecisionReport.matmuls_traced`).
+        not its children's), forward and backward, counted by operand dtypes and, for float32
+        operands, the precision they run at (:attr:`mpjax.Policy.f32_matmul_precision`):
+        ``(("bf16,bf16", 3), ("f32,f32@highest", 3))``. Empty when the report was made
+        without example inputs (see :attr:`PrecisionReport.matmuls_traced`).
     """
 
     path: str
@@ -55,6 +56,7 @@ class ModuleRow:
                 "param_dtype": policy.param_dtype.name,
                 "compute_dtype": policy.compute_dtype.name,
                 "output_dtype": policy.output_dtype.name,
+                "f32_matmul_precision": policy.f32_matmul_precision,
             },
             "rule": self.rule,
             "param_count": self.param_count,
@@ -188,7 +190,8 @@ def matmuls_by_region(
     fn: Callable[..., Any], *args, **kwargs
 ) -> dict[str, tuple[tuple[str, int], ...]]:
     """The matmuls and convolutions of ``fn`` and of its gradient, by the module path of the
-    precision region they ran in, counted by operand dtypes.
+    precision region they ran in, counted by operand dtypes (``"bf16,bf16"``) and, for float32
+    operands, the precision they run at (``"f32,f32@highest"``).
 
     Read from the jaxpr of ``jax.grad`` of the sum of ``fn(*args, **kwargs)``'s floating outputs
     with respect to the floating array leaves of the arguments (arrays or
@@ -217,5 +220,7 @@ def matmuls_by_region(
     )
     for m in report:
         dtypes = ",".join(short_dtype_name(d) for d in m.operand_dtypes)
+        if m.f32_precision is not None:
+            dtypes += f"@{m.f32_precision}"
         counts[m.region or ""][dtypes] += 1
     return {path: tuple(sorted(c.items())) for path, c in counts.items()}
