@@ -461,6 +461,10 @@ def test_the_recommended_rules_keep_the_overflowing_scope_in_float32_and_remove_
     again = mpjax.diagnose(_scaled_gram, policy=report.rules)(x)
     assert again.birth is None and again.rules is None
     _assert_table_and_verdict_agree(again)
+    # The fix is true float32, even where the user opted the policy into a fast mode.
+    fast = mpjax.get_policy("mixed_float16").with_f32_matmul_precision("bf16")
+    fix = mpjax.diagnose(_scaled_gram, policy=fast)(x).rules.rules[0].policy
+    assert fix.compute_dtype == jnp.float32 and fix.f32_matmul_precision == "highest"
 
 
 @pytest.mark.slow

@@ -190,7 +190,11 @@ def _report(results, rules: Rules, dtypes, max_error) -> DiagnosisReport:
     recommended = None
     if keep:
         recommended = rules
-        f32 = rules.default.with_compute_dtype(jnp.float32).with_fp8(None)
+        f32 = (
+            rules.default.with_compute_dtype(jnp.float32)
+            .with_fp8(None)
+            .with_f32_matmul_precision("highest")
+        )
         for path in reversed(keep):
             # The root's own operations run under the default policy, which no rule replaces.
             if path:
