@@ -27,6 +27,7 @@ from mpjax.range_stats import DTYPES, RangeStats, check_dtypes
 from mpjax.recommendations import fp8_fitness, keep_in_float32, loss_scale_advice
 from mpjax.rules import Rules, RulesLike, as_rules
 from mpjax.side_by_side import Evaluation, Kernels, to_exact
+from mpjax.trace_context import running_models
 
 
 def _is_array(leaf: Any) -> bool:
@@ -41,6 +42,7 @@ class _Trace:
     closed: Any
     backward: bool
     floating: list[int]  # the positions of the differentiated leaves among the array leaves
+    rules: Rules  # those it runs under: the doctor's, or those of the models it runs
     kernels: Kernels = dataclasses.field(default_factory=Kernels)
     evaluation: Evaluation = dataclasses.field(init=False)  # set by each evaluate
 
@@ -57,14 +59,22 @@ class Doctor:
     """What :func:`diagnose` returns: call it with the target's inputs for the report of one
     batch, or use :meth:`over` for several batches (needed to judge fp8 fitness)."""
 
-    def __init__(self, runner, rules, loss, dtypes, max_error, compare):
+    def __init__(self, runner, rules, loss, dtypes, max_error, compare, name):
         self._runner = runner
-        self._rules = rules
+        self._rules = rules  # None: those of the wrapped models the target runs
         self._loss = loss
         self._dtypes = dtypes
         self._max_error = max_error
         self._compare = compare
+        self._name = name
         self._traces: dict[Any, _Trace] = {}
+
+    def __repr__(self) -> str:
+        under = "its models' policy" if self._rules is None else str(self._rules.default)
+        return (
+            f"<Doctor of {self._name} under {under}: call it with {self._name}'s inputs, "
+            "doctor(*inputs), for the report, or doctor.over(batches) for several>"
+        )
 
     def __call__(self, *inputs, **kwargs) -> DiagnosisReport:
         return self.over([(inputs, kwargs)])
@@ -97,7 +107,7 @@ class Doctor:
             results.append(self._run(args, kwargs))
         if not results:
             raise ValueError("diagnose(...).over(batches): batches is empty; give at least one.")
-        return _report(results, self._rules, self._dtypes, self._max_error)
+        return _report(results, results[0][0].rules, self._dtypes, self._max_error)
 
     def _run(self, args: tuple, kwargs: dict) -> tuple[_Trace, dict[str, np.ndarray]]:
         leaves, tree = jax.tree.flatten((args, kwargs))
@@ -116,9 +126,10 @@ class Doctor:
         return trace, trace.evaluate([leaves[i] for i in dynamic], self._compare)
 
     def _trace(self, leaves, tree, dynamic) -> _Trace:
-        fn = self._runner.under(self._rules)
         floating = [i for i in dynamic if is_floating(leaves[i])]
         loss = self._loss
+        fn = self._runner.as_is
+        rules = self._rules
 
         def value(float_leaves, array_leaves):
             merged = list(leaves)
@@ -127,17 +138,30 @@ class Doctor:
             for i, leaf in zip(floating, float_leaves):
                 merged[i] = leaf
             call_args, call_kwargs = jax.tree.unflatten(tree, merged)
-            out = fn(*call_args, **call_kwargs)
+            if rules is None:  # each wrapped model under its own, to find them
+                out = fn(*call_args, **call_kwargs)
+            else:  # every wrapped model the target runs under the rules diagnosed
+                with running_models(rules):
+                    out = fn(*call_args, **call_kwargs)
             return out if loss is None else loss(out)
 
         float_leaves = [leaves[i] for i in floating]
         array_leaves = [leaves[i] for i in dynamic]
-        try:
-            shape = jax.eval_shape(value, float_leaves, array_leaves)
-        except (TypeError, ValueError) as error:
-            raise ValueError(
-                f"diagnose(...)(*inputs): the target cannot run on these inputs: {error}"
-            ) from error
+
+        def shape_of() -> Any:
+            try:
+                return jax.eval_shape(value, float_leaves, array_leaves)
+            except (TypeError, ValueError) as error:
+                raise ValueError(
+                    f"diagnose(...)(*inputs): {self._name} cannot run on these inputs: {error}"
+                ) from error
+
+        if rules is None:  # the rules of the wrapped models the target runs
+            with running_models() as ran:
+                shape_of()
+            rules = _found_rules(ran.seen, self._name)
+        fn = self._runner.under(rules)
+        shape = shape_of()
         backward = (
             isinstance(shape, jax.ShapeDtypeStruct) and shape.shape == () and is_floating(shape)
         )
@@ -152,7 +176,35 @@ class Doctor:
             return jax.value_and_grad(value)(float_leaves, array_leaves)
 
         closed = jax.make_jaxpr(step)(float_leaves, array_leaves)
-        return _Trace(closed, backward, [dynamic.index(i) for i in floating])
+        return _Trace(closed, backward, [dynamic.index(i) for i in floating], rules)
+
+
+def _found_rules(seen: list[tuple[str, Rules]], name: str) -> Rules:
+    """The one set of rules of the wrapped models a target ran; a ValueError if there are none
+    or several."""
+    distinct: list[tuple[str, Rules]] = []
+    for model, rules in seen:
+        if all(rules != other for _, other in distinct):
+            distinct.append((model, rules))
+    if len(distinct) == 1:
+        return distinct[0][1]
+    if not distinct:
+        raise ValueError(
+            f"diagnose() needs policy=... for {name}: it has no policy of its own and runs no "
+            f"model wrapped with one. Pass it, e.g. diagnose({name}, policy=\"mixed_bfloat16\") "
+            "(a policy name, a Policy or mpjax.Rules), or run a model wrapped by "
+            "mpjax.linen.apply_policy, mpjax.nnx.set_policy or mpjax.equinox.apply_policy."
+        )
+    models = "; ".join(f"{model} under {_rules_text(rules)}" for model, rules in distinct)
+    raise ValueError(
+        f"diagnose() found models wrapped with different rules in {name}: {models}. Pass "
+        "policy=... (a policy name, a Policy or mpjax.Rules) to diagnose them all under one."
+    )
+
+
+def _rules_text(rules: Rules) -> str:
+    keys = [str(getattr(r.key, "__name__", r.key)) for r in rules.rules if not r.builtin]
+    return str(rules.default) + (f" with rules for {', '.join(keys)}" if keys else "")
 
 
 def _report(results, rules: Rules, dtypes, max_error) -> DiagnosisReport:
@@ -242,7 +294,7 @@ def _errors(results, sites, indices) -> tuple[ErrorRow, ...]:
 
 def diagnose(
     target: Any,
-    *,
+    *early: Any,
     policy: RulesLike | None = None,
     loss: Callable[[Any], Any] | None = None,
     variables: Any = None,
@@ -305,6 +357,13 @@ def diagnose(
     >>> [rule.key for rule in report.rules.rules if not rule.builtin]
     ['gram']
     """
+    if early:
+        raise TypeError(
+            f"diagnose(target, ...) takes only the target and its options; it got "
+            f"{len(early)} more positional argument(s). The inputs come in a second call, as "
+            "for jax.make_jaxpr: diagnose(target, policy=...)(*inputs); a linen model's "
+            "variables go to diagnose(model, variables=...)(*inputs)."
+        )
     dtypes = check_dtypes(dtypes, "diagnose")
     if not isinstance(max_error, int | float) or max_error < 0:
         raise ValueError(f"diagnose(max_error=...) must be a number >= 0; got {max_error!r}.")
@@ -315,13 +374,15 @@ def diagnose(
             f"diagnose(loss=...) must be a function of the target's output; got {loss!r}."
         )
     runner: Runner = runner_of(target, "diagnose", variables=variables, rngs=rngs, method=method)
+    name = getattr(target, "__name__", None) or type(target).__name__
     if policy is None:
-        if runner.rules is None:
+        if runner.rules is None and runner.as_is is None:
             raise ValueError(
                 f"diagnose() needs policy=... for this {type(target).__name__}, which has no "
-                "policy of its own: a policy name ('mixed_float16'), a Policy or mpjax.Rules."
+                f"policy of its own: diagnose(model, policy=\"mixed_bfloat16\") (a policy "
+                "name, a Policy or mpjax.Rules), or the model wrapped with a policy."
             )
         rules = runner.rules
     else:
         rules = as_rules(policy, "policy")
-    return Doctor(runner, rules, loss, dtypes, float(max_error), compare)
+    return Doctor(runner, rules, loss, dtypes, float(max_error), compare, name)

@@ -55,7 +55,7 @@ except ImportError as error:
     ) from error
 
 from mpjax import jax_compat, regions
-from mpjax.describe import Runner, register_describer
+from mpjax.describe import Runner, register_argument_model, register_describer
 from mpjax.engine import (
     fp8_state_in_regions,
     run_in_regions,
@@ -72,7 +72,7 @@ from mpjax.rules import (
     as_rules,
     register_norm_rules,
 )
-from mpjax.trace_context import tracing
+from mpjax.trace_context import model_rules, tracing
 
 __all__ = [
     "FP8_ATTRIBUTE",
@@ -300,6 +300,13 @@ def _policy_call(original):
         plan: _Plan = type(self)._mpjax_plan
         if not tracing():
             return _through_engine(self, plan.policy, args, kwargs)
+        if plan.rules is not None and model_rules(type(self).__name__, plan.rules) != plan.rules:
+            raise ValueError(
+                f"The {type(self).__name__} runs under its own rules ({plan.rules.default}), "
+                "not those asked for: an NNX model is diagnosed under other rules when it is an "
+                "argument of the function diagnosed, or the target itself, not when the "
+                "function closes over it."
+            )
         with regions.region(plan.policy, plan.path):
             out = original(self, *args, **kwargs)
         return regions.output_boundary(out, plan.policy.output_dtype) if plan.cast_output else out
@@ -569,6 +576,17 @@ def _runner_of(model: nnx.Module) -> Runner:
     return Runner(None if plan is None else plan.rules, under, arguments)
 
 
+def _argument_under(model: nnx.Module, rules: Rules) -> nnx.Module:
+    """A copy of an NNX model that a function diagnosed under ``rules`` takes as an argument,
+    with ``rules`` set (``model`` is left as it is)."""
+    copy = nnx.merge(*nnx.split(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuleWarning)  # the doctor's rules, for another model
+        set_policy(copy, rules)
+    return copy
+
+
 register_describer(
     nnx.Module, _report_of, kind="a flax.nnx module", options=("rules",), runner=_runner_of
 )
+register_argument_model(lambda x: isinstance(x, nnx.Module), _argument_under)
