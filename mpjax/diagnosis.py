@@ -320,12 +320,24 @@ def diagnose(
     gradients in range, and which matmuls are fit for fp8 (with :meth:`Doctor.over` several
     batches).
 
+    The target may be the function a user trains with, such as ``loss_fn(model, x, y)``
+    that vmaps the model over the batch: it runs through :func:`mpjax.autocast` with the
+    leaves of its arguments that are not arrays held static (as ``eqx.filter_jit`` holds a
+    module's float fields), the Equinox and NNX models among its arguments under the policy
+    (copies: the arguments are left as they are), and the report names their own paths
+    (``blocks[0].attn``, ``blocks/0/proj``); a linen model it applies (a function of
+    ``variables``) runs under the policy if it is wrapped, with its paths (``Block_0/mlp``;
+    the layers of ``nn.scan`` under their scanned names).
+
     Args:
-      target: a function (run through :func:`mpjax.autocast`), a function made by
+      target: a function (run through :func:`mpjax.autocast`, as above), a function made by
         :func:`mpjax.autocast`, a linen module (wrapped by :func:`mpjax.linen.apply_policy`
-        or not) or an NNX module (with a policy set or not).
-      policy: the policy or :class:`mpjax.Rules` to diagnose; by default those of the target
-        (a wrapped model or an autocast function).
+        or not), an NNX module (with a policy set or not) or an Equinox module (wrapped by
+        :func:`mpjax.equinox.apply_policy` or not).
+      policy: the policy or :class:`mpjax.Rules` to diagnose; every model the target runs,
+        wrapped or not, runs under it. By default those of the target: a wrapped model's, an
+        autocast function's, or for any other function those of the wrapped models it runs
+        (found as they run; one policy, or the call raises).
       loss: a function of the target's output that returns the loss, to diagnose the backward
         pass of a target that does not return a scalar.
       variables, rngs, method: for a linen module, as for :func:`mpjax.describe` (the
@@ -338,13 +350,17 @@ def diagnose(
         gives the ranges, the birth and the recommendations from them alone, faster.
 
     Returns:
-      A :class:`Doctor`: call it with the target's inputs as the target takes them.
+      A :class:`Doctor`: call it with the target's inputs as the target takes them (a linen
+      model's variables go to ``variables=``, not with the inputs).
 
     Raises:
-      TypeError: for a target that is neither a function nor a model mpjax runs, or an option
-        that does not apply to it.
-      ValueError: for a dtype it does not measure, no policy for a target that has none, a
-        negative ``max_error``; when called, inputs that the target cannot run on.
+      TypeError: for a target that is neither a function nor a model mpjax runs, an option
+        that does not apply to it, or inputs given here rather than to the :class:`Doctor`;
+        when called, a linen model's variables given as its first input.
+      ValueError: for a dtype it does not measure, no policy for a model that has none, a
+        negative ``max_error``; when called, inputs that the target cannot run on (inputs of
+        a shape a linen model's variables do not fit included), or a function without
+        ``policy=`` that runs no wrapped model or several under different rules.
 
     >>> import jax, jax.numpy as jnp
     >>> def f(x):
