@@ -191,7 +191,7 @@ def _found_rules(seen: list[tuple[str, Rules]], name: str) -> Rules:
     if not distinct:
         raise ValueError(
             f"diagnose() needs policy=... for {name}: it has no policy of its own and runs no "
-            f"model wrapped with one. Pass it, e.g. diagnose({name}, policy=\"mixed_bfloat16\") "
+            f'model wrapped with one. Pass it, e.g. diagnose({name}, policy="mixed_bfloat16") '
             "(a policy name, a Policy or mpjax.Rules), or run a model wrapped by "
             "mpjax.linen.apply_policy, mpjax.nnx.set_policy or mpjax.equinox.apply_policy."
         )
@@ -395,7 +395,7 @@ def diagnose(
         if runner.rules is None and runner.as_is is None:
             raise ValueError(
                 f"diagnose() needs policy=... for this {type(target).__name__}, which has no "
-                f"policy of its own: diagnose(model, policy=\"mixed_bfloat16\") (a policy "
+                f'policy of its own: diagnose(model, policy="mixed_bfloat16") (a policy '
                 "name, a Policy or mpjax.Rules), or the model wrapped with a policy."
             )
         rules = runner.rules
