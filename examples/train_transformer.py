@@ -1293,8 +1293,10 @@ def diagnose(cfg: TrainConfig) -> mpjax.DiagnosisReport:
     def loss(params, x, y):
         return loss_fn(model, params, x, y, fp8)
 
-    # The model applies its own policy; the function around it runs in float32.
-    return mpjax.diagnose(loss, policy="float32")(variables["params"], x, y)
+    # A wrapped model (mode "mpjax") carries its rules, which the doctor finds as the model
+    # runs; the others are diagnosed under the policy, the loss around them included.
+    rules = None if cfg.mode == "mpjax" else policy
+    return mpjax.diagnose(loss, policy=rules)(variables["params"], x, y)
 
 
 def train(cfg: TrainConfig) -> dict:
