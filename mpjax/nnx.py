@@ -300,12 +300,15 @@ def _policy_call(original):
         plan: _Plan = type(self)._mpjax_plan
         if not tracing():
             return _through_engine(self, plan.policy, args, kwargs)
-        if plan.rules is not None and model_rules(type(self).__name__, plan.rules) != plan.rules:
+        own = plan.rules  # set on the root only
+        asked = own if own is None else model_rules(type(self).__name__, own)
+        if own is not None and asked is not None and asked != own:
             raise ValueError(
-                f"The {type(self).__name__} runs under its own rules ({plan.rules.default}), "
-                "not those asked for: an NNX model is diagnosed under other rules when it is an "
-                "argument of the function diagnosed, or the target itself, not when the "
-                "function closes over it."
+                f"The {type(self).__name__} runs under its own rules ({own.default}), "
+                f"not the {asked.default} asked for: diagnose(policy=...) runs an NNX model "
+                "under other rules when it is the target or an argument of the function, not "
+                "when the function closes over it. Pass the model as an argument, or leave out "
+                "policy= to diagnose its own."
             )
         with regions.region(plan.policy, plan.path):
             out = original(self, *args, **kwargs)

@@ -562,6 +562,11 @@ def test_a_batched_loss_of_an_nnx_model_is_diagnosed_by_the_models_paths():
     assert "blocks/1/proj" in {r.where for r in own.modules}
     other = mpjax.diagnose(_batched_loss, policy="mixed_float16")(model, x, y)
     assert other.birth.module.startswith("blocks/") and other.birth.dtype == "float16"
+    # Closed over, an NNX model cannot be run under other rules than its own: said, not ignored.
+    closing = mpjax.diagnose(lambda x, y: _batched_loss(model, x, y), policy="mixed_float16")
+    with pytest.raises(ValueError, match="not the p=f32,c=f16,o=f32 asked for.*as an argument"):
+        closing(x, y)
+    assert mpjax.diagnose(lambda x, y: _batched_loss(model, x, y))(x, y).birth is None
 
 
 class _LinenBlock(nn.Module):
