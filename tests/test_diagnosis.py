@@ -282,6 +282,28 @@ def test_layers_alike_share_their_compiled_kernels():
     np.testing.assert_allclose(actual[0], value, rtol=tolerance(jnp.bfloat16, 8) * 5)
 
 
+def test_a_scan_is_evaluated_step_by_step_in_the_modules_of_its_body():
+    def stacked(x, ws):
+        def layer(h, w):
+            with jax.named_scope("layer"):
+                h = jnp.maximum(h @ w, 0.0)
+            return h, jnp.sum(h)
+
+        h, sums = jax.lax.scan(layer, x, ws)
+        return jnp.sum(h) + jnp.sum(sums)
+
+    x, _ = _exact_inputs()
+    ws = np.stack([np.eye(6, dtype=np.float32) * s for s in (2.0, -0.5, 4.0)])
+    report = mpjax.diagnose(stacked, policy="mixed_bfloat16")(x, ws)
+    steps = [x @ ws[0]]
+    for w in ws[1:]:
+        steps.append(np.maximum(steps[-1], 0) @ w)
+    # Every step's values, measured in the body's module, as NumPy computes them.
+    _assert_stats_match(report.op("dot_general").stats, np.concatenate(steps))
+    _assert_stats_match(report.op("max").stats, np.maximum(np.concatenate(steps), 0))
+    assert report.module("layer").stats.amax == np.max(np.abs(steps)) == 24
+
+
 def test_each_value_is_dropped_after_the_last_equation_that_reads_it():
     closed = jax.make_jaxpr(lambda x: (jnp.sin(x) * 2 + jnp.cos(x), x))(1.0)
     jaxpr = closed.jaxpr
