@@ -1293,8 +1293,8 @@ def diagnose(cfg: TrainConfig) -> mpjax.DiagnosisReport:
     def loss(params, x, y):
         return loss_fn(model, params, x, y, fp8)
 
-    # A wrapped model (mode "mpjax") carries its rules, which the doctor finds as the model
-    # runs; the others are diagnosed under the policy, the loss around them included.
+    # A wrapped model (mode "mpjax") runs under its own rules, the loss around it in float32,
+    # as it trains; in the other modes the function runs under the policy.
     rules = None if cfg.mode == "mpjax" else policy
     return mpjax.diagnose(loss, policy=rules)(variables["params"], x, y)
 
@@ -1885,7 +1885,8 @@ def main(argv: list[str] | None = None) -> None:
         n = cfg.diagnose_batch
         print(
             f"mpjax.diagnose: the {cfg.preset} model under {cfg.policy} (mode {cfg.mode}), "
-            f"the loss around it in float32, on {n} sequence{'s' if n != 1 else ''} of "
+            f"the loss around it in {'float32' if cfg.mode == 'mpjax' else cfg.policy}, "
+            f"on {n} sequence{'s' if n != 1 else ''} of "
             f"{cfg.model_config().block_size} bytes\n"
         )
         print(diagnose(cfg))

@@ -36,8 +36,9 @@ class Runner:
         for the inputs the target takes (a linen model's variables go first, initialized from
         the inputs when not given; an NNX model's state).
       as_is: for a target whose rules are those of the wrapped models it runs (a function of
-        a model), the target as it runs, each wrapped model under its own rules: run inside
-        :func:`mpjax.trace_context.running_models`, it shows them. None for the others.
+        a model), the target as it runs: each wrapped model under its own rules (run inside
+        :func:`mpjax.trace_context.running_models`, it shows them), the code around them in
+        float32. None for the others.
     """
 
     rules: Rules | None

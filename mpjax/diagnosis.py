@@ -138,7 +138,7 @@ class Doctor:
             for i, leaf in zip(floating, float_leaves):
                 merged[i] = leaf
             call_args, call_kwargs = jax.tree.unflatten(tree, merged)
-            if rules is None:  # each wrapped model under its own, to find them
+            if self._rules is None:  # each wrapped model under its own
                 out = fn(*call_args, **call_kwargs)
             else:  # every wrapped model the target runs under the rules diagnosed
                 with running_models(rules):
@@ -156,12 +156,13 @@ class Doctor:
                     f"diagnose(...)(*inputs): {self._name} cannot run on these inputs: {error}"
                 ) from error
 
-        if rules is None:  # the rules of the wrapped models the target runs
+        if rules is None:  # as it runs: the rules of the wrapped models it runs are its own
             with running_models() as ran:
-                shape_of()
+                shape = shape_of()
             rules = _found_rules(ran.seen, self._name)
-        fn = self._runner.under(rules)
-        shape = shape_of()
+        else:
+            fn = self._runner.under(rules)
+            shape = shape_of()
         backward = (
             isinstance(shape, jax.ShapeDtypeStruct) and shape.shape == () and is_floating(shape)
         )
@@ -336,8 +337,9 @@ def diagnose(
         :func:`mpjax.equinox.apply_policy` or not).
       policy: the policy or :class:`mpjax.Rules` to diagnose; every model the target runs,
         wrapped or not, runs under it. By default those of the target: a wrapped model's, an
-        autocast function's, or for any other function those of the wrapped models it runs
-        (found as they run; one policy, or the call raises).
+        autocast function's, or for any other function those of the wrapped models it runs,
+        found as they run (one policy, or the call raises): the function then runs as it is,
+        each wrapped model under its own rules and the code around them in float32.
       loss: a function of the target's output that returns the loss, to diagnose the backward
         pass of a target that does not return a scalar.
       variables, rngs, method: for a linen module, as for :func:`mpjax.describe` (the
