@@ -1295,8 +1295,10 @@ def diagnose(cfg: TrainConfig) -> mpjax.DiagnosisReport:
     def loss(params, x, y):
         return loss_fn(model, params, x, y, fp8)
 
-    # The model applies its own policy; the function around it runs in float32.
-    return mpjax.diagnose(loss, policy="float32")(variables["params"], x, y)
+    # A wrapped model (mode "mpjax") runs under its own rules, the loss around it in float32,
+    # as it trains; in the other modes the function runs under the policy.
+    rules = None if cfg.mode == "mpjax" else policy
+    return mpjax.diagnose(loss, policy=rules)(variables["params"], x, y)
 
 
 def plan_step(cfg: TrainConfig) -> mpjax.Plan:
@@ -1943,7 +1945,8 @@ def main(argv: list[str] | None = None) -> None:
         n = cfg.diagnose_batch
         print(
             f"mpjax.diagnose: the {cfg.preset} model under {cfg.policy} (mode {cfg.mode}), "
-            f"the loss around it in float32, on {n} sequence{'s' if n != 1 else ''} of "
+            f"the loss around it in {'float32' if cfg.mode == 'mpjax' else cfg.policy}, "
+            f"on {n} sequence{'s' if n != 1 else ''} of "
             f"{cfg.model_config().block_size} bytes\n"
         )
         report = diagnose(cfg)

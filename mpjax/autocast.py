@@ -228,12 +228,13 @@ class _AutocastFunction:
     fn: Callable[..., Any]
     settings: Settings
     traces: TraceCache
+    trace_scalars: bool = True  # Python floats traced, as jax.jit does; else held static
 
     def call(self, args, kwargs, delayed: DelayedScaling | None = None, record=None) -> Any:
         """Runs ``fn`` through the engine; a recording or observed run builds its own nested
         functions rather than reuse, or leave behind, ones that record or observe elsewhere."""
         traced, dynamic = trace(
-            self.fn, self.settings, self.traces, args, kwargs, trace_scalars=True
+            self.fn, self.settings, self.traces, args, kwargs, trace_scalars=self.trace_scalars
         )
         cache = traced.cache if record is None and not observers() else {}
         outs = Interpreter(self.settings, cache, record, delayed).run(traced.closed, dynamic, ())
@@ -346,8 +347,10 @@ def autocast_runner(
     fn: Callable[..., Any],
 ) -> tuple[Rules | None, Callable[[Rules], Callable[..., Any]]]:
     """The rules ``fn`` runs under (None for a function not made by :func:`autocast`), and
-    ``under(rules)``: the function it wraps made by :func:`autocast` under other rules, with
-    the same categories.
+    ``under(rules)``: the function it wraps run by autocast under other rules, with the same
+    categories. Unlike :func:`autocast`'s, its argument leaves that are not arrays are static
+    values (a Python float too, as ``eqx.filter_jit`` holds a module's float fields), and its
+    rules keyed by a class are left to the wrapped models it runs (which match classes).
 
     >>> import jax.numpy as jnp
     >>> rules, under = autocast_runner(autocast(jnp.tanh, "mixed_float16"))
@@ -355,13 +358,22 @@ def autocast_runner(
     ('p=f32,c=f16,o=f32', dtype('float32'))
     """
     info = _autocast_functions.get(fn) if is_autocast(fn) else None
-    if info is None:
-        return None, lambda rules: autocast(fn, rules.default, rules=rules)
-    settings = info.settings
-    rules = Rules(settings.rules, default=settings.policy, builtins=False)
+    wrapped = fn if info is None else info.fn
+    categories = None if info is None else info.settings.categories
+    rules = None
+    if info is not None:
+        rules = Rules(info.settings.rules, default=info.settings.policy, builtins=False)
 
     def under(rules: Rules) -> Callable[..., Any]:
-        return autocast(info.fn, rules.default, rules=rules, categories=settings.categories)
+        scoped = tuple(r for r in rules.rules if not r.builtin and not isinstance(r.key, type))
+        settings = Settings(rules.default, merge_categories(categories), scoped)
+        run_info = _AutocastFunction(wrapped, settings, TraceCache(), trace_scalars=False)
+
+        @functools.wraps(wrapped)
+        def run(*args, **kwargs):
+            return run_info.call(args, kwargs)
+
+        return run
 
     return rules, under
 

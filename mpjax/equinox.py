@@ -48,8 +48,8 @@ except ImportError as error:
 
 from mpjax.casting import regions
 from mpjax.casting.engine import run_in_regions
-from mpjax.casting.trace_context import tracing
-from mpjax.inspection.describe import Runner, register_describer
+from mpjax.casting.trace_context import model_rules, tracing
+from mpjax.inspection.describe import Runner, register_argument_model, register_describer
 from mpjax.inspection.report import ModuleRow, PrecisionReport, matmuls_by_region
 from mpjax.optim.loss_scaling_readers import make_scaled_value_and_grad
 from mpjax.policy import Policy, PolicyLike, cast_floating
@@ -279,11 +279,13 @@ def _region_class(base: type, plan: _Plan) -> type:
     return type(base)(base.__name__, (base,), namespace)
 
 
-def _in_regions(model: eqx.Module, rules: Rules, root_policy: Policy) -> eqx.Module:
-    """A copy of ``model`` in which every module with a ``__call__`` opens its region."""
+def _in_regions(model: eqx.Module, rules: Rules, root_policy: Policy | None) -> eqx.Module:
+    """A copy of ``model`` in which every module with a ``__call__`` opens its region; the
+    caller runs under ``root_policy`` (None: a caller that opens no region, so the root's
+    outputs are cast to its output dtype)."""
     matching = _equinox_rules(rules)
     # The policy of each region opened, by path; the caller opens the root's.
-    opened: dict[str | None, Policy] = {None: root_policy}
+    opened: dict[str | None, Policy | None] = {None: root_policy}
     plans: dict[str, _Plan] = {}
     parents: dict[str | None, str | None] = {}
     for node in _walk(model):  # pre-order: a module's callers come first
@@ -390,7 +392,7 @@ class MixedPrecision(eqx.Module):
     @property
     def policy(self) -> Policy:
         """The default policy: the root's, unless a rule matches the root."""
-        return _equinox_rules(self.rules).resolve("", _base_class(self.model)).policy
+        return _root_policy(self.model, self.rules)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``model(*args, **kwargs)`` under the policy and rules."""
@@ -409,12 +411,15 @@ class MixedPrecision(eqx.Module):
                 "MixedPrecision.call(fn, ...): fn must be a function of the model, such as "
                 f"Model.encode or lambda model, x: model.encode(x); got {fn!r}."
             )
-        policy = self.policy
+        rules = model_rules(type(self.model).__name__, self.rules)
+        policy = _root_policy(self.model, rules)
         if tracing():  # inside another engine trace: just open the regions
-            return _call_in_regions(fn, self.model, self.rules, policy, args, kwargs)
-        return run_in_regions(
-            _call_in_regions, policy, fn, self.model, self.rules, policy, args, kwargs
-        )
+            return _call_in_regions(fn, self.model, rules, policy, args, kwargs)
+        return run_in_regions(_call_in_regions, policy, fn, self.model, rules, policy, args, kwargs)
+
+
+def _root_policy(model: eqx.Module, rules: Rules) -> Policy:
+    return _equinox_rules(rules).resolve("", _base_class(model)).policy
 
 
 def _call_model(model, *args, **kwargs):
@@ -580,6 +585,17 @@ def _runner_of(model: Any) -> Runner:
     return Runner(rules, under, arguments)
 
 
+def _argument_under(model: eqx.Module, rules: Rules) -> eqx.Module:
+    """An Equinox model that a function diagnosed under ``rules`` takes as an argument, as it
+    runs under them: a :class:`MixedPrecision` as it is (it runs under the rules the doctor
+    asks for), any other with its arrays stored and its modules in their regions, of the same
+    classes (so that the function may call its methods and read its fields)."""
+    if isinstance(model, MixedPrecision):
+        return model
+    return _in_regions(_stored(model, rules), rules, None)
+
+
 register_describer(
     eqx.Module, _report_of, kind="an equinox module", options=("rules",), runner=_runner_of
 )
+register_argument_model(_is_module, _argument_under)

@@ -43,6 +43,7 @@ import numpy as np
 
 try:
     import flax.linen as nn
+    from flax import errors as flax_errors
     from flax import nnx
     from flax.core import lift
     from flax.linen import transforms as nn_transforms
@@ -57,6 +58,7 @@ from mpjax.casting.engine import (
     run_in_regions_finding_fp8_state,
     run_in_regions_with_fp8_state,
 )
+from mpjax.casting.trace_context import model_rules
 from mpjax.inspection.describe import Runner, register_describer
 from mpjax.inspection.report import ModuleRow, PrecisionReport, eval_shape_of, matmuls_by_region
 from mpjax.policy import Policy, PolicyLike, cast_floating
@@ -204,16 +206,19 @@ def _interceptor(call: _Call):
 
 
 @contextlib.contextmanager
-def _policy_call(state: _WrapperState, root_path: tuple[str, ...], report: bool):
-    """Runs the body under ``state``'s rules, for the modules at or below ``root_path``."""
-    call = _Call(state.rules, root_path)
+def _policy_call(state: _WrapperState, root_path: tuple[str, ...], name: str, report: bool):
+    """Runs the body under ``state``'s rules (or those :func:`mpjax.casting.trace_context.model_rules`
+    gives the model ``name`` instead), for the modules at or below ``root_path``; yields the
+    rules."""
+    rules = model_rules(name, state.rules)
+    call = _Call(rules, root_path)
     _active.stack.append((state, call))
     try:
         with nn.intercept_methods(_interceptor(call)):
-            yield
+            yield rules
     finally:
         _active.stack.pop()
-    if report:
+    if report and rules is state.rules:
         state.seen = call.seen
         state.warn_once(call.seen)
 
@@ -249,10 +254,10 @@ class _PolicyMixin(_MixinBase):
 
     def _mpjax_run(self, fn: Callable[..., Any], *args, fp8: Any = None):
         state = type(self)._mpjax_state
-        with _policy_call(state, (), report=True):
+        with _policy_call(state, (), type(self).__name__, report=True) as rules:
             if fp8 is None:
-                return run_in_regions(fn, state.rules.default, *args)
-            return run_in_regions_with_fp8_state(fn, state.rules.default, fp8, *args)
+                return run_in_regions(fn, rules.default, *args)
+            return run_in_regions_with_fp8_state(fn, rules.default, fp8, *args)
 
     # A top-level init/apply runs entirely through the engine, so functions passed as
     # `method=` that reach into submodules (`lambda m, x: m.encoder(x)`) are covered too.
@@ -264,9 +269,9 @@ class _PolicyMixin(_MixinBase):
         if not state.rules.scales_fp8_delayed():
             return self._mpjax_run(lambda r, a, k: init(r, *a, **k), rngs, args, kwargs)
         # Init runs the fp8 matmuls with current scaling and creates their delayed state.
-        with _policy_call(state, (), report=True):
+        with _policy_call(state, (), type(self).__name__, report=True) as rules:
             (out, variables), fp8 = run_in_regions_finding_fp8_state(
-                lambda r, a, k: init(r, *a, **k), state.rules.default, rngs, args, kwargs
+                lambda r, a, k: init(r, *a, **k), rules.default, rngs, args, kwargs
             )
         return out, {**variables, FP8_COLLECTION: fp8}
 
@@ -293,10 +298,10 @@ class _PolicyMixin(_MixinBase):
         if self._mpjax_active() or fun.__name__ == "setup" or self.scope is None:
             return super()._call_wrapped_method(fun, args, kwargs)
         state = type(self)._mpjax_state
-        lifted = nn_transforms.decorator_lift_transform(
-            functools.partial(_lifted_engine, policy=state.rules.default), fun
-        )
-        with _policy_call(state, tuple(self.scope.path), report=True):
+        with _policy_call(state, tuple(self.scope.path), type(self).__name__, True) as rules:
+            lifted = nn_transforms.decorator_lift_transform(
+                functools.partial(_lifted_engine, policy=rules.default), fun
+            )
             return lifted(self, *args, **kwargs)
 
 
@@ -545,13 +550,22 @@ def _runner_of(
         model_under = apply_policy(model, rules)
 
         def apply(variables, *args, **kwargs):
-            return model_under.apply(variables, *args, method=method, rngs=keys, **kwargs)
+            try:
+                return model_under.apply(variables, *args, method=method, rngs=keys, **kwargs)
+            except flax_errors.ScopeParamShapeError as error:
+                raise ValueError(f"the inputs do not fit the variables: {error}") from error
 
         return apply
 
     def arguments(inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
         known = variables
         if known is None:
+            if inputs and isinstance(inputs[0], Mapping) and "params" in inputs[0]:
+                raise TypeError(
+                    f"diagnose(model)(*inputs) takes the inputs of {type(model).__name__} as "
+                    "its __call__ takes them, not the variables; pass those to diagnose: "
+                    "diagnose(model, variables=variables)(*inputs)."
+                )
             known = model.init(keys, *inputs, method=method, **kwargs)
         return (known, *inputs), kwargs
 

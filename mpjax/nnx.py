@@ -61,8 +61,8 @@ from mpjax.casting.engine import (
     run_in_regions,
     run_in_regions_with_fp8_state,
 )
-from mpjax.casting.trace_context import tracing
-from mpjax.inspection.describe import Runner, register_describer
+from mpjax.casting.trace_context import model_rules, tracing
+from mpjax.inspection.describe import Runner, register_argument_model, register_describer
 from mpjax.inspection.report import ModuleRow, PrecisionReport, matmuls_by_region
 from mpjax.optim.loss_scaling_readers import check_argnums, make_scaled_value_and_grad
 from mpjax.policy import Policy, PolicyLike, is_floating
@@ -301,6 +301,16 @@ def _policy_call(original):
         plan: _Plan = type(self)._mpjax_plan
         if not tracing():
             return _through_engine(self, plan.policy, args, kwargs)
+        own = plan.rules  # set on the root only
+        asked = own if own is None else model_rules(type(self).__name__, own)
+        if own is not None and asked is not None and asked != own:
+            raise ValueError(
+                f"The {type(self).__name__} runs under its own rules ({own.default}), "
+                f"not the {asked.default} asked for: diagnose(policy=...) runs an NNX model "
+                "under other rules when it is the target or an argument of the function, not "
+                "when the function closes over it. Pass the model as an argument, or leave out "
+                "policy= to diagnose its own."
+            )
         with regions.region(plan.policy, plan.path):
             out = original(self, *args, **kwargs)
         return regions.output_boundary(out, plan.policy.output_dtype) if plan.cast_output else out
@@ -570,6 +580,17 @@ def _runner_of(model: nnx.Module) -> Runner:
     return Runner(None if plan is None else plan.rules, under, arguments)
 
 
+def _argument_under(model: nnx.Module, rules: Rules) -> nnx.Module:
+    """A copy of an NNX model that a function diagnosed under ``rules`` takes as an argument,
+    with ``rules`` set (``model`` is left as it is)."""
+    copy = nnx.merge(*nnx.split(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuleWarning)  # the doctor's rules, for another model
+        set_policy(copy, rules)
+    return copy
+
+
 register_describer(
     nnx.Module, _report_of, kind="a flax.nnx module", options=("rules",), runner=_runner_of
 )
+register_argument_model(lambda x: isinstance(x, nnx.Module), _argument_under)

@@ -367,6 +367,28 @@ def test_layers_alike_share_their_compiled_kernels():
     np.testing.assert_allclose(actual[0], value, rtol=tolerance(jnp.bfloat16, 8) * 5)
 
 
+def test_a_scan_is_evaluated_step_by_step_in_the_modules_of_its_body():
+    def stacked(x, ws):
+        def layer(h, w):
+            with jax.named_scope("layer"):
+                h = jnp.maximum(h @ w, 0.0)
+            return h, jnp.sum(h)
+
+        h, sums = jax.lax.scan(layer, x, ws)
+        return jnp.sum(h) + jnp.sum(sums)
+
+    x, _ = _exact_inputs()
+    ws = np.stack([np.eye(6, dtype=np.float32) * s for s in (2.0, -0.5, 4.0)])
+    report = mpjax.diagnose(stacked, policy="mixed_bfloat16")(x, ws)
+    steps = [x @ ws[0]]
+    for w in ws[1:]:
+        steps.append(np.maximum(steps[-1], 0) @ w)
+    # Every step's values, measured in the body's module, as NumPy computes them.
+    _assert_stats_match(report.op("dot_general").stats, np.concatenate(steps))
+    _assert_stats_match(report.op("max").stats, np.maximum(np.concatenate(steps), 0))
+    assert report.module("layer").stats.amax == np.max(np.abs(steps)) == 24
+
+
 def test_each_value_is_dropped_after_the_last_equation_that_reads_it():
     closed = jax.make_jaxpr(lambda x: (jnp.sin(x) * 2 + jnp.cos(x), x))(1.0)
     jaxpr = closed.jaxpr
@@ -626,7 +648,7 @@ def test_bad_targets_options_and_inputs_get_clear_errors():
     with pytest.raises(TypeError, match="diagnose\\(\\) takes a function or"):
         mpjax.diagnose(3, policy="mixed_float16")
     with pytest.raises(ValueError, match="needs policy="):
-        mpjax.diagnose(jnp.tanh)
+        mpjax.diagnose(jnp.tanh)(jnp.ones(3))
     with pytest.raises(TypeError, match="`variables`.*only apply to a flax.linen module"):
         mpjax.diagnose(jnp.tanh, policy="mixed_float16", variables={})
     with pytest.raises(ValueError, match="max_error"):
@@ -636,3 +658,166 @@ def test_bad_targets_options_and_inputs_get_clear_errors():
         doctor(jnp.ones((2, 3)), jnp.ones((4, 5)))
     with pytest.raises(ValueError, match="loss=...\\) must return a floating scalar"):
         mpjax.diagnose(jnp.tanh, policy="mixed_float16", loss=lambda y: y)(jnp.ones(3))
+
+
+# --- The batched loss of a model ---------------------------------------------------------------
+# A loss function over a model, vmapped over the batch, as users write it. The inputs are 300:
+# the gradients of the loss overflow float16 in the models' matmuls, not bfloat16.
+
+
+class _EqxBlock(eqx.Module):
+    attn: eqx.nn.MultiheadAttention
+    mlp: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        # dropout_p=0.0 is a Python float: traced, it would turn the dropout on.
+        self.attn = eqx.nn.MultiheadAttention(2, 8, dropout_p=0.0, key=k1)
+        self.mlp = eqx.nn.Linear(8, 8, key=k2)
+
+    def __call__(self, x):
+        x = x + self.attn(x, x, x)
+        return x + jax.vmap(self.mlp)(x)
+
+
+class _EqxNet(eqx.Module):
+    blocks: list
+
+    def __init__(self, key):
+        self.blocks = [_EqxBlock(k) for k in jax.random.split(key, 2)]
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _batched_loss(model, x, y):
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def _batch(shape=(2, 3, 8)):
+    return jnp.full(shape, 300.0), jnp.zeros(shape)
+
+
+@pytest.mark.slow
+def test_a_batched_loss_of_an_equinox_model_is_diagnosed_by_the_models_paths():
+    model, (x, y) = _EqxNet(jax.random.key(0)), _batch()
+    report = mpjax.diagnose(_batched_loss, policy="mixed_float16")(model, x, y)
+    assert {"blocks[0].attn.query_proj", "blocks[1].mlp"} <= {r.where for r in report.modules}
+    assert report.birth.module.startswith("blocks[") and report.birth.dtype == "float16"
+    assert report.loss_scale is not None  # the backward pass was diagnosed too
+    # Wrapped, the model carries its policy: no policy= needed.
+    wrapped = mpjax.equinox.apply_policy(model, "mixed_bfloat16")
+    own = mpjax.diagnose(_batched_loss)(wrapped, x, y)
+    assert own.policy.default == mpjax.get_policy("mixed_bfloat16") and own.birth is None
+    assert "blocks[1].attn.output_proj" in {r.where for r in own.modules}
+    # policy= diagnoses the wrapped model under that policy instead.
+    other = mpjax.diagnose(_batched_loss, policy="mixed_float16")(wrapped, x, y)
+    assert other.birth.module.startswith("blocks[") and other.birth.dtype == "float16"
+
+
+class _NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.proj = nnx.Linear(8, 8, rngs=rngs)
+        self.drop = nnx.Dropout(0.0, rngs=rngs)  # holds a PRNG key
+
+    def __call__(self, x):
+        return self.drop(self.proj(x))
+
+
+class _NnxNet(nnx.Module):
+    def __init__(self):
+        self.blocks = nnx.List([_NnxBlock(nnx.Rngs(i)) for i in range(2)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_batched_loss_of_an_nnx_model_is_diagnosed_by_the_models_paths():
+    model, (x, y) = _NnxNet(), _batch((2, 8))
+    report = mpjax.diagnose(_batched_loss, policy="mixed_float16")(model, x, y)
+    assert {"blocks/0/proj", "blocks/1/proj"} <= {r.where for r in report.modules}
+    assert report.birth.module.startswith("blocks/") and report.birth.dtype == "float16"
+    assert type(model.blocks[0]) is _NnxBlock  # the model is left as it was
+    mpjax.nnx.set_policy(model, "mixed_bfloat16")
+    own = mpjax.diagnose(_batched_loss)(model, x, y)
+    assert own.policy.default == mpjax.get_policy("mixed_bfloat16") and own.birth is None
+    assert "blocks/1/proj" in {r.where for r in own.modules}
+    other = mpjax.diagnose(_batched_loss, policy="mixed_float16")(model, x, y)
+    assert other.birth.module.startswith("blocks/") and other.birth.dtype == "float16"
+    # Closed over, an NNX model cannot be run under other rules than its own: said, not ignored.
+    closing = mpjax.diagnose(lambda x, y: _batched_loss(model, x, y), policy="mixed_float16")
+    with pytest.raises(ValueError, match="not the p=f32,c=f16,o=f32 asked for.*as an argument"):
+        closing(x, y)
+    assert mpjax.diagnose(lambda x, y: _batched_loss(model, x, y))(x, y).birth is None
+
+
+class _LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.Dense(8, name="mlp")(nn.LayerNorm(name="ln")(x) * 300.0)
+        return x + nn.Dropout(0.0, deterministic=False)(h), None
+
+
+class _ScannedNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        blocks = nn.scan(
+            _LinenBlock,
+            variable_axes={"params": 0},
+            split_rngs={"params": True, "dropout": True},
+            length=2,
+        )
+        x, _ = blocks(name="blocks")(x, None)
+        return nn.Dense(8, name="head")(x)
+
+
+@pytest.mark.slow
+def test_a_linen_model_with_scanned_layers_is_diagnosed_by_the_scanned_names():
+    model, (x, y) = _ScannedNet(), _batch()
+    variables = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+    wrapped = mpjax.linen.apply_policy(model, "mixed_bfloat16")
+    rngs = {"dropout": jax.random.key(2)}
+    direct = mpjax.diagnose(wrapped, variables=variables, rngs=rngs, loss=_mse)(x)
+    assert {"blocks/ln", "blocks/mlp", "head"} <= {r.where for r in direct.modules}
+
+    def loss_fn(variables, x, y):  # a function of the variables, closing over the model
+        return jnp.mean((wrapped.apply(variables, x, rngs=rngs) - y) ** 2)
+
+    own = mpjax.diagnose(loss_fn)(variables, x, y)
+    assert own.policy.default == mpjax.get_policy("mixed_bfloat16") and own.birth is None
+    assert {"blocks/ln", "blocks/mlp", "head"} <= {r.where for r in own.modules}
+    other = mpjax.diagnose(loss_fn, policy="mixed_float16")(variables, x, y)
+    assert (other.birth.module, other.birth.dtype) == ("blocks/mlp", "float16")
+
+
+def test_the_policy_of_a_function_is_that_of_its_models_or_asked_for():
+    model = _EqxNet(jax.random.key(0))
+    x, y = _batch()
+    with pytest.raises(ValueError, match='needs policy=... for _batched_loss.*policy="mixed_bf'):
+        mpjax.diagnose(_batched_loss)(model, x, y)
+    bf16 = mpjax.equinox.apply_policy(model, "mixed_bfloat16")
+    f16 = mpjax.equinox.apply_policy(model, "mixed_float16")
+
+    def two(a, b, x, y):
+        return _batched_loss(a, x, y) + _batched_loss(b, x, y)
+
+    with pytest.raises(ValueError, match="different rules in two: _EqxNet under p=f32,c=bf16"):
+        mpjax.diagnose(two)(bf16, f16, x, y)
+    assert mpjax.diagnose(two, policy="float32")(bf16, f16, x, y).birth is None
+    assert "call it with _batched_loss's inputs" in repr(mpjax.diagnose(_batched_loss))
+
+
+def test_inputs_given_too_early_or_as_variables_get_the_curried_form():
+    model, variables, x = _net()
+    with pytest.raises(TypeError, match=r"second call.*diagnose\(target, policy=...\)\(\*inputs"):
+        mpjax.diagnose(model, x)
+    with pytest.raises(TypeError, match=r"diagnose\(model, variables=variables\)\(\*inputs\)"):
+        mpjax.diagnose(model, policy="mixed_float16")(variables, x)
+    with pytest.raises(ValueError, match="do not fit the variables"):
+        mpjax.diagnose(model, policy="mixed_float16", variables=variables)(x[:, :5])
+    doctor = mpjax.diagnose(model, policy="mixed_float16", variables=variables)
+    assert repr(doctor).startswith("<Doctor of Net under p=f32,c=f16,o=f32: call it with")

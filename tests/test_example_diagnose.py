@@ -63,3 +63,13 @@ def test_diagnose_prints_the_report_of_the_model_and_policy(data, capsys):
     assert "on 1 sequence of" in out  # --diagnose-batch's default
     assert "loss scale for float16 gradients" in out
     assert "verdict: " in out.rsplit("precision diagnosis", 1)[1]  # the summary comes last
+
+
+@pytest.mark.slow
+def test_diagnose_names_the_modules_of_scanned_layers(data, capsys):
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**FLAGS, "n_layer": 2}.items()]
+    tt.main(
+        ["--diagnose", "--scan-layers", "--policy", "mixed_float16", "--data", str(data), *flags]
+    )
+    out = capsys.readouterr().out
+    assert "precision diagnosis" in out and "h/mlp/fc" in out

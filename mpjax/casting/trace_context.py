@@ -6,6 +6,9 @@ Code the engine traces asks here whether it is traced by the engine (:func:`trac
 Flax or Equinox module then only opens its region) and in which compute dtype it will run
 (:func:`traced_compute_dtype`: fused attention, whose implementation depends on it). Observers
 (:func:`observing`) receive the values each engine run computes: the precision monitor's hook.
+A wrapped model asks :func:`model_rules` which rules to run under as it starts to run, so that
+:func:`running_models` sees the models a function runs and may run them under other rules: the
+precision doctor's way to find, or replace, the policy of a model it is not given directly.
 
 :func:`trace` traces a function to the jaxpr the engine evaluates, with its settings in effect,
 deciding which argument leaves are traced and which are static values, and caching the result
@@ -28,7 +31,7 @@ import numpy as np
 from mpjax import jax_compat as compat
 from mpjax.casting.regions import Region, innermost
 from mpjax.policy import Policy
-from mpjax.rules import Rule
+from mpjax.rules import Rule, Rules
 
 __all__ = [
     "AutocastWarning",
@@ -36,9 +39,12 @@ __all__ = [
     "TraceCache",
     "Traced",
     "abstractly",
+    "ModelsRun",
     "Observer",
+    "model_rules",
     "observers",
     "observing",
+    "running_models",
     "unobserved",
     "trace",
     "traced_compute_dtype",
@@ -59,6 +65,8 @@ class _Tracing(threading.local):
         # while unobserved() is open.
         self.observers: list[Observer] = []
         self.unobserved = 0
+        # The running_models() records open on this thread, innermost last.
+        self.models: list[ModelsRun] = []
 
 
 _tracing = _Tracing()
@@ -143,6 +151,45 @@ def unobserved():
         yield
     finally:
         _tracing.unobserved -= 1
+
+
+@dataclasses.dataclass
+class ModelsRun:
+    """What :func:`running_models` records: the models wrapped with a policy that ran.
+
+    Attributes:
+      rules: the rules every wrapped model runs under while the record is open, or None for
+        each its own.
+      seen: each wrapped model that started to run, as its class name and its own rules.
+    """
+
+    rules: Rules | None
+    seen: list[tuple[str, Rules]] = dataclasses.field(default_factory=list)
+
+
+@contextlib.contextmanager
+def running_models(rules: Rules | None = None):
+    """While open, each model wrapped with a policy (:func:`mpjax.linen.apply_policy`,
+    :func:`mpjax.nnx.set_policy`, :func:`mpjax.equinox.apply_policy`) that starts to run on this
+    thread is recorded in the :class:`ModelsRun` yielded, and runs under ``rules`` instead of its
+    own when they are given."""
+    record = ModelsRun(rules)
+    _tracing.models.append(record)
+    try:
+        yield record
+    finally:
+        _tracing.models.pop()
+
+
+def model_rules(name: str, own: Rules) -> Rules:
+    """The rules a wrapped model runs under, asked by the integrations as it starts to run:
+    ``own``, unless :func:`running_models` is open with other rules; recorded there with the
+    model's class ``name``."""
+    if not _tracing.models:
+        return own
+    record = _tracing.models[-1]
+    record.seen.append((name, own))
+    return own if record.rules is None else record.rules
 
 
 @dataclasses.dataclass

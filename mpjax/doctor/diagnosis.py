@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpjax.casting.trace_context import running_models
 from mpjax.doctor.diagnosis_report import Birth, DiagnosisReport, ErrorRow, RangeRow
 from mpjax.doctor.range_stats import DTYPES, RangeStats, check_dtypes
 from mpjax.doctor.recommendations import (
@@ -46,6 +47,7 @@ class _Trace:
     closed: Any
     backward: bool
     floating: list[int]  # the positions of the differentiated leaves among the array leaves
+    rules: Rules  # those it runs under: the doctor's, or those of the models it runs
     kernels: Kernels = dataclasses.field(default_factory=Kernels)
     evaluation: Evaluation = dataclasses.field(init=False)  # set by each evaluate
 
@@ -62,14 +64,22 @@ class Doctor:
     """What :func:`diagnose` returns: call it with the target's inputs for the report of one
     batch, or use :meth:`over` for several batches (needed to judge fp8 fitness)."""
 
-    def __init__(self, runner, rules, loss, dtypes, max_error, compare):
+    def __init__(self, runner, rules, loss, dtypes, max_error, compare, name):
         self._runner = runner
-        self._rules = rules
+        self._rules = rules  # None: those of the wrapped models the target runs
         self._loss = loss
         self._dtypes = dtypes
         self._max_error = max_error
         self._compare = compare
+        self._name = name
         self._traces: dict[Any, _Trace] = {}
+
+    def __repr__(self) -> str:
+        under = "its models' policy" if self._rules is None else str(self._rules.default)
+        return (
+            f"<Doctor of {self._name} under {under}: call it with {self._name}'s inputs, "
+            "doctor(*inputs), for the report, or doctor.over(batches) for several>"
+        )
 
     def __call__(self, *inputs, **kwargs) -> DiagnosisReport:
         return self.over([(inputs, kwargs)])
@@ -102,7 +112,7 @@ class Doctor:
             results.append(self._run(args, kwargs))
         if not results:
             raise ValueError("diagnose(...).over(batches): batches is empty; give at least one.")
-        return _report(results, self._rules, self._dtypes, self._max_error)
+        return _report(results, results[0][0].rules, self._dtypes, self._max_error)
 
     def _run(self, args: tuple, kwargs: dict) -> tuple[_Trace, dict[str, np.ndarray]]:
         leaves, tree = jax.tree.flatten((args, kwargs))
@@ -121,9 +131,10 @@ class Doctor:
         return trace, trace.evaluate([leaves[i] for i in dynamic], self._compare)
 
     def _trace(self, leaves, tree, dynamic) -> _Trace:
-        fn = self._runner.under(self._rules)
         floating = [i for i in dynamic if is_floating(leaves[i])]
         loss = self._loss
+        fn = self._runner.as_is
+        rules = self._rules
 
         def value(float_leaves, array_leaves):
             merged = list(leaves)
@@ -132,17 +143,31 @@ class Doctor:
             for i, leaf in zip(floating, float_leaves):
                 merged[i] = leaf
             call_args, call_kwargs = jax.tree.unflatten(tree, merged)
-            out = fn(*call_args, **call_kwargs)
+            if self._rules is None:  # each wrapped model under its own
+                out = fn(*call_args, **call_kwargs)
+            else:  # every wrapped model the target runs under the rules diagnosed
+                with running_models(rules):
+                    out = fn(*call_args, **call_kwargs)
             return out if loss is None else loss(out)
 
         float_leaves = [leaves[i] for i in floating]
         array_leaves = [leaves[i] for i in dynamic]
-        try:
-            shape = jax.eval_shape(value, float_leaves, array_leaves)
-        except (TypeError, ValueError) as error:
-            raise ValueError(
-                f"diagnose(...)(*inputs): the target cannot run on these inputs: {error}"
-            ) from error
+
+        def shape_of() -> Any:
+            try:
+                return jax.eval_shape(value, float_leaves, array_leaves)
+            except (TypeError, ValueError) as error:
+                raise ValueError(
+                    f"diagnose(...)(*inputs): {self._name} cannot run on these inputs: {error}"
+                ) from error
+
+        if rules is None:  # as it runs: the rules of the wrapped models it runs are its own
+            with running_models() as ran:
+                shape = shape_of()
+            rules = _found_rules(ran.seen, self._name)
+        else:
+            fn = self._runner.under(rules)
+            shape = shape_of()
         backward = (
             isinstance(shape, jax.ShapeDtypeStruct) and shape.shape == () and is_floating(shape)
         )
@@ -157,7 +182,35 @@ class Doctor:
             return jax.value_and_grad(value)(float_leaves, array_leaves)
 
         closed = jax.make_jaxpr(step)(float_leaves, array_leaves)
-        return _Trace(closed, backward, [dynamic.index(i) for i in floating])
+        return _Trace(closed, backward, [dynamic.index(i) for i in floating], rules)
+
+
+def _found_rules(seen: list[tuple[str, Rules]], name: str) -> Rules:
+    """The one set of rules of the wrapped models a target ran; a ValueError if there are none
+    or several."""
+    distinct: list[tuple[str, Rules]] = []
+    for model, rules in seen:
+        if all(rules != other for _, other in distinct):
+            distinct.append((model, rules))
+    if len(distinct) == 1:
+        return distinct[0][1]
+    if not distinct:
+        raise ValueError(
+            f"diagnose() needs policy=... for {name}: it has no policy of its own and runs no "
+            f'model wrapped with one. Pass it, e.g. diagnose({name}, policy="mixed_bfloat16") '
+            "(a policy name, a Policy or mpjax.Rules), or run a model wrapped by "
+            "mpjax.linen.apply_policy, mpjax.nnx.set_policy or mpjax.equinox.apply_policy."
+        )
+    models = "; ".join(f"{model} under {_rules_text(rules)}" for model, rules in distinct)
+    raise ValueError(
+        f"diagnose() found models wrapped with different rules in {name}: {models}. Pass "
+        "policy=... (a policy name, a Policy or mpjax.Rules) to diagnose them all under one."
+    )
+
+
+def _rules_text(rules: Rules) -> str:
+    keys = [str(getattr(r.key, "__name__", r.key)) for r in rules.rules if not r.builtin]
+    return str(rules.default) + (f" with rules for {', '.join(keys)}" if keys else "")
 
 
 def _report(results, rules: Rules, dtypes, max_error) -> DiagnosisReport:
@@ -255,7 +308,7 @@ def _errors(results, sites, indices) -> tuple[ErrorRow, ...]:
 
 def diagnose(
     target: Any,
-    *,
+    *early: Any,
     policy: RulesLike | None = None,
     loss: Callable[[Any], Any] | None = None,
     variables: Any = None,
@@ -281,12 +334,25 @@ def diagnose(
     gradients in range, and which matmuls are fit for fp8 (with :meth:`Doctor.over` several
     batches).
 
+    The target may be the function a user trains with, such as ``loss_fn(model, x, y)``
+    that vmaps the model over the batch: it runs through :func:`mpjax.autocast` with the
+    leaves of its arguments that are not arrays held static (as ``eqx.filter_jit`` holds a
+    module's float fields), the Equinox and NNX models among its arguments under the policy
+    (copies: the arguments are left as they are), and the report names their own paths
+    (``blocks[0].attn``, ``blocks/0/proj``); a linen model it applies (a function of
+    ``variables``) runs under the policy if it is wrapped, with its paths (``Block_0/mlp``;
+    the layers of ``nn.scan`` under their scanned names).
+
     Args:
-      target: a function (run through :func:`mpjax.autocast`), a function made by
+      target: a function (run through :func:`mpjax.autocast`, as above), a function made by
         :func:`mpjax.autocast`, a linen module (wrapped by :func:`mpjax.linen.apply_policy`
-        or not) or an NNX module (with a policy set or not).
-      policy: the policy or :class:`mpjax.Rules` to diagnose; by default those of the target
-        (a wrapped model or an autocast function).
+        or not), an NNX module (with a policy set or not) or an Equinox module (wrapped by
+        :func:`mpjax.equinox.apply_policy` or not).
+      policy: the policy or :class:`mpjax.Rules` to diagnose; every model the target runs,
+        wrapped or not, runs under it. By default those of the target: a wrapped model's, an
+        autocast function's, or for any other function those of the wrapped models it runs,
+        found as they run (one policy, or the call raises): the function then runs as it is,
+        each wrapped model under its own rules and the code around them in float32.
       loss: a function of the target's output that returns the loss, to diagnose the backward
         pass of a target that does not return a scalar.
       variables, rngs, method: for a linen module, as for :func:`mpjax.describe` (the
@@ -299,13 +365,17 @@ def diagnose(
         gives the ranges, the birth and the recommendations from them alone, faster.
 
     Returns:
-      A :class:`Doctor`: call it with the target's inputs as the target takes them.
+      A :class:`Doctor`: call it with the target's inputs as the target takes them (a linen
+      model's variables go to ``variables=``, not with the inputs).
 
     Raises:
-      TypeError: for a target that is neither a function nor a model mpjax runs, or an option
-        that does not apply to it.
-      ValueError: for a dtype it does not measure, no policy for a target that has none, a
-        negative ``max_error``; when called, inputs that the target cannot run on.
+      TypeError: for a target that is neither a function nor a model mpjax runs, an option
+        that does not apply to it, or inputs given here rather than to the :class:`Doctor`;
+        when called, a linen model's variables given as its first input.
+      ValueError: for a dtype it does not measure, no policy for a model that has none, a
+        negative ``max_error``; when called, inputs that the target cannot run on (inputs of
+        a shape a linen model's variables do not fit included), or a function without
+        ``policy=`` that runs no wrapped model or several under different rules.
 
     >>> import jax, jax.numpy as jnp
     >>> def f(x):
@@ -318,6 +388,13 @@ def diagnose(
     >>> [rule.key for rule in report.rules.rules if not rule.builtin]
     ['gram']
     """
+    if early:
+        raise TypeError(
+            f"diagnose(target, ...) takes only the target and its options; it got "
+            f"{len(early)} more positional argument(s). The inputs come in a second call, as "
+            "for jax.make_jaxpr: diagnose(target, policy=...)(*inputs); a linen model's "
+            "variables go to diagnose(model, variables=...)(*inputs)."
+        )
     dtypes = check_dtypes(dtypes, "diagnose")
     if not isinstance(max_error, int | float) or max_error < 0:
         raise ValueError(f"diagnose(max_error=...) must be a number >= 0; got {max_error!r}.")
@@ -328,13 +405,15 @@ def diagnose(
             f"diagnose(loss=...) must be a function of the target's output; got {loss!r}."
         )
     runner: Runner = runner_of(target, "diagnose", variables=variables, rngs=rngs, method=method)
+    name = getattr(target, "__name__", None) or type(target).__name__
     if policy is None:
-        if runner.rules is None:
+        if runner.rules is None and runner.as_is is None:
             raise ValueError(
                 f"diagnose() needs policy=... for this {type(target).__name__}, which has no "
-                "policy of its own: a policy name ('mixed_float16'), a Policy or mpjax.Rules."
+                f'policy of its own: diagnose(model, policy="mixed_bfloat16") (a policy '
+                "name, a Policy or mpjax.Rules), or the model wrapped with a policy."
             )
         rules = runner.rules
     else:
         rules = as_rules(policy, "policy")
-    return Doctor(runner, rules, loss, dtypes, float(max_error), compare)
+    return Doctor(runner, rules, loss, dtypes, float(max_error), compare, name)

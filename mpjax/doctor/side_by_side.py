@@ -35,8 +35,10 @@ at once. The measures stay on the device until :meth:`Evaluation.assemble` reads
 
 Higher-order primitives that are calls (``jit``, ``remat``, custom derivatives) are looked
 into, and so is a ``lax.platform_dependent`` conditional whose default branch runs on this
-platform (XLA's attention, where cuDNN's is for CUDA); loops and other conditionals
-(``scan``, ``while``, ``cond``) count as one equation whose outputs are measured.
+platform (XLA's attention, where cuDNN's is for CUDA); a ``scan`` is looked into step by step
+(its body evaluated once per step, so that layers stacked by ``nn.scan`` or ``lax.scan`` are
+measured in their own modules); ``while`` loops and other conditionals count as one equation
+whose outputs are measured.
 
 ``__all__`` is what :mod:`mpjax.doctor.diagnosis` uses: :class:`Evaluation` (with :class:`Site`, what
 it measured where) and :func:`to_exact`, the exact counterpart of an input.
@@ -128,8 +130,7 @@ _F32 = np.dtype(np.float32)
 
 
 def _is_low(dtype: Any) -> bool:
-    dtype = np.dtype(dtype)
-    return is_floating(dtype) and dtype.itemsize < 4
+    return is_floating(dtype) and np.dtype(dtype).itemsize < 4
 
 
 def to_exact(x: Any) -> Any:
@@ -190,10 +191,11 @@ def _is_fill(value: Any) -> bool:
     :data:`FILL_MIN` in magnitude, or not finite."""
     if np.size(value) != 1:  # before reading it: a const may be a large device array
         return False
-    value = np.asarray(value)
-    if not is_floating(value.dtype):
+    # The dtype before the value: a PRNG key (a scanned layer's rng) converts to no array.
+    dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
+    if not is_floating(dtype):
         return False
-    v = float(value.reshape(()).astype(np.float32))
+    v = float(np.asarray(value).reshape(()).astype(np.float32))
     return not np.isfinite(v) or abs(v) >= FILL_MIN
 
 
@@ -440,6 +442,25 @@ class Kernels:
 _Value = tuple[Any, Any, Any, Any]
 
 
+def _step_of(mask: Any, i: int) -> Any:
+    """The mask of step ``i``'s slice of a scan's xs whose mask is ``mask``."""
+    return mask if mask is None or mask is FILL else mask[i]
+
+
+def _stacked(masks: list[Any], shape: tuple) -> Any:
+    """The mask of a scan's ys stacked from its steps' ``masks`` (each of ``shape``)."""
+    if all(m is None for m in masks):
+        return None
+    if all(m is FILL for m in masks):
+        return FILL
+    return jnp.stack(
+        [
+            jnp.zeros(shape, bool) if m is None else jnp.ones(shape, bool) if m is FILL else m
+            for m in masks
+        ]
+    )
+
+
 class Evaluation:
     """Evaluates a jaxpr exactly and as it runs, side by side, collecting per equation the
     measures of :mod:`mpjax.doctor.side_by_side`: :meth:`run` it on concrete inputs, then
@@ -499,7 +520,9 @@ class Evaluation:
             backward_eqn = backward or compat.is_backward(eqn)
             ins = [read(a) for a in eqn.invars]
             inner = self._inner_jaxpr(eqn)
-            if inner is not None:
+            if eqn.primitive.name == "scan":
+                outs = self._scan(eqn, ins, where, backward_eqn)
+            elif inner is not None:
                 sub, skip = inner
                 outs = self._closed(sub, ins[skip:], where, backward_eqn)
             else:
@@ -510,6 +533,34 @@ class Evaluation:
             for var in dead.get(i, ()):
                 env.pop(var, None)
         return [read(a) for a in jaxpr.outvars]
+
+    def _scan(self, eqn: Any, ins: list[_Value], path, backward) -> list[_Value]:
+        """A scan, its body evaluated once per step on the step's slices of the xs: its ys
+        are the steps' stacked, their non-finite values those of the steps' (a slice counts
+        those of the whole xs)."""
+        p = compat.scan_params(eqn)
+        if p.length == 0:
+            return self._equation(eqn, ins, path, backward)
+        n_c, n_carry = p.num_consts, p.num_carry
+        consts, carry, xs = ins[:n_c], ins[n_c : n_c + n_carry], ins[n_c + n_carry :]
+        steps = []
+        for i in reversed(range(p.length)) if p.reverse else range(p.length):
+            x = [(e[i], a[i], r, _step_of(m, i)) for e, a, r, m in xs]
+            outs = self._closed(p.jaxpr, [*consts, *carry, *x], path, backward)
+            carry = outs[:n_carry]
+            steps.append(outs[n_carry:])
+        if p.reverse:
+            steps.reverse()
+        ys = [
+            (
+                jnp.stack([step[k][0] for step in steps]),
+                jnp.stack([step[k][1] for step in steps]),
+                ("copy", [step[k][2] for step in steps]),
+                _stacked([step[k][3] for step in steps], steps[0][k][0].shape),
+            )
+            for k in range(len(eqn.outvars) - n_carry)
+        ]
+        return [*carry, *ys]
 
     def _inner_jaxpr(self, eqn: Any) -> tuple[Any, int] | None:
         """The jaxpr an equation evaluates, looked into, and how many of its first inputs it

@@ -13,6 +13,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
+
 from mpjax.autocast import autocast_runner, describe_autocast, is_autocast
 from mpjax.inspection.report import Report
 from mpjax.rules import Rules
@@ -33,11 +35,16 @@ class Runner:
       arguments: ``arguments(inputs, kwargs)`` gives the ``(args, kwargs)`` of ``under(rules)``
         for the inputs the target takes (a linen model's variables go first, initialized from
         the inputs when not given; an NNX model's state).
+      as_is: for a target whose rules are those of the wrapped models it runs (a function of
+        a model), the target as it runs: each wrapped model under its own rules (run inside
+        :func:`mpjax.casting.trace_context.running_models`, it shows them), the code around them in
+        float32. None for the others.
     """
 
     rules: Rules | None
     under: Callable[[Rules], Callable[..., Any]]
     arguments: Callable[[tuple, dict], tuple[tuple, dict]]
+    as_is: Callable[..., Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +57,8 @@ class _Describer:
 
 
 _describers: list[_Describer] = []
+# What a function's arguments may hold that runs under rules: (is such a model, under).
+_argument_models: list[tuple[Callable[[Any], bool], Callable[[Any, Rules], Any]]] = []
 # Top-level packages whose classes a describer was registered for ("flax").
 _packages: set[str] = set()
 
@@ -99,6 +108,36 @@ def register_describer(
     else:
         matches = target
     _describers.append(_Describer(kind, matches, build, frozenset(options), runner))
+
+
+def register_argument_model(
+    matches: Callable[[Any], bool], under: Callable[[Any, Rules], Any]
+) -> None:
+    """Teaches :func:`function_runner` a kind of model that a function takes as an argument
+    (``loss_fn(model, x, y)``). For integrations: :mod:`mpjax.nnx` and :mod:`mpjax.equinox`
+    call it when imported.
+
+    Args:
+      matches: whether an argument leaf (or subtree) is such a model.
+      under: ``under(model, rules)`` is the model that runs under ``rules``, its modules in
+        their regions, for the function to call as it calls ``model`` (``model`` itself is
+        left as it is).
+    """
+    _argument_models.append((matches, under))
+
+
+def _models_under(tree: Any, rules: Rules) -> Any:
+    """``tree`` with each model :func:`register_argument_model` knows under ``rules``."""
+
+    def kind(leaf: Any) -> Callable[[Any, Rules], Any] | None:
+        return next((under for matches, under in _argument_models if matches(leaf)), None)
+
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda leaf: kind(leaf) is not None)
+    moved = []
+    for leaf in leaves:
+        under = kind(leaf)
+        moved.append(leaf if under is None else under(leaf, rules))
+    return jax.tree.unflatten(treedef, moved)
 
 
 def _flax_hint(target: Any) -> str:
@@ -263,9 +302,25 @@ def runner_of(
 
 
 def function_runner(fn: Callable[..., Any]) -> Runner:
-    """The :class:`Runner` of a plain function: it runs through :func:`mpjax.autocast`."""
+    """The :class:`Runner` of a function: it runs through :func:`mpjax.autocast`, its
+    arguments' leaves that are not arrays held static (a Python float included, as
+    ``eqx.filter_jit`` holds it), and the models among its arguments (Equinox, NNX) under the
+    same rules, their modules in their regions. A function not made by :func:`mpjax.autocast`
+    has no rules of its own: those of the wrapped models it runs, shown by :attr:`Runner.as_is`.
+    """
     rules, under = autocast_runner(fn)
-    return Runner(rules, under, lambda inputs, kwargs: (inputs, kwargs))
+
+    def with_models(rules: Rules) -> Callable[..., Any]:
+        run = under(rules)
+
+        def call(*args, **kwargs):
+            args, kwargs = _models_under((args, kwargs), rules)
+            return run(*args, **kwargs)
+
+        return call
+
+    as_is = under(Rules(builtins=False)) if rules is None else None
+    return Runner(rules, with_models, lambda inputs, kwargs: (inputs, kwargs), as_is)
 
 
 register_describer(
