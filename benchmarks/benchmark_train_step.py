@@ -324,6 +324,9 @@ class Setup:
     # elsewhere none), a target ("h100", "a100", "h200": compiled for it without one, through
     # mpjax.gpu_plan), or "none".
     plan: str = "auto"
+    # PyTorch rows: torch.compile the model and loss (False: eager, for quick CPU rehearsals,
+    # where Inductor's C++ compile takes minutes).
+    torch_compile: bool = True
 
     def train_config(self, variant: Variant):
         import train_transformer as tt
@@ -617,7 +620,9 @@ def run_torch_variant(variant: Variant, setup: Setup) -> dict:
     # JAX's default precision runs f32 matmuls on TF32 Tensor Cores; so does this row.
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    step_fn = torch_gpt.TrainStep(mcfg, variant.policy, variant.attention, device, cfg)
+    step_fn = torch_gpt.TrainStep(
+        mcfg, variant.policy, variant.attention, device, cfg, compile=setup.torch_compile
+    )
     data = tt.load_corpus(None, max_bytes=2_000_000)
     x, y = (
         torch.from_numpy(a[0].astype(np.int64)).to(device)
@@ -713,6 +718,7 @@ def new_report(setup: Setup, keys, device: dict, plan_only: bool = False) -> dic
             "scan_layers": setup.scan_layers,
             "remat": setup.remat,
             "plan": setup.plan,
+            "torch_compile": setup.torch_compile,
             "plan_only": plan_only,
             "flops_formula": "tokens * (6 * N + 12 * n_layer * d_model * seq_len)",
         },
@@ -741,6 +747,7 @@ def run_variant(
         *("--steps", str(setup.steps), "--warmup", str(setup.warmup), "--remat", setup.remat),
         "--scan-layers" if setup.scan_layers else "--no-scan-layers",
         *("--plan", setup.plan),
+        "--torch-compile" if setup.torch_compile else "--no-torch-compile",
         *(["--plan-only"] if plan_only else []),
     ]
     if setup.seq_len:
@@ -895,6 +902,12 @@ def main(argv: list[str] | None = None) -> None:
         help="only the JAX rows' GPU plans (for --plan, an H100 with auto), compiled without a "
         "GPU and without running a step: the table of what each row runs on Tensor Cores",
     )
+    p.add_argument(
+        "--torch-compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="PyTorch rows: torch.compile the model and loss (--no-torch-compile: eager)",
+    )
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--worker", choices=keys, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -906,7 +919,15 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--batch-size and --steps must be positive and --warmup non-negative")
     scan = args.preset == "medium" if args.scan_layers is None else args.scan_layers
     setup = Setup(
-        args.preset, batch_size, args.seq_len, args.steps, args.warmup, scan, args.remat, plan
+        args.preset,
+        batch_size,
+        args.seq_len,
+        args.steps,
+        args.warmup,
+        scan,
+        args.remat,
+        plan,
+        args.torch_compile,
     )
 
     if args.worker:

@@ -110,6 +110,8 @@ ISSUES = {
     "fp8": ("env", "fp8_medium", "plans", "gpu_tests", "diagnose"),
 }
 # The rehearsal's model and timing: the tiny preset on short sequences, a few steps.
+# PyTorch rows run eagerly there: Inductor's C++ compile of even this model takes minutes on
+# two cores, and a GPU compiles with Triton anyway.
 REHEARSAL = {"preset": "tiny", "batch": 4, "seq_len": 64, "steps": 3, "warmup": 1}
 STEPS, WARMUP = 20, 3
 
@@ -178,6 +180,70 @@ def committed_plan(preset: str, key: str, jax_version: str | None) -> dict:
         if isinstance(plan, dict):
             return {"plan": plan, "file": str(path.relative_to(ROOT)), "jax": d.name[4:]}
     return {"missing": f"no committed plan of {key} on {preset} under {COMMITTED_PLANS.name}/"}
+
+
+def fp8_mfu(key: str, row: dict, env: dict) -> dict:
+    """An fp8 row's MFU against the bf16 peak (the table's) and the fp8 peak; nothing for
+    other rows. ``env``: the ``env`` part's result."""
+    variant = next(v for v in bench.VARIANTS if v.key == key)
+    if "fp8" not in variant.policy:
+        return {}
+    peak = bench.peak_flops(env["device"]["kind"], "fp8")
+    return {
+        "mfu_bf16_peak": row["mfu"],
+        "fp8_peak_flops_per_s": peak,
+        "mfu_fp8_peak": row["achieved_flops_per_s"] / peak if peak else None,
+    }
+
+
+def plan_comparison(preset: str, key: str, row: dict, env: dict) -> dict:
+    """A JAX row's real plan (its ``plan``) against the deviceless one committed for
+    ``preset``: ``committed`` (:func:`committed_plan`), then either ``real`` (why there is
+    none) or :func:`compare_plans`' fields and ``notes`` (JAX versions or GPUs that differ)."""
+    committed = committed_plan(preset, key, env["versions"].get("jax"))
+    real = row.get("plan")
+    result: dict = {"committed": committed}
+    if not isinstance(real, dict):
+        result["real"] = f"{NOT_ON_DEVICE}: {env['device']['platform']} (a GPU's compile has it)"
+        return result
+    result["real_device"] = real.get("device")
+    if "plan" in committed:
+        result |= compare_plans(real, committed["plan"])
+        notes = []
+        if committed["jax"] != env["versions"].get("jax"):
+            notes.append(
+                f"committed with jax {committed['jax']}, run with {env['versions'].get('jax')}"
+            )
+        if real.get("device") != committed["plan"].get("device"):
+            notes.append(
+                f"compiled for {committed['plan'].get('device')}, run on {real.get('device')}"
+            )
+        result["notes"] = notes
+    return result
+
+
+def plan_line(part: str, key: str, row: dict) -> str:
+    """The plans table's line for one row: its real plan in short (GEMMs by operand dtypes
+    and library, cuDNN attention forward/backward, scatter dtypes), the committed file, the
+    fields that agree and those that differ (autotuning's or unexpected)."""
+    cmp = row["plan_vs_committed"]
+    committed = cmp["committed"].get("file") or cmp["committed"].get("missing")
+    real = cmp.get("real")
+    if real is None:
+        plan = row["plan"]
+        gemms = ", ".join(
+            f"{g['gemms']} {g['lhs']}x{g['rhs']} {g['library']}" for g in plan["gemm_kinds"]
+        )
+        real = (
+            f"{plan['source']}: {gemms}; cuDNN attention {plan['attention_forward']} / "
+            f"{plan['attention_backward']}; scatters {', '.join(plan['scatter_dtypes']) or '-'}"
+        )
+    differ = "; ".join(
+        f"{f}: {d['real']} vs {d['committed']} ({'autotuning' if d['expected'] else 'UNEXPECTED'})"
+        for f, d in cmp.get("differ", {}).items()
+    )
+    same = ", ".join(cmp.get("same", [])) or "-"
+    return f"| {part} | {key} | {real} | {committed} | {same} | {differ or '-'} |"
 
 
 def _write_json(path: pathlib.Path, value) -> None:
@@ -302,8 +368,10 @@ class Session:
             f.write(line + "\n")
 
     def run(self, parts: list[str]) -> dict:
-        self.log(f"session: parts {','.join(parts)}, budget {self.budget_s:.0f} s"
-                 + (", CPU rehearsal" if self.rehearse else ""))
+        self.log(
+            f"session: parts {','.join(parts)}, budget {self.budget_s:.0f} s"
+            + (", CPU rehearsal" if self.rehearse else "")
+        )
         for name in parts:
             self.summary["parts"].pop(name, None)  # run again: this call's outcome replaces it
             need = self.estimate(name)
@@ -372,6 +440,7 @@ class Session:
             scan_layers=part.scan_layers,
             remat="none",
             plan="auto",  # on a GPU, the plan of the step XLA compiled and autotuned there
+            torch_compile=not self.rehearse,
         )
         env = self.environment()
         report = bench.new_report(setup, part.keys, env["device"])
@@ -389,9 +458,9 @@ class Session:
             t0 = time.monotonic()
             row = bench.run_variant(key, setup, timeout=self.left())
             if "skipped" not in row:
-                row |= self.fp8_mfu(key, row, env)
+                row |= fp8_mfu(key, row, env)
                 if row["framework"] == "jax":
-                    row["plan_vs_committed"] = self.plan_comparison(part.preset, key, row, env)
+                    row["plan_vs_committed"] = plan_comparison(part.preset, key, row, env)
             report["results"][key] = row
             _write_json(path, report)
             (self.out / f"{name}.md").write_text(bench.markdown_table(report))
@@ -406,38 +475,6 @@ class Session:
         return f"done: {len(done)} of {len(part.keys)} rows measured"
 
     part_small = part_medium = part_fp8_medium = part_rows
-
-    @staticmethod
-    def fp8_mfu(key: str, row: dict, env: dict) -> dict:
-        """An fp8 row's MFU against the bf16 peak (the table's) and the fp8 peak."""
-        variant = next(v for v in bench.VARIANTS if v.key == key)
-        if "fp8" not in variant.policy:
-            return {}
-        peak = bench.peak_flops(env["device"]["kind"], "fp8")
-        return {
-            "mfu_bf16_peak": row["mfu"],
-            "fp8_peak_flops_per_s": peak,
-            "mfu_fp8_peak": row["achieved_flops_per_s"] / peak if peak else None,
-        }
-
-    def plan_comparison(self, preset: str, key: str, row: dict, env: dict) -> dict:
-        """A JAX row's real plan against the committed deviceless one of ``preset``."""
-        committed = committed_plan(preset, key, env["versions"].get("jax"))
-        real = row.get("plan")
-        result: dict = {"committed": committed}
-        if not isinstance(real, dict):
-            result["real"] = f"{NOT_ON_DEVICE}: {env['device']['platform']} (a GPU's compile has it)"
-            return result
-        result["real_device"] = real.get("device")
-        if "plan" in committed:
-            result |= compare_plans(real, committed["plan"])
-            notes = []
-            if committed["jax"] != env["versions"].get("jax"):
-                notes.append(f"committed with jax {committed['jax']}, run with {env['versions'].get('jax')}")
-            if real.get("device") != committed["plan"].get("device"):
-                notes.append(f"compiled for {committed['plan'].get('device')}, run on {real.get('device')}")
-            result["notes"] = notes
-        return result
 
     def part_plans(self, name: str) -> str:
         """Each JAX row's real plan next to the committed one, from the row parts written so
@@ -456,20 +493,7 @@ class Session:
                     continue
                 cmp = row["plan_vs_committed"]
                 plans[f"{part}/{key}"] = {"real": row["plan"], **cmp}
-                committed = cmp["committed"].get("file") or cmp["committed"].get("missing")
-                real = cmp.get("real") or (
-                    f"{row['plan']['source']}: "
-                    + ", ".join(f"{g['gemms']} {g['lhs']}x{g['rhs']} {g['library']}" for g in row["plan"]["gemm_kinds"])
-                    + f"; cuDNN attention {row['plan']['attention_forward']}/{row['plan']['attention_backward']}"
-                    + f"; scatters {','.join(row['plan']['scatter_dtypes']) or '-'}"
-                )
-                differ = "; ".join(
-                    f"{f}: {d['real']} vs {d['committed']} ({'autotuning' if d['expected'] else 'UNEXPECTED'})"
-                    for f, d in cmp.get("differ", {}).items()
-                )
-                lines.append(
-                    f"| {part} | {key} | {real} | {committed} | {', '.join(cmp.get('same', [])) or '-'} | {differ or '-'} |"
-                )
+                lines.append(plan_line(part, key, row))
         _write_json(self.out / "plans.json", plans)
         (self.out / "plans.md").write_text("\n".join(lines) + "\n")
         unexpected = sum(len(p.get("unexpected", [])) for p in plans.values())

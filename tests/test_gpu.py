@@ -234,9 +234,7 @@ def test_loss_scaling_skips_the_step_whose_float16_gradient_overflows_on_the_gpu
 POLICIES = ["float32", "mixed_bfloat16", "mixed_float16", "mixed_bfloat16_fp8", tt.FP8_DELAYED]
 
 
-@pytest.mark.parametrize(
-    "policy_name", POLICIES, ids=["f32", "bf16", "f16", "fp8", "fp8_delayed"]
-)
+@pytest.mark.parametrize("policy_name", POLICIES, ids=["f32", "bf16", "f16", "fp8", "fp8_delayed"])
 def test_the_example_trains_on_the_gpu_under_each_policy(policy_name, record_property):
     """Five steps of the example's own train step on one batch, on the GPU: the loss goes
     down; under a 16-bit policy attention is cuDNN's forward and backward, under fp8 (on

@@ -69,9 +69,59 @@ def test_the_committed_plan_comes_from_this_jax_version_or_else_the_newest():
     assert here["plan"]["flop_share"]["bfloat16"] == 1.0 and here["jax"] == "0.8.1"
     other = gpu_session.committed_plan("medium", "fp8_mpjax", "0.99.0")
     assert other["jax"] == "0.12.0.1" and other["plan"]["fp8_gemms"] > 0
-    assert "no committed plan of torch_bf16_sdpa on small" in (
-        gpu_session.committed_plan("small", "torch_bf16_sdpa", "0.8.1")["missing"]
+    assert (
+        "no committed plan of torch_bf16_sdpa on small"
+        in (gpu_session.committed_plan("small", "torch_bf16_sdpa", "0.8.1")["missing"])
     )
+
+
+H100_ENV = {
+    "device": {"kind": "NVIDIA H100 80GB HBM3", "platform": "gpu"},
+    "versions": {"jax": "0.12.0.1"},
+}
+
+
+def test_a_real_plan_is_set_beside_the_committed_one_with_what_differs_and_why():
+    gemm_kinds = [
+        {"lhs": "bfloat16", "rhs": "bfloat16", "library": "cublaslt", "gemms": 200, "flops": 9},
+        {"lhs": "bfloat16", "rhs": "bfloat16", "library": "triton", "gemms": 19, "flops": 1},
+    ]
+    real = _plan(source="autotuned", gemm_libraries=["cublaslt", "triton"], gemm_kinds=gemm_kinds)
+    row = {"plan": real}
+    result = gpu_session.plan_comparison("small", "bf16_mpjax", row, H100_ENV)
+    assert result["committed"]["jax"] == "0.12.0.1" and result["notes"] == []
+    assert set(result["differ"]) == {"gemm_libraries"} and result["unexpected"] == []
+    h200 = {**H100_ENV, "versions": {"jax": "0.13.0"}}
+    notes = gpu_session.plan_comparison(
+        "small", "bf16_mpjax", {"plan": real | {"device": "NVIDIA H200"}}, h200
+    )["notes"]
+    assert notes == [
+        "committed with jax 0.12.0.1, run with 0.13.0",
+        "compiled for NVIDIA H100 80GB HBM3, run on NVIDIA H200",
+    ]
+    line = gpu_session.plan_line("small", "bf16_mpjax", row | {"plan_vs_committed": result})
+    assert line.startswith(
+        "| small | bf16_mpjax | autotuned: 200 bfloat16xbfloat16 cublaslt, 19 bfloat16xbfloat16 "
+        "triton; cuDNN attention 18 / 18; scatters float32 | "
+        "benchmarks/results/h100_plan/jax-0.12.0.1/cpu_small_plan.json | flop_share, "
+    )
+    assert line.endswith("| gemm_libraries: ['cublaslt', 'triton'] vs ['triton'] (autotuning) |")
+    cpu = {"device": {"kind": "cpu", "platform": "cpu"}, "versions": {"jax": "0.12.0.1"}}
+    none = gpu_session.plan_comparison("small", "bf16_mpjax", {"plan": None}, cpu)
+    assert none["real"] == "not on this device: cpu (a GPU's compile has it)"
+    assert "| not on this device: cpu" in gpu_session.plan_line(
+        "small", "x", {"plan_vs_committed": none}
+    )
+
+
+def test_fp8_rows_have_their_mfu_against_the_bf16_and_the_fp8_peak():
+    row = {"mfu": 0.5, "achieved_flops_per_s": 989e12 / 2}
+    fields = gpu_session.fp8_mfu("fp8_delayed_mpjax", row, H100_ENV)
+    assert fields["mfu_bf16_peak"] == 0.5 and fields["fp8_peak_flops_per_s"] == 1979e12
+    assert fields["mfu_fp8_peak"] == pytest.approx(989 / 2 / 1979)
+    assert gpu_session.fp8_mfu("bf16_mpjax", row, H100_ENV) == {}
+    a100 = {**H100_ENV, "device": {"kind": "NVIDIA A100-SXM4-80GB", "platform": "gpu"}}
+    assert gpu_session.fp8_mfu("fp8_mpjax", row, a100)["mfu_fp8_peak"] is None
 
 
 def test_each_issue_runs_its_parts_in_the_order_it_asks_for():
@@ -135,6 +185,7 @@ def _read(out, name):
 def _check_rows(out, part, keys):
     report = _read(out, f"{part}.json")
     assert report["part"] == part and report["config"]["preset"] == "tiny"
+    assert report["config"]["torch_compile"] is False  # eager PyTorch rows in a rehearsal
     assert report["config"]["scan_layers"] is gpu_session.ROWS[part].scan_layers
     assert list(report["results"]) == list(keys)
     for key in keys:
@@ -211,9 +262,9 @@ def test_the_fp8_rehearsal_writes_every_part(tmp_path):
 def test_a_budget_too_short_stops_between_parts_and_keeps_what_was_done(tmp_path):
     """A rehearsal's environment needs about 10 s, a row about a minute: with 30 s the first
     part runs and the second is not started."""
-    gpu_session.main(["--parts", "env,small", "--rehearse", "--budget-s", "30"] + [
-        "--out", str(tmp_path)
-    ])
+    gpu_session.main(
+        ["--parts", "env,small", "--rehearse", "--budget-s", "30"] + ["--out", str(tmp_path)]
+    )
     session = _read(tmp_path, "session.json")
     assert session["parts"]["env"]["status"].startswith("done")
     assert session["parts"]["small"]["status"].startswith("not started: ")
