@@ -43,6 +43,7 @@ import argparse
 import dataclasses
 import datetime
 import importlib.metadata
+import importlib.util
 import json
 import os
 import pathlib
@@ -50,6 +51,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ET
@@ -339,8 +341,14 @@ def environment() -> dict:
 class Session:
     """One call's parts, run in order within the time budget, each writing to ``out``."""
 
-    def __init__(self, out: pathlib.Path, budget_s: float, rehearse: bool):
-        self.out, self.budget_s, self.rehearse = out, budget_s, rehearse
+    def __init__(
+        self,
+        out: pathlib.Path,
+        budget_s: float,
+        rehearse: bool,
+        wheels: pathlib.Path | None = None,
+    ):
+        self.out, self.budget_s, self.rehearse, self.wheels = out, budget_s, rehearse, wheels
         self.start = time.monotonic()
         self.summary: dict = {
             "rehearsal": rehearse,
@@ -506,7 +514,11 @@ class Session:
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", GPU_TESTS, "-p", "no:cacheprovider"]
         cmd += ["-rA", "-q", f"--junitxml={xml}", "-o", "junit_logging=no"]
         platforms = "cuda,cpu" if self.on_gpu() else "cpu"
-        code, stdout, stderr = _run_command(cmd, self.left(), _child_env(JAX_PLATFORMS=platforms))
+        env = _child_env(JAX_PLATFORMS=platforms)
+        site = pytest_site(self.wheels)
+        if site is not None:
+            env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], site])
+        code, stdout, stderr = _run_command(cmd, self.left(), env)
         (self.out / "gpu_tests.log").write_text(stdout + stderr)
         report = {"command": " ".join(cmd[1:]), "jax_platforms": platforms, "exit_code": code}
         if xml.exists():
@@ -541,6 +553,30 @@ class Session:
             f"done: diagnose {ratio:.2f}x a later plain forward+backward, a check step "
             f"{monitor['step_s']['check'] / monitor['step_s']['plain']:.2f}x a plain step"
         )
+
+
+def pytest_site(wheels: pathlib.Path | None) -> str | None:
+    """Where pytest imports from when this Python has none (a GPU image may not): installed
+    from the wheels in ``wheels`` into a temporary folder, whose path is returned; None when
+    pytest is installed.
+
+    Raises:
+      RuntimeError: pytest is missing and ``wheels`` is None or cannot install it.
+    """
+    if importlib.util.find_spec("pytest") is not None:
+        return None
+    if wheels is None:
+        raise RuntimeError(
+            "pytest is not installed here: fetch its wheels where a registry is reachable "
+            "(pip download pytest -d .whl/gpu), bring them in the working tree and pass "
+            "--wheels .whl/gpu"
+        )
+    site = tempfile.mkdtemp(prefix="gpu_session_pytest_")
+    cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(wheels)]
+    proc = subprocess.run([*cmd, "--target", site, "pytest"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pytest did not install from --wheels {wheels}: {proc.stderr[-1500:]}")
+    return site
 
 
 def read_junit(path: pathlib.Path) -> dict:
@@ -605,6 +641,12 @@ def main(argv: list[str] | None = None) -> dict | None:
         action="store_true",
         help="a CPU rehearsal: the tiny preset, a few steps, every part end to end",
     )
+    p.add_argument(
+        "--wheels",
+        type=pathlib.Path,
+        help="a folder of wheels (pytest and what it needs) for the gpu_tests part, where this "
+        "Python has no pytest",
+    )
     p.add_argument("--worker-env", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker_env:
@@ -617,7 +659,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.budget_s <= 0:
         p.error(f"--budget-s must be positive; got {args.budget_s}")
     parts = list(ISSUES[args.issue]) if args.issue else args.parts
-    return Session(args.out, args.budget_s, args.rehearse).run(parts)
+    return Session(args.out, args.budget_s, args.rehearse, args.wheels).run(parts)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ field, saying which differences autotuning explains."""
 import json
 import pathlib
 import sys
+import tomllib
 
 import pytest
 
@@ -134,6 +135,15 @@ def test_each_issue_runs_its_parts_in_the_order_it_asks_for():
     assert set(small.keys + fp8.keys) <= {v.key for v in bench.VARIANTS}
 
 
+def test_the_gpu_marker_is_registered_and_marks_every_test_the_part_runs():
+    """``-m gpu`` (the part's selection) replaces addopts' ``-m 'not slow'``; the marker is
+    registered, and every test of the file the part runs carries it."""
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert any(marker.startswith("gpu: ") for marker in ini["markers"])
+    source = (ROOT / gpu_session.GPU_TESTS).read_text()
+    assert "\npytestmark = pytest.mark.gpu\n" in source and "pytest.mark.slow" not in source
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -148,6 +158,18 @@ def test_bad_arguments_are_refused_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit):
         gpu_session.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_without_pytest_the_tests_part_says_how_to_bring_it(monkeypatch):
+    assert gpu_session.pytest_site(None) is None  # installed here: nothing to do
+    find_spec = gpu_session.importlib.util.find_spec
+    monkeypatch.setattr(
+        gpu_session.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "pytest" else find_spec(name, *a),
+    )
+    with pytest.raises(RuntimeError, match=r"pip download pytest -d \.whl/gpu\), bring them"):
+        gpu_session.pytest_site(None)
 
 
 def test_a_junit_report_gives_each_tests_outcome_and_the_properties_it_recorded(tmp_path):
