@@ -274,11 +274,11 @@ FP8_KEYS = (
 )
 
 # Dense peak FLOP/s per device by matmul kind. Matched against jax's device_kind, first match
-# wins (so the PCIe H100 comes before the SXM one). H200 has H100's compute.
+# wins (so the PCIe H100 comes before the SXM one). H200 has H100's compute; an A100 has no fp8.
 PEAK_FLOPS = [
-    ("H100 PCIe", {"bf16": 756e12, "f16": 756e12, "tf32": 378e12, "f32": 51e12}),
-    ("H100", {"bf16": 989e12, "f16": 989e12, "tf32": 495e12, "f32": 67e12}),
-    ("H200", {"bf16": 989e12, "f16": 989e12, "tf32": 495e12, "f32": 67e12}),
+    ("H100 PCIe", {"bf16": 756e12, "f16": 756e12, "tf32": 378e12, "f32": 51e12, "fp8": 1513e12}),
+    ("H100", {"bf16": 989e12, "f16": 989e12, "tf32": 495e12, "f32": 67e12, "fp8": 1979e12}),
+    ("H200", {"bf16": 989e12, "f16": 989e12, "tf32": 495e12, "f32": 67e12, "fp8": 1979e12}),
     ("A100", {"bf16": 312e12, "f16": 312e12, "tf32": 156e12, "f32": 19.5e12}),
 ]
 
@@ -305,7 +305,7 @@ def matmul_kind(compute_dtype: str, matmul_precision: str | None, platform_name:
 def peak_flops(device_kind: str, kind: str) -> float | None:
     for pattern, peaks in PEAK_FLOPS:
         if pattern.lower() in device_kind.lower():
-            return peaks[kind]
+            return peaks.get(kind)
     return None
 
 
@@ -324,6 +324,9 @@ class Setup:
     # elsewhere none), a target ("h100", "a100", "h200": compiled for it without one, through
     # mpjax.plan), or "none".
     plan: str = "auto"
+    # PyTorch rows: torch.compile the model and loss (False: eager, for quick CPU rehearsals,
+    # where Inductor's C++ compile takes minutes).
+    torch_compile: bool = True
 
     def train_config(self, variant: Variant):
         import train_transformer as tt
@@ -500,9 +503,24 @@ def plan_fields(plan: mpjax.Plan, model_flops: float | None = None) -> dict:
         "attention_forward": sum(a.executions for a in plan.attention if not a.backward),
         "attention_backward": sum(a.executions for a in plan.attention if a.backward),
         "scatter_dtypes": sorted({s.dtype.name for s in plan.scatters}),
+        "gemm_kinds": gemm_kinds(plan),
         "fusions": plan.fusions,
         "custom_calls": plan.custom_calls,
     }
+
+
+def gemm_kinds(plan: mpjax.Plan) -> list[dict]:
+    """The plan's GEMMs per step grouped by operand dtypes and the library that runs them:
+    ``{"lhs", "rhs", "library", "gemms", "flops"}``, the most FLOPs first."""
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for g in plan.gemms:
+        group = groups.setdefault((g.lhs_dtype.name, g.rhs_dtype.name, g.library), [0, 0])
+        group[0] += g.executions
+        group[1] += g.flops * g.executions
+    return [
+        {"lhs": lhs, "rhs": rhs, "library": library, "gemms": n, "flops": flops}
+        for (lhs, rhs, library), (n, flops) in sorted(groups.items(), key=lambda kv: -kv[1][1])
+    ]
 
 
 def deviceless_plan(step, target: str, *args, model_flops: float | None = None) -> dict | str:
@@ -637,7 +655,9 @@ def run_torch_variant(variant: Variant, setup: Setup) -> dict:
     # JAX's default precision runs f32 matmuls on TF32 Tensor Cores; so does this row.
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    step_fn = torch_gpt.TrainStep(mcfg, variant.policy, variant.attention, device, cfg)
+    step_fn = torch_gpt.TrainStep(
+        mcfg, variant.policy, variant.attention, device, cfg, compile=setup.torch_compile
+    )
     data = tt.load_corpus(None, max_bytes=2_000_000)
     x, y = (
         torch.from_numpy(a[0].astype(np.int64)).to(device)
@@ -699,6 +719,85 @@ def _versions() -> dict:
     out["mpjax"] = out["mpjax"] or mpjax.__version__
     out["python"] = platform.python_version()
     return out
+
+
+def device_info(device) -> dict:
+    """The ``device`` entry of a report, from a JAX device of this process."""
+    return {
+        "kind": device.device_kind,
+        "platform": device.platform,
+        "count": 1,
+        "host": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+
+
+def new_report(setup: Setup, keys, device: dict, plan_only: bool = False) -> dict:
+    """A report with no results yet: the date, ``device`` (:func:`device_info`), the library
+    versions, the setup and the variants ``keys`` names, in the table's order."""
+    import train_transformer as tt
+
+    cfg = tt.TrainConfig(preset=setup.preset, seq_len=setup.seq_len).model_config()
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": device,
+        "versions": _versions(),
+        "config": {
+            "preset": setup.preset,
+            "n_params": cfg.num_params(),
+            "batch_size": setup.batch_size,
+            "seq_len": cfg.block_size,
+            "steps": setup.steps,
+            "warmup": setup.warmup,
+            "scan_layers": setup.scan_layers,
+            "remat": setup.remat,
+            "plan": setup.plan,
+            "torch_compile": setup.torch_compile,
+            "plan_only": plan_only,
+            "flops_formula": "tokens * (6 * N + 12 * n_layer * d_model * seq_len)",
+        },
+        "variants": {v.key: dataclasses.asdict(v) for v in VARIANTS if v.key in keys},
+        "results": {},
+    }
+
+
+def run_variant(
+    key: str,
+    setup: Setup,
+    plan_only: bool = False,
+    timeout: float | None = None,
+    env: dict | None = None,
+) -> dict:
+    """Runs one variant in a fresh subprocess (this script's worker) and returns its row; a
+    PyTorch row without torch, a failed worker and one that runs past ``timeout`` seconds
+    return ``{"skipped": why}``. ``env``: the subprocess's environment (default: this one's)."""
+    variant = next(v for v in VARIANTS if v.key == key)
+    if variant.framework == "torch" and not torch_available():
+        return {"skipped": TORCH_MISSING}
+    cmd = [
+        sys.executable,
+        __file__,
+        *("--worker", key, "--preset", setup.preset, "--batch-size", str(setup.batch_size)),
+        *("--steps", str(setup.steps), "--warmup", str(setup.warmup), "--remat", setup.remat),
+        "--scan-layers" if setup.scan_layers else "--no-scan-layers",
+        *("--plan", setup.plan),
+        "--torch-compile" if setup.torch_compile else "--no-torch-compile",
+        *(["--plan-only"] if plan_only else []),
+    ]
+    if setup.seq_len:
+        cmd += ["--seq-len", str(setup.seq_len)]
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"timed out after {timeout:.0f} s"}
+    line = next((s for s in proc.stdout.splitlines() if s.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        return {"skipped": f"failed (exit {proc.returncode})", "stderr_tail": proc.stderr[-3000:]}
+    return json.loads(line[len("RESULT ") :])
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -866,6 +965,12 @@ def main(argv: list[str] | None = None) -> None:
         help="only the JAX rows' plans (for --plan, an H100 with auto), compiled without the "
         "hardware and without running a step",
     )
+    p.add_argument(
+        "--torch-compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="PyTorch rows: torch.compile the model and loss (--no-torch-compile: eager)",
+    )
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--worker", choices=keys, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -877,7 +982,15 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--batch-size and --steps must be positive and --warmup non-negative")
     scan = args.preset == "medium" if args.scan_layers is None else args.scan_layers
     setup = Setup(
-        args.preset, batch_size, args.seq_len, args.steps, args.warmup, scan, args.remat, plan
+        args.preset,
+        batch_size,
+        args.seq_len,
+        args.steps,
+        args.warmup,
+        scan,
+        args.remat,
+        plan,
+        args.torch_compile,
     )
 
     if args.worker:
@@ -890,71 +1003,22 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     import jax
-    import train_transformer as tt
 
+    # Initialized here only to name the device: without preallocation, so that on a GPU the
+    # memory stays free for the subprocesses that run the rows (which preallocate as usual).
+    child_env = dict(os.environ)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     device = jax.devices()[0]
-    cfg = tt.TrainConfig(preset=args.preset, seq_len=args.seq_len).model_config()
-    report = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": {
-            "kind": device.device_kind,
-            "platform": device.platform,
-            "count": 1,
-            "host": platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        },
-        "versions": _versions(),
-        "config": {
-            "preset": args.preset,
-            "n_params": cfg.num_params(),
-            "batch_size": batch_size,
-            "seq_len": cfg.block_size,
-            "steps": args.steps,
-            "warmup": args.warmup,
-            "scan_layers": scan,
-            "remat": args.remat,
-            "plan": plan,
-            "plan_only": args.plan_only,
-            "flops_formula": "tokens * (6 * N + 12 * n_layer * d_model * seq_len)",
-        },
-        "variants": {v.key: dataclasses.asdict(v) for v in VARIANTS if v.key in args.variants},
-        "results": {},
-    }
+    report = new_report(setup, args.variants, device_info(device), args.plan_only)
     for v in VARIANTS:
         if v.key not in args.variants:
             continue
         print(f"[{v.key}] {v.name} ...", flush=True)
         if v.framework == "torch" and args.plan_only:
             continue  # XLA's plan: PyTorch rows have none
-        if v.framework == "torch" and not torch_available():
-            report["results"][v.key] = {"skipped": TORCH_MISSING}
-            print(f"  skipped: {TORCH_MISSING}")
-            continue
-        cmd = [
-            sys.executable,
-            __file__,
-            *("--worker", v.key, "--preset", args.preset, "--batch-size", str(batch_size)),
-            *("--steps", str(args.steps), "--warmup", str(args.warmup), "--remat", args.remat),
-            "--scan-layers" if scan else "--no-scan-layers",
-            *("--plan", plan),
-            *(["--plan-only"] if args.plan_only else []),
-        ]
-        if args.seq_len:
-            cmd += ["--seq-len", str(args.seq_len)]
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(
-                [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-            ),
-        }
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        line = next((s for s in proc.stdout.splitlines() if s.startswith("RESULT ")), None)
-        if proc.returncode != 0 or line is None:
-            report["results"][v.key] = {"skipped": f"failed (exit {proc.returncode})"}
-            print(proc.stderr[-3000:], file=sys.stderr)
-            continue
-        report["results"][v.key] = json.loads(line[len("RESULT ") :])
+        report["results"][v.key] = run_variant(v.key, setup, args.plan_only, env=child_env)
+        if "skipped" in report["results"][v.key]:
+            print(f"  skipped: {report['results'][v.key]['skipped']}")
 
     table = markdown_table(report)
     out_dir = pathlib.Path(args.out_dir)
