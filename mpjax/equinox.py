@@ -389,7 +389,7 @@ class MixedPrecision(eqx.Module):
 
     @property
     def policy(self) -> Policy:
-        """The default policy: the root's, unless a rule matches the root."""
+        """The default policy, the root's unless a rule matches the root."""
         return _equinox_rules(self.rules).resolve("", _base_class(self.model)).policy
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

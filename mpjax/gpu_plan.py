@@ -92,7 +92,8 @@ class GpuGemm:
         (``__cublas$lt$matmul$f8``), ``"cublas"`` (legacy ``__cublas$gemm``), ``"triton"`` (a
         Triton GEMM fusion), ``"cudnn"`` (a cuDNN GEMM fusion) or ``"xla"`` (a ``dot`` XLA
         emits itself, alone or inside an ordinary fusion); :data:`LIBRARIES` lists them.
-      lhs_dtype, rhs_dtype: the operand dtypes the GEMM reads.
+      lhs_dtype: the left operand's dtype, as the GEMM reads it.
+      rhs_dtype: the right operand's dtype.
       out_dtype: the dtype it writes. A GEMM that XLA splits along its contracted dimension
         (split-K, common for weight gradients) writes float32 partial sums, which a following
         fusion adds and converts: its operands then show the split as an extra dimension.
@@ -100,7 +101,8 @@ class GpuGemm:
       executions: how many times one call of the function runs it: the product of the trip
         counts XLA knows for the loops around it (1 outside loops, and for a loop whose trip
         count XLA does not know).
-      lhs_shape, rhs_shape: the operand shapes.
+      lhs_shape: the left operand's shape.
+      rhs_shape: the right operand's shape.
       op_name: the JAX name of the operation it came from (``"jit(step)/.../dot_general"``),
         when the HLO carries one.
     """
@@ -277,7 +279,7 @@ class GpuPlan:
 
     @property
     def total_flops(self) -> int:
-        """The matmul FLOPs of one call: GEMMs and fused attention, loop trip counts
+        """The matmul FLOPs of one call, GEMMs and fused attention, loop trip counts
         included."""
         return sum(flops for _, _, flops in self._matmuls())
 

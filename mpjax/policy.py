@@ -248,7 +248,7 @@ class Policy:
 
     @property
     def needs_loss_scaling(self) -> bool:
-        """Whether training under this policy needs loss scaling: True when the compute or the
+        """Whether training under this policy needs loss scaling. True when the compute or the
         param dtype is float16.
 
         float16's narrow exponent range lets small gradients underflow to zero. bfloat16 has

@@ -34,7 +34,7 @@ class ModuleRow:
       matmuls: the matmuls and convolutions that ran in the module's region (its own code,
         not its children's), forward and backward, counted by operand dtypes:
         ``(("bf16,bf16", 3),)``. Empty when the report was made without example inputs
-        (see :attr:`PrecisionReport.matmuls_traced`).
+        (see ``PrecisionReport.matmuls_traced``).
     """
 
     path: str

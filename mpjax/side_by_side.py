@@ -322,7 +322,7 @@ _Value = tuple[Any, Any, Any]
 class Evaluation:
     """Evaluates a jaxpr exactly and as it runs, side by side, collecting per equation the
     measures of :mod:`mpjax.side_by_side`: :meth:`run` it on concrete inputs, then
-    :meth:`assemble` the measures and read them by :meth:`indices` into :attr:`sites`."""
+    :meth:`assemble` the measures and read them by ``indices`` into ``sites``."""
 
     def __init__(self, compare: bool, kernels: Kernels | None = None):
         self.compare = compare
@@ -451,7 +451,7 @@ class Evaluation:
     def assemble(self) -> dict[str, np.ndarray]:
         """Per site, the measures as host values: non-finite counts of outputs and inputs,
         range summaries (counts, extremes), matmul operand amaxes, errors (entering,
-        accumulated), each stacked in the order of :meth:`indices`."""
+        accumulated), each stacked in the order of ``indices``."""
         inputs_counted, measured = jax.device_get((self._inputs_counted, self._measures))
 
         def count(ref) -> int:
