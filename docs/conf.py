@@ -245,9 +245,11 @@ def _candidates(target: str) -> list[str]:
     for i in range(2, len(parts)):  # mpjax.<module path>.Name[.attribute]
         module = sys.modules.get(".".join(parts[:i]))
         name = parts[i]
-        if module is not None and name in vars(mpjax) and getattr(module, name, None) is vars(
-            mpjax
-        ).get(name):
+        if (
+            module is not None
+            and name in vars(mpjax)
+            and getattr(module, name, None) is vars(mpjax).get(name)
+        ):
             found.append(".".join(["mpjax", *parts[i:]]))
     obj = vars(mpjax).get(parts[1])
     home = getattr(obj, "__module__", None)

@@ -72,9 +72,7 @@ def inventory(project: str, version: str, entries: list[tuple[str, str, str]]) -
         f"# Version: {version}\n"
         "# The remainder of this file is compressed using zlib.\n"
     )
-    body = "".join(
-        f"{name} py:{role} 1 {page}#$ -\n" for name, role, page in sorted(entries)
-    )
+    body = "".join(f"{name} py:{role} 1 {page}#$ -\n" for name, role, page in sorted(entries))
     return header.encode() + zlib.compress(body.encode(), 9)
 
 
