@@ -190,7 +190,30 @@ class TrainConfig:
         return self.schedule_steps or self.steps
 
     def run_name(self) -> str:
-        return f"{self.preset}_{self.policy}".replace("=", "").replace(",", "_").replace(" ", "")
+        """The default ``--out`` folder's name: the preset and the policy, then each setting
+        that decides the trajectory and differs from its default (``--mode autocast`` adds
+        ``_mode-autocast``, ``--no-master-weights`` ``_no-master-weights``), and ``--fsdp`` and ``--num-processes``
+        where they are not 1. Runs with other
+        settings train into folders of their own; the same command again finds its own run,
+        which it refuses to overwrite without ``--overwrite``."""
+        defaults = TrainConfig()
+        parts = [self.preset, self.policy]
+        for name in _TRAJECTORY_FIELDS:
+            value = getattr(self, name)
+            if name in ("preset", "policy") or value == getattr(defaults, name):
+                continue
+            flag = name.replace("_", "-")
+            if isinstance(value, bool):
+                parts.append(flag if value else f"no-{flag}")
+            else:
+                shown = pathlib.Path(value).name if name == "data" else value
+                parts.append(f"{flag}-{shown}")
+        if self.fsdp != 1:  # another mesh's run, so the commands for several devices do not
+            parts.append(f"fsdp-{self.fsdp}")  # collide with a single device's run
+        if self.num_processes != 1:
+            parts.append(f"processes-{self.num_processes}")
+        name = "_".join(str(part) for part in parts)
+        return name.replace("=", "").replace(",", "_").replace(" ", "").replace("/", "-")
 
     def out_dir(self) -> pathlib.Path:
         return pathlib.Path(self.out or os.path.join("runs", self.run_name()))

@@ -48,7 +48,7 @@ class AutocastRow:
       ran: the dtypes of its inputs as autocast ran it.
       count: how many such equations there are.
       f32_precision: for a matmul or convolution that ran with float32 operands, the
-        precision they are multiplied at (:attr:`mpjax.Policy.f32_matmul_precision`'s names:
+        precision they are multiplied at (``Policy.f32_matmul_precision``'s names:
         ``"highest"`` is true float32, ``"default"`` the platform's, one bf16 pass on TPU);
         None for other equations.
     """

@@ -391,7 +391,7 @@ class MixedPrecision(eqx.Module):
 
     @property
     def policy(self) -> Policy:
-        """The default policy: the root's, unless a rule matches the root."""
+        """The default policy, the root's unless a rule matches the root."""
         return _root_policy(self.model, self.rules)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -173,7 +173,7 @@ class Fp8Recipe:
 
     def applies_to(self, dimension_numbers: Any) -> bool:
         """Whether a ``dot_general`` with these dimension numbers runs in fp8 under this
-        recipe: always when :attr:`batched`, else only without batch dimensions."""
+        recipe: always when ``batched``, else only without batch dimensions."""
         (_, _), (lhs_batch, rhs_batch) = dimension_numbers
         return self.batched or not (len(lhs_batch) or len(rhs_batch))
 

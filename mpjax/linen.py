@@ -74,7 +74,7 @@ from mpjax.rules import (
 __all__ = ["FP8_COLLECTION", "apply_policy"]
 
 FP8_COLLECTION = "fp8"
-"""The variable collection that holds the delayed-scaling fp8 state of a wrapped model: its
+"""The variable collection that holds the delayed-scaling fp8 state of a wrapped model. Its
 ``init`` adds it when a policy scales fp8 with delayed scaling, its ``apply`` reads it, and the
 gradient with respect to it is the next state (:func:`mpjax.fp8.delayed_dot_general`)."""
 

@@ -302,7 +302,7 @@ class Policy:
 
     @property
     def needs_loss_scaling(self) -> bool:
-        """Whether training under this policy needs loss scaling: True when the compute or the
+        """Whether training under this policy needs loss scaling. True when the compute or the
         param dtype is float16.
 
         float16's narrow exponent range lets small gradients underflow to zero. bfloat16 has
@@ -573,7 +573,7 @@ def get_policy(spec: PolicyLike) -> Policy:
           Spaces around commas and ``=`` are allowed. An ``fp8=<recipe>`` entry
           (``"p=f32,c=bf16,o=f32,fp8=current"``) adds fp8 matmuls (:class:`mpjax.Fp8Recipe`),
           an ``f32_matmul=<precision>`` entry (``"p=f32,f32_matmul=tf32"``) sets
-          :attr:`Policy.f32_matmul_precision`;
+          ``Policy.f32_matmul_precision``;
         - a dtype object (``jnp.bfloat16``, ``np.dtype("float32")``) for all three dtypes.
 
     Raises:

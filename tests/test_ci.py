@@ -79,7 +79,7 @@ def test_the_dev_tools_are_pinned_and_ci_runs_the_checks():
         names.add(match.group(1).lower())
     assert {"ruff", "mypy", "sphinx", "sphinx-book-theme", "myst-parser"} <= names
     checks = (ROOT / ".ci" / "checks").read_text()
-    for command in ("ruff check", "ruff format --check", "mypy", "sphinx -E -W"):
+    for command in ("ruff check", "ruff format --check", "mypy", "sphinx -E -n -W"):
         assert command in checks, command
     assert re.search(r"^job checks \.ci/checks$", (ROOT / ".ci" / "run").read_text(), re.M)
 
@@ -193,7 +193,7 @@ def test_the_docs_build_on_the_oldest_and_newest_python_with_and_without_the_ext
     builds = re.findall(r"^build (\w+) (\S+) (\S+) (\S+)$", script, re.M)
     assert (requires, ".ci/oldest.txt", '"docs,flax,equinox,jmp"') in [b[1:] for b in builds]
     assert (newest, '""', '"docs"') in [b[1:] for b in builds]
-    assert 'python" -m sphinx -E -W' in script and 'echo "=== Docs"' in script
+    assert 'python" -m sphinx -E -n -W' in script and 'echo "=== Docs"' in script
     conf = (ROOT / "docs" / "conf.py").read_text()
     assert 'OPTIONAL_EXTRAS = ("flax", "equinox", "jmp")' in conf
     assert set(_names(extras["flax"] + extras["equinox"] + extras["jmp"])) == {

@@ -9,10 +9,12 @@ import contextlib
 import importlib.util
 import pathlib
 import re
+import runpy
 import subprocess
 import sys
 import types
 import warnings
+import zlib
 
 import jax
 import pytest
@@ -230,14 +232,15 @@ sys.exit(main(sys.argv[1:]))
 
 @pytest.mark.slow
 def test_the_docs_build_without_the_extras(tmp_path):
-    """With Flax, Equinox and jmp unimportable, the site still builds with warnings as errors:
-    the API pages of mpjax.linen, mpjax.nnx and mpjax.equinox are generated against mocks."""
+    """With Flax, Equinox and jmp unimportable, the site still builds with warnings as errors
+    and every reference resolved (-n): the API pages of mpjax.linen, mpjax.nnx and
+    mpjax.equinox are generated against mocks."""
     pytest.importorskip("sphinx")
     pytest.importorskip("myst_parser")
     pytest.importorskip("sphinx_book_theme")
     out = tmp_path / "html"
     result = subprocess.run(
-        [sys.executable, "-c", _BUILD_WITHOUT_EXTRAS, "-E", "-W", "--keep-going", "-q"]
+        [sys.executable, "-c", _BUILD_WITHOUT_EXTRAS, "-E", "-n", "-W", "--keep-going", "-q"]
         + ["-b", "html", "-d", str(tmp_path / "doctrees"), str(DOCS), str(out)],
         capture_output=True,
         text=True,
@@ -250,3 +253,25 @@ def test_the_docs_build_without_the_extras(tmp_path):
         html = (out / "api" / f"{module}.html").read_text()
         assert f'id="module-mpjax.{module}"' in html, module
         assert "apply_policy" in html, module
+
+
+def _inventory_lines(data: bytes) -> list[str]:
+    header = data.split(b"\n", 4)
+    assert header[0] == b"# Sphinx inventory version 2", header[0]
+    return zlib.decompress(header[4]).decode().splitlines()
+
+
+def test_the_inventories_are_the_ones_make_py_writes():
+    """The build links to Python, NumPy, JAX, Flax, optax and Equinox through the inventories
+    checked in (CI has no network): each is what docs/inventories/make.py writes, and each
+    project of conf.py's intersphinx_mapping has one, pointing at the project's site."""
+    make = runpy.run_path(str(DOCS / "inventories" / "make.py"))
+    conf = (DOCS / "conf.py").read_text()
+    for key, (project, version, entries) in make["PROJECTS"].items():
+        written = _inventory_lines(make["inventory"](project, version, entries))
+        checked_in = _inventory_lines((DOCS / "inventories" / f"{key}.inv").read_bytes())
+        assert checked_in == written, f"docs/inventories/{key}.inv: run docs/inventories/make.py"
+        assert f'"{key}": "https://' in conf, key
+    assert "jax.Array py:class 1 _autosummary/jax.Array.html#$ -" in _inventory_lines(
+        (DOCS / "inventories" / "jax.inv").read_bytes()
+    )

@@ -821,6 +821,33 @@ def test_resume_refuses_flags_that_change_the_run_naming_each(text_file, tmp_pat
     assert [r["step"] for r in _log(out)] == [1, 2, 3]
 
 
+def test_default_out_folders_keep_runs_with_other_settings_apart():
+    """Without --out, each set of settings that decides the run trains into a folder of its
+    own, so the README's commands run one after another; the same command finds its own run
+    again (which a fresh run refuses), whatever its length, logging or devices."""
+    commands = [
+        [],
+        ["--policy", "mixed_float16"],
+        ["--mode", "autocast"],
+        ["--policy", "bfloat16", "--no-master-weights"],
+        ["--policy", "bfloat16", "--no-master-weights", "--param-rounding", "stochastic"],
+        ["--policy", "p=f32,c=bf16,o=f32,fp8=delayed"],
+        ["--fsdp", "4"],
+        ["--data", "/corpora/text.txt"],
+    ]
+    folders = [tt.parse_args(command).out_dir() for command in commands]
+    assert len(set(folders)) == len(folders), folders
+    assert folders[:3] == [
+        pathlib.Path("runs/tiny_mixed_bfloat16"),
+        pathlib.Path("runs/tiny_mixed_float16"),
+        pathlib.Path("runs/tiny_mixed_bfloat16_mode-autocast"),
+    ]
+    assert folders[5] == pathlib.Path("runs/tiny_pf32_cbf16_of32_fp8delayed")
+    assert folders[7] == pathlib.Path("runs/tiny_mixed_bfloat16_data-text.txt")
+    same = ["--mode", "mpjax", "--steps", "5", "--log-interval", "1", "--num-devices", "1"]
+    assert tt.parse_args(same).out_dir() == folders[0]
+
+
 def test_resume_needs_a_checkpoint_and_names_the_folder(tmp_path, capsys):
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as info:

@@ -155,7 +155,8 @@ class LossScaleAdvice:
         that run in float16 under the policy, their casts to float16 included, as the float32
         run computes them, times the scale) it would overflow, make subnormal or flush to zero
         in float16. Gradients computed in float32 are left out: no loss scale overflows them.
-      low, high: the recommended range ``2**low ... 2**high``: no value overflows and at most
+      low: the recommended range's lower exponent (see ``high``).
+      high: the recommended range ``2**low ... 2**high``: no value overflows and at most
         ``mpjax.doctor.recommendations.FLUSH_TOLERANCE`` of them flush (or, if no scale flushes that
         little, the largest scale that overflows nothing); None when every scale overflows.
       why: the recommendation with its figures.
@@ -287,7 +288,7 @@ class DiagnosisReport:
         return items
 
     def summary(self) -> str:
-        """The report for a terminal, at most :data:`WIDTH` columns wide: the verdict first
+        """The report for a terminal, at most ``WIDTH`` (100) columns wide: the verdict first
         (the modules to keep in float32 and why, the loss scale, fp8), the figures of the
         modules it keeps, and what the others come to. Each module the verdict keeps is in the
         table, and no other: the overflow and flush columns are what the policy does to the
@@ -471,13 +472,13 @@ class DiagnosisReport:
     def plot(self, *where: str, backward: bool = False, ax: Any = None) -> Any:
         """The log2-magnitude histograms of the values of the modules (or else primitives)
         named, in one pass, as the share of the finite values in each power of two, with
-        where each of :attr:`dtypes` stops (``--``, its largest value: above it overflows),
+        where each of ``dtypes`` stops (``--``, its largest value: above it overflows),
         turns subnormal (``-.``, its smallest normal) and flushes to zero (``:``) drawn as
         vertical lines: how far a gradient histogram sits below float16's subnormals shows
         the loss scale it needs. With no name, all the values of the pass. Needs matplotlib.
 
         Args:
-          where: module paths or primitive names, as in :attr:`modules` and :attr:`ops`.
+          where: module paths or primitive names, as in ``modules`` and ``ops``.
           backward: the gradient pass rather than the forward one.
           ax: the matplotlib Axes to draw in; a new figure's by default.
 

@@ -151,7 +151,7 @@ class PrecisionMonitor:
         jit: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
     ) -> Callable[..., Any]:
         """``step_fn`` jitted twice, called as ``wrapped(step, *args)``: on a step number that
-        is a multiple of :attr:`every`, the version that measures; on the others, the plain
+        is a multiple of ``every``, the version that measures; on the others, the plain
         version, exactly the step as it was (nothing measured, nothing sent, no host sync).
 
         Pass ``step_fn`` itself, not jitted: the measuring version must trace it.

@@ -23,7 +23,7 @@ forward or backward pass.
   :data:`FILL_MIN` in magnitude or not finite: ``finfo(dtype).min``, ``-inf``, ``-1e9``), the
   positions it takes it at are *masked*, and so are the positions elementwise operations
   compute from masked ones (the softmax's ``exp(s - max)`` of them). Masked values are counted
-  apart in the ranges (:attr:`mpjax.doctor.range_stats.RangeStats.masked`) and left out of the
+  apart in the ranges (``RangeStats.masked``) and left out of the
   errors; a fill's own non-finite values are no birth.
 
 The evaluation runs equation by equation, outside any trace: each equation, both ways, with
@@ -464,7 +464,7 @@ def _stacked(masks: list[Any], shape: tuple) -> Any:
 class Evaluation:
     """Evaluates a jaxpr exactly and as it runs, side by side, collecting per equation the
     measures of :mod:`mpjax.doctor.side_by_side`: :meth:`run` it on concrete inputs, then
-    :meth:`assemble` the measures and read them by :meth:`indices` into :attr:`sites`."""
+    :meth:`assemble` the measures and read them by ``indices`` into ``sites``."""
 
     def __init__(self, compare: bool, kernels: Kernels | None = None):
         self.compare = compare
@@ -638,7 +638,7 @@ class Evaluation:
     def assemble(self) -> dict[str, np.ndarray]:
         """Per site, the measures as host values: non-finite counts of outputs and inputs,
         range summaries (counts, extremes), matmul operand amaxes, errors (entering,
-        accumulated), each stacked in the order of :meth:`indices`."""
+        accumulated), each stacked in the order of ``indices``."""
         inputs_counted, measured = jax.device_get((self._inputs_counted, self._measures))
 
         def count(ref) -> int:

@@ -31,7 +31,7 @@ class Runner:
     Attributes:
       rules: the rules the target runs under as it is (None if it has none: an unwrapped model).
       under: ``under(rules)`` is a function that runs the target under ``rules``; it takes the
-        arguments :attr:`arguments` makes.
+        arguments ``arguments`` makes.
       arguments: ``arguments(inputs, kwargs)`` gives the ``(args, kwargs)`` of ``under(rules)``
         for the inputs the target takes (a linen model's variables go first, initialized from
         the inputs when not given; an NNX model's state).

@@ -34,12 +34,15 @@ class MatmulInfo:
 
     Attributes:
       primitive: the primitive's name, for example ``"dot_general"``.
-      lhs_dtype, rhs_dtype: operand dtypes.
+      lhs_dtype: the left operand's dtype.
+      rhs_dtype: the right operand's dtype.
       out_dtype: the dtype the primitive returns.
       preferred_element_type: the ``preferred_element_type`` written in the jaxpr, or None.
         JAX sets it to the output dtype by default; a bf16 x bf16 -> bf16 dot still accumulates
         in f32 on GPU Tensor Cores.
-      lhs_shape, rhs_shape, out_shape: shapes.
+      lhs_shape: the left operand's shape.
+      rhs_shape: the right operand's shape.
+      out_shape: the output's shape.
       scope: JAX's name stack for the equation, for example ``"transpose(jvp(MLP))"``; empty
         when the function sets no names.
       context: the higher-order primitives enclosing it, outermost first, for example
@@ -48,7 +51,7 @@ class MatmulInfo:
         ``""`` for the root of a wrapped model), or None outside any region (see
         :mod:`mpjax.casting.regions`).
       f32_precision: for a matmul with float32 operands, the precision they are multiplied
-        at, as the jaxpr writes it, by the names of :attr:`mpjax.Policy.f32_matmul_precision`:
+        at, as the jaxpr writes it, by the names of ``Policy.f32_matmul_precision``:
         ``"highest"`` (true float32), ``"high"``, ``"bf16_3x"``, ``"tf32"``, ``"bf16"``, or
         ``"default"`` when nothing chose one (one bf16 pass on TPU, TF32 on recent GPUs).
         None for other matmuls.
@@ -493,8 +496,8 @@ def hlo_dots(fn: Callable[..., Any], /) -> Callable[..., HloDotReport]:
     curried like ``jax.make_jaxpr``: ``hlo_dots(fn)(*args, **kwargs)``.
 
     It reads the HLO JAX emits, before XLA optimizes it: the program XLA's GPU compiler starts
-    from. A dot whose operands are both fp8 values (:attr:`HloDot.fp8`) multiplies fp8 values:
-    directly, operands of a float8 type (:attr:`HloDot.direct`), which XLA compiles to an fp8
+    from. A dot whose operands are both fp8 values (``HloDot.fp8``) multiplies fp8 values:
+    directly, operands of a float8 type (``HloDot.direct``), which XLA compiles to an fp8
     GEMM on Hopper and Ada GPUs, or as scaled dequantizations, ``convert(fp8 value) *
     broadcast(scale)`` (possibly behind reshapes, transposes and other layout ops), which XLA's
     default flags run in the wider type. Use it to check that the matmuls of an fp8 policy

@@ -204,7 +204,7 @@ class Plan:
 
     @property
     def total_flops(self) -> int:
-        """The matmul FLOPs of one call: GEMMs and fused attention, loop trip counts
+        """The matmul FLOPs of one call, GEMMs and fused attention, loop trip counts
         included."""
         return sum(flops for _, _, flops, _ in self._matmuls())
 
@@ -264,7 +264,7 @@ class Plan:
 
     @property
     def roofline_seconds(self) -> float | None:
-        """A lower bound on one call's time: each matmul's FLOPs at the device's published
+        """A lower bound on one call's time, each matmul's FLOPs at the device's published
         peak for its operand dtypes and float32 precision, summed; memory traffic and
         everything that is no matmul taken as free. None for a plan read from HLO text alone
         (no target figures). A bound computed from the plan, not a measurement."""

@@ -72,7 +72,8 @@ class PlanGemm:
         fusion) or ``"xla"`` (a ``dot`` XLA emits itself, alone or inside an ordinary fusion);
         on a TPU ``"mxu"`` (a ``dot`` or ``convolution`` XLA runs on the matrix units);
         :data:`LIBRARIES` lists them.
-      lhs_dtype, rhs_dtype: the operand dtypes the GEMM reads.
+      lhs_dtype: the left operand's dtype, as the GEMM reads it.
+      rhs_dtype: the right operand's dtype.
       out_dtype: the dtype it writes. A GEMM that XLA splits along its contracted dimension
         (split-K, common for weight gradients) writes float32 partial sums, which a following
         fusion adds and converts: its operands then show the split as an extra dimension.
@@ -80,7 +81,8 @@ class PlanGemm:
       executions: how many times one call of the function runs it: the product of the trip
         counts XLA knows for the loops around it (1 outside loops, and for a loop whose trip
         count XLA does not know).
-      lhs_shape, rhs_shape: the operand shapes.
+      lhs_shape: the left operand's shape.
+      rhs_shape: the right operand's shape.
       op_name: the JAX name of the operation it came from (``"jit(step)/.../dot_general"``),
         when the HLO carries one.
       precision: how float32 operands are multiplied, as the HLO says: ``"default"`` (the
@@ -476,7 +478,8 @@ class PlanMemory:
     """What one device of a :class:`Plan` holds, from XLA's memory analysis of the compile.
 
     Attributes:
-      argument_bytes, output_bytes: the function's inputs and outputs on the device.
+      argument_bytes: the function's inputs on the device.
+      output_bytes: its outputs on the device.
       alias_bytes: outputs that reuse an input's buffer (donated arguments), counted once.
       temp_bytes: temporaries: activations kept for the backward pass, workspaces.
       generated_code_bytes: the compiled program.
@@ -513,7 +516,7 @@ class PlanMemory:
 
     @property
     def margin_bytes(self) -> int:
-        """Memory left over (negative: missing) against the capacity, or what XLA said was
+        """Memory left over, negative where some is missing, against the capacity, or what XLA said was
         available."""
         limit = self.available_bytes if self.available_bytes is not None else self.capacity_bytes
         return limit - self.total_bytes

@@ -33,9 +33,9 @@ class ModuleRow:
       param_bytes: bytes those parameters take in their stored dtypes.
       matmuls: the matmuls and convolutions that ran in the module's region (its own code,
         not its children's), forward and backward, counted by operand dtypes and, for float32
-        operands, the precision they run at (:attr:`mpjax.Policy.f32_matmul_precision`):
+        operands, the precision they run at (``Policy.f32_matmul_precision``):
         ``(("bf16,bf16", 3), ("f32,f32@highest", 3))``. Empty when the report was made
-        without example inputs (see :attr:`PrecisionReport.matmuls_traced`).
+        without example inputs (see ``PrecisionReport.matmuls_traced``).
     """
 
     path: str

@@ -257,12 +257,12 @@ class NoOpLossScale(_LossScaleBase):
 
     @property
     def loss_scale(self) -> jax.Array:
-        """The scale, a float32 scalar array: always 1."""
+        """The scale, a float32 scalar array, always 1."""
         return jnp.ones((), jnp.float32)
 
     @property
     def counter(self) -> jax.Array:
-        """The growth counter, an int32 scalar array: always 0."""
+        """The growth counter, an int32 scalar array, always 0."""
         return jnp.zeros((), jnp.int32)
 
     def adjust(self, grads_finite: jax.Array) -> NoOpLossScale:
@@ -300,7 +300,7 @@ class StaticLossScale(_LossScaleBase):
 
     @property
     def counter(self) -> jax.Array:
-        """The growth counter, an int32 scalar array: always 0."""
+        """The growth counter, an int32 scalar array, always 0."""
         return jnp.zeros((), jnp.int32)
 
     def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
