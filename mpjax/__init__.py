@@ -35,7 +35,7 @@ from mpjax.inspection import (
     inspect_matmuls,
 )
 from mpjax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
-from mpjax.loss_scaling import LossScalingState, loss_scaling
+from mpjax.loss_scaling import LossScalingState, LossScalingWarning, loss_scaling
 from mpjax.loss_scaling_readers import (
     LossScalingInfo,
     PersistentOverflowError,
@@ -127,6 +127,7 @@ __all__ = [
     "LossScale",
     "LossScalingInfo",
     "LossScalingState",
+    "LossScalingWarning",
     "LowPrecisionParamsState",
     "MIXED_BFLOAT16",
     "MIXED_BFLOAT16_FP8",

@@ -18,6 +18,7 @@ optimizer state (steps 1 and 2, the counters, the checks) is :mod:`mpjax.loss_sc
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -27,7 +28,47 @@ import optax
 from mpjax.gradient_checks import InitTrees, check_params, check_transformation, check_update
 from mpjax.loss_scale import LossScale, parse_loss_scale
 
-__all__ = ["LossScalingState", "loss_scaling"]
+__all__ = ["LossScalingState", "LossScalingWarning", "loss_scaling"]
+
+# The default dynamic scale backs off from 2**15 to its floor of 1 in 15 overflowed steps in a
+# row; 10 more at the floor are overflow that no scale fixes.
+DEFAULT_MAX_CONSECUTIVE = 25
+
+
+class LossScalingWarning(UserWarning):
+    """Warned, on the host, by a :func:`loss_scaling` update that skipped
+    ``DEFAULT_MAX_CONSECUTIVE`` (25) optimizer steps in a row for inf or NaN gradients."""
+
+
+def _warn_persistent_overflow(count: Any, scale: Any) -> None:
+    """The host side of the persistent-overflow warning (a ``jax.debug.callback``)."""
+    warnings.warn(
+        f"mpjax.loss_scaling: the last {int(count)} optimizer steps were all skipped because "
+        f"the gradients had inf or NaN; the loss scale is now {float(scale):g} and nothing has "
+        "been applied since. No loss scale fixes this: check the loss and the forward pass for "
+        "inf/NaN, keep overflow-prone ops in float32 via the policy, lower the learning rate, "
+        "or use bfloat16. mpjax.check_overflow(opt_state) raises PersistentOverflowError "
+        "instead.",
+        LossScalingWarning,
+        stacklevel=2,
+    )
+
+
+def _warn_if_persistent(skipped: jax.Array, consecutive: jax.Array, scale: jax.Array) -> None:
+    """Warns once per run of skipped steps, when it reaches ``DEFAULT_MAX_CONSECUTIVE``. The
+    callback sits in the branch of a ``cond`` that only such a step takes, so a step that went
+    well sends nothing to the host and waits for nothing."""
+
+    def warn(count, scale):
+        jax.debug.callback(_warn_persistent_overflow, count, scale)
+
+    jax.lax.cond(
+        skipped & (consecutive == DEFAULT_MAX_CONSECUTIVE),
+        warn,
+        lambda count, scale: None,
+        consecutive,
+        scale,
+    )
 
 
 class LossScalingState(NamedTuple):
@@ -139,7 +180,9 @@ def loss_scaling(
 
     Unlike ``optax.apply_if_finite``, a non-finite update is never applied, however many steps
     in a row overflow; ``state.consecutive_skipped`` counts them and :func:`mpjax.check_overflow`
-    raises outside jit when it gets too long.
+    raises outside jit when it gets too long. Without it, the update itself warns on the host
+    (:class:`mpjax.LossScalingWarning`, through ``jax.debug.callback``) when the 25th step in a
+    row is skipped; the callback runs only on that step, so steps that go well do not sync.
 
     Gradient accumulation: wrap ``optax.MultiSteps`` (the ``MultiSteps`` object itself or its
     ``gradient_transformation()``, alone or anywhere inside ``inner``: in a chain, inside
@@ -273,6 +316,7 @@ def loss_scaling(
             consecutive_skipped=consecutive,
             window_finite=next_window_finite,
         )
+        _warn_if_persistent(skipped, consecutive, new_scale.loss_scale)
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init, update)

@@ -27,6 +27,7 @@ import optax
 from mpjax import jax_compat
 from mpjax.loss_scale import DynamicLossScale
 from mpjax.loss_scaling import (
+    DEFAULT_MAX_CONSECUTIVE,
     LossScalingState,
     loss_scaling,  # noqa: F401  (the docstrings' examples use it)
 )
@@ -488,11 +489,6 @@ def _info(state: LossScalingState | None) -> LossScalingInfo:
 
 class PersistentOverflowError(RuntimeError):
     """Raised by :func:`check_overflow` when too many optimizer steps in a row were skipped."""
-
-
-# The default dynamic scale backs off from 2**15 to its floor of 1 in 15 overflowed steps in a
-# row; 10 more at the floor are overflow that no scale fixes.
-DEFAULT_MAX_CONSECUTIVE = 25
 
 
 def check_overflow(opt_state: Any, max_consecutive: int = DEFAULT_MAX_CONSECUTIVE) -> None:
