@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from mpjax.gradient_checks import InitTrees, check_params, check_transformation, check_update
-from mpjax.loss_scale import LossScale, parse_loss_scale
+from mpjax.loss_scale import LossScale, NoOpLossScale, StaticLossScale, parse_loss_scale
 
 __all__ = ["LossScalingState", "LossScalingWarning", "loss_scaling"]
 
@@ -36,8 +37,9 @@ DEFAULT_MAX_CONSECUTIVE = 25
 
 
 class LossScalingWarning(UserWarning):
-    """Warned, on the host, by a :func:`loss_scaling` update that skipped
-    ``DEFAULT_MAX_CONSECUTIVE`` (25) optimizer steps in a row for inf or NaN gradients."""
+    """Warned by a :func:`loss_scaling` update that skipped ``DEFAULT_MAX_CONSECUTIVE`` (25)
+    optimizer steps in a row for inf or NaN gradients (on the host, from the step), or that
+    got gradients of a loss never scaled with its state's scale (at trace time)."""
 
 
 def _warn_persistent_overflow(count: Any, scale: Any) -> None:
@@ -51,6 +53,50 @@ def _warn_persistent_overflow(count: Any, scale: Any) -> None:
         "instead.",
         LossScalingWarning,
         stacklevel=2,
+    )
+
+
+# The loss-scale values that scaled a loss (scale_loss, scaled_value_and_grad): concrete arrays,
+# or the tracers of a trace in progress, by id. Weak, so nothing is kept alive and an id is only
+# found while its value lives.
+_scaled_with: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def record_scaled(scale: Any) -> None:
+    """Notes that ``scale`` (a :class:`LossScalingState`'s ``loss_scale.loss_scale``, concrete
+    or traced) multiplied a loss, for the update's check of a forgotten ``scale_loss``."""
+    try:
+        _scaled_with[id(scale)] = scale
+    except TypeError:  # not weak-referenceable: nothing to check against
+        pass
+
+
+def _scales(loss_scale: LossScale) -> bool:
+    """Whether ``loss_scale`` (a transformation's initial scale) changes the gradients at all:
+    not for no scale or a static scale of 1."""
+    if isinstance(loss_scale, NoOpLossScale):
+        return False
+    if isinstance(loss_scale, StaticLossScale):
+        return float(loss_scale.loss_scale) != 1.0
+    return True
+
+
+def _warn_if_unscaled(loss_scale: LossScale) -> None:
+    """Warns, at trace time (no cost to the step), when the update runs with a scale that
+    never scaled a loss in this trace or, outside jit, with this array: gradients from a plain
+    ``jax.value_and_grad`` would be divided by a scale they were never multiplied by."""
+    scale = loss_scale.loss_scale
+    if _scaled_with.get(id(scale)) is scale:
+        return
+    warnings.warn(
+        "mpjax.loss_scaling: update() got gradients of a loss that was not scaled with this "
+        "state's loss scale: gradients from a plain jax.value_and_grad are divided by a scale "
+        "they were never multiplied by, and the step all but vanishes. Compute them with "
+        "mpjax.scaled_value_and_grad(loss_fn)(opt_state, params) or differentiate "
+        "mpjax.scale_loss(loss, opt_state). If the loss was scaled in another jitted function "
+        "than this update, this warning is a false alarm (see the loss-scaling guide).",
+        LossScalingWarning,
+        stacklevel=3,
     )
 
 
@@ -239,6 +285,7 @@ def loss_scaling(
     check_transformation(inner, "loss_scaling")
     scale0 = parse_loss_scale(loss_scale)
     axis_name = _check_axis_name(axis_name)
+    checks_scaled = _scales(scale0)
     inner = optax.with_extra_args_support(inner)
     init_trees = InitTrees()
 
@@ -270,6 +317,8 @@ def loss_scaling(
             needs_params=False,
             init_trees=init_trees,
         )
+        if checks_scaled:
+            _warn_if_unscaled(state.loss_scale)
         unscaled = state.loss_scale.unscale(updates)
         # Back to each gradient's own dtype, so inner state dtypes never change; the check comes
         # after the cast because a value finite in float32 can overflow float16.

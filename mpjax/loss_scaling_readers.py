@@ -30,6 +30,7 @@ from mpjax.loss_scaling import (
     DEFAULT_MAX_CONSECUTIVE,
     LossScalingState,
     loss_scaling,  # noqa: F401  (the docstrings' examples use it)
+    record_scaled,
 )
 from mpjax.policy import is_floating
 
@@ -307,7 +308,10 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
         loss = jnp.asarray(loss, jnp.float32)
     _check_loss(loss, "scale_loss", "loss")
     state = _find_state(opt_state, "scale_loss")
-    return loss if state is None else state.loss_scale.scale(loss)
+    if state is None:
+        return loss
+    record_scaled(state.loss_scale.loss_scale)
+    return state.loss_scale.scale(loss)
 
 
 def check_argnums(argnums: Any, where: str, also: tuple[type, ...] = (), what: str = "") -> None:
@@ -374,7 +378,10 @@ def make_scaled_value_and_grad(
             # In at least float32: a float16 loss times the scale would overflow to an inf
             # (discarded, but jax_debug_infs stops at it); the gradients are scale_loss's.
             wide = loss if jnp.finfo(loss.dtype).bits >= 32 else loss.astype(jnp.float32)
-            return (wide if state is None else state.loss_scale.scale(wide)), (loss, aux)
+            if state is None:
+                return wide, (loss, aux)
+            record_scaled(state.loss_scale.loss_scale)
+            return state.loss_scale.scale(wide), (loss, aux)
 
         (_, (loss, aux)), grads = value_and_grad(scaled, argnums=argnums, has_aux=True)(
             *args, **kwargs

@@ -578,7 +578,87 @@ def test_persistent_overflow_never_applies_and_check_overflow_raises():
 
 
 def _overflow_warnings(caught):
-    return [str(w.message) for w in caught if issubclass(w.category, mpjax.LossScalingWarning)]
+    return [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, mpjax.LossScalingWarning) and "skipped" in str(w.message)
+    ]
+
+
+def _unscaled_warnings(caught):
+    return [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, mpjax.LossScalingWarning) and "not scaled" in str(w.message)
+    ]
+
+
+UNSCALED = (
+    "mpjax.loss_scaling: update() got gradients of a loss that was not scaled with this state's "
+    "loss scale: gradients from a plain jax.value_and_grad are divided by a scale they were never "
+    "multiplied by, and the step all but vanishes. Compute them with "
+    "mpjax.scaled_value_and_grad(loss_fn)(opt_state, params) or differentiate "
+    "mpjax.scale_loss(loss, opt_state). If the loss was scaled in another jitted function than "
+    "this update, this warning is a false alarm (see the loss-scaling guide)."
+)
+
+
+def _steps(tx):
+    """A plain, a scaled_value_and_grad and a scale_loss training step for ``tx``."""
+
+    def loss_fn(p):
+        return jnp.sum(p["w"] ** 2)
+
+    def plain(state, params):
+        return tx.update(jax.grad(loss_fn)(params), state, params)
+
+    def scaled(state, params):
+        _, grads = mpjax.scaled_value_and_grad(loss_fn)(state, params)
+        return tx.update(grads, state, params)
+
+    def by_hand(state, params):
+        grads = jax.grad(lambda p: scale_loss(loss_fn(p), state))(params)
+        return tx.update(grads, state, params)
+
+    return plain, scaled, by_hand
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: loss_scaling(optax.sgd(0.1)),
+        lambda: loss_scaling(optax.sgd(0.1), "static:1024"),
+        lambda: loss_scaling(optax.MultiSteps(optax.sgd(0.1), 2)),
+        lambda: mpjax.master_weights(loss_scaling(optax.sgd(0.1))),
+    ],
+    ids=["dynamic", "static", "multisteps", "master_weights"],
+)
+def test_a_forgotten_scale_loss_warns_and_the_documented_paths_do_not(make):
+    tx = make()
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    plain, scaled, by_hand = _steps(tx)
+    for wrap in (lambda f: f, jax.jit):
+        with warnings.catch_warnings(record=True) as caught, standard_promotion():
+            warnings.simplefilter("always")
+            wrap(plain)(state, params)
+        assert _unscaled_warnings(caught) == [UNSCALED]
+        with warnings.catch_warnings(record=True) as caught, standard_promotion():
+            warnings.simplefilter("always")
+            for step in (scaled, by_hand):
+                _, new_state = wrap(step)(state, params)
+                wrap(step)(new_state, params)  # the next step, with the next state's scale
+        assert _unscaled_warnings(caught) == []
+
+
+def test_no_warning_where_the_scale_is_trivial():
+    for tx in (loss_scaling(optax.sgd(0.1), "none"), loss_scaling(optax.sgd(0.1), "static:1")):
+        params = {"w": jnp.ones(3)}
+        plain, _, _ = _steps(tx)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            jax.jit(plain)(tx.init(params), params)
+        assert _unscaled_warnings(caught) == []
 
 
 def test_persistent_overflow_warns_once_from_the_step_and_changes_nothing(monkeypatch):
