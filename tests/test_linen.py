@@ -637,6 +637,19 @@ def test_describe_returns_the_table_and_prints_nothing(capsys):
     assert again == report
 
 
+@pytest.mark.parametrize("spec", ["fp16", "f16", "float16", "half"])
+def test_describe_says_that_fp16_is_pure_float16_and_names_amp(spec):
+    note = (
+        "note: 'fp16', 'f16', 'float16' and 'half' mean pure float16: float16 params, compute "
+        "and output. AMP (PyTorch's autocast to float16) is 'mixed_float16' (p=f32,c=f16,o=f32)."
+    )
+    report = mpjax.describe(mpl.apply_policy(Tiny(), spec))(jnp.ones((1, 3)))
+    assert report.table().splitlines()[-1] == note
+    assert report.to_dict()["notes"] == [note.removeprefix("note: ")]
+    amp = mpjax.describe(mpl.apply_policy(Tiny(), "mixed_float16"))(jnp.ones((1, 3)))
+    assert "note:" not in amp.table() and amp.to_dict()["notes"] == []
+
+
 def test_describe_to_dict_is_plain_json():
     report = mpjax.describe(Tiny(), rules="mixed_bfloat16")(jnp.ones((1, 3)))
     data = report.to_dict()
