@@ -242,7 +242,6 @@ class _AutocastFunction:
         outs = [to_output(x, a, policy) for x, a in zip(outs, traced.closed.out_avals)]
         return jax.tree.unflatten(traced.out_tree, outs)
 
-
     def _check_rules(self, closed: Any) -> None:
         """Refuses rules that match no scope the first trace ran (every trace until they do)."""
         scopes: set[tuple[str, ...]] = {()}
@@ -255,9 +254,7 @@ class _AutocastFunction:
                     walk(getattr(sub, "jaxpr", sub), at)
 
         walk(closed.jaxpr, ())
-        rules = Rules(
-            self.settings.rules, builtins=False, allow_unmatched=self.allow_unmatched
-        )
+        rules = Rules(self.settings.rules, builtins=False, allow_unmatched=self.allow_unmatched)
         check_unmatched(
             rules,
             [("/".join(s), object) for s in scopes],
