@@ -39,7 +39,7 @@ from mpjax.inspection.plan import (
 from mpjax.inspection.plan_rows import PlanAttention, PlanGemm, PlanMemory, PlanScatter
 from mpjax.inspection.report import ModuleRow, PrecisionReport
 from mpjax.optim.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
-from mpjax.optim.loss_scaling import LossScalingState, loss_scaling
+from mpjax.optim.loss_scaling import LossScalingState, LossScalingWarning, loss_scaling
 from mpjax.optim.loss_scaling_readers import (
     LossScalingInfo,
     PersistentOverflowError,
@@ -127,6 +127,7 @@ __all__ = [
     "LossScale",
     "LossScalingInfo",
     "LossScalingState",
+    "LossScalingWarning",
     "LowPrecisionParamsState",
     "MIXED_BFLOAT16",
     "MIXED_BFLOAT16_FP8",

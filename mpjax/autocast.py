@@ -26,12 +26,13 @@ from typing import Any
 import jax
 
 from mpjax import fp8
+from mpjax import jax_compat as compat
 from mpjax.casting.engine import Interpreter, to_output
 from mpjax.casting.fp8_sites import DelayedScaling
 from mpjax.casting.op_categories import merge_categories
 from mpjax.casting.trace_context import Settings, TraceCache, abstractly, observers, trace
 from mpjax.policy import PolicyLike, get_policy
-from mpjax.rules import Rule, Rules
+from mpjax.rules import Rule, Rules, check_unmatched
 from mpjax.table import format_table
 
 
@@ -191,7 +192,9 @@ def autocast(
         operation (``jax.named_scope`` names, Flax module paths such as ``"Model/head"``): an
         :class:`mpjax.Rules`, a mapping ``{glob or compiled regex: policy}`` or a list of
         rules. A rule applies where its key matches the scope path or one of its ancestors;
-        the first matching rule wins. Only a region's compute dtype matters.
+        the first matching rule wins. Only a region's compute dtype matters. A rule that
+        matches no scope of the first trace is an error (``ValueError`` naming the closest
+        scopes), unless the rules are ``Rules(..., allow_unmatched=True)``.
       categories: ``{primitive name: category}`` overrides of the category table, with
         categories ``"lower"``, ``"f32"``, ``"promote"``, ``"keep"``, ``"original"``.
 
@@ -211,7 +214,10 @@ def autocast(
     >>> mpjax.inspect_matmuls(jax.grad(lambda w: autocast(mlp)(w, x).sum()))(w).operand_dtypes()
     Counter({('bfloat16', 'bfloat16'): 5})
     """
-    info = _AutocastFunction(fn, _settings(fn, policy, rules, categories), TraceCache())
+    allow_unmatched = isinstance(rules, Rules) and rules.allow_unmatched
+    info = _AutocastFunction(
+        fn, _settings(fn, policy, rules, categories), TraceCache(), allow_unmatched=allow_unmatched
+    )
 
     @functools.wraps(fn)
     def autocast_fn(*args, **kwargs):
@@ -229,6 +235,8 @@ class _AutocastFunction:
     settings: Settings
     traces: TraceCache
     trace_scalars: bool = True  # Python floats traced, as jax.jit does; else held static
+    allow_unmatched: bool = False
+    checked: list = dataclasses.field(default_factory=list)  # [True] once the rules matched
 
     def call(self, args, kwargs, delayed: DelayedScaling | None = None, record=None) -> Any:
         """Runs ``fn`` through the engine; a recording or observed run builds its own nested
@@ -236,11 +244,38 @@ class _AutocastFunction:
         traced, dynamic = trace(
             self.fn, self.settings, self.traces, args, kwargs, trace_scalars=self.trace_scalars
         )
+        if self.settings.rules and not self.checked:
+            self._check_rules(traced.closed)
         cache = traced.cache if record is None and not observers() else {}
         outs = Interpreter(self.settings, cache, record, delayed).run(traced.closed, dynamic, ())
         policy = self.settings.policy
         outs = [to_output(x, a, policy) for x, a in zip(outs, traced.closed.out_avals)]
         return jax.tree.unflatten(traced.out_tree, outs)
+
+    def _check_rules(self, closed: Any) -> None:
+        """Refuses rules that match no scope the first trace ran (every trace until they do)."""
+        scopes: set[tuple[str, ...]] = {()}
+
+        def walk(jaxpr: Any, path: tuple[str, ...]) -> None:
+            for eqn in jaxpr.eqns:
+                at = path + compat.scope_names(eqn)
+                scopes.update(at[:k] for k in range(len(at) + 1))
+                for sub in compat.sub_jaxprs(eqn):
+                    walk(getattr(sub, "jaxpr", sub), at)
+
+        walk(closed.jaxpr, ())
+        rules = Rules(self.settings.rules, builtins=False, allow_unmatched=self.allow_unmatched)
+        check_unmatched(
+            rules,
+            [("/".join(s), object) for s in scopes],
+            where="mpjax.autocast(rules=...)",
+            what=f"scope {getattr(self.fn, '__name__', 'the function')} ran in its first trace",
+            syntax="autocast matches the named scopes around each operation, joined with '/' "
+            "(jax.named_scope names, Flax module paths such as 'Model/head'); a rule covers "
+            "the scopes below the one it matches.",
+            listing="print(mpjax.describe(fn)(*args)) lists every scope.",
+        )
+        self.checked.append(True)
 
 
 # The functions autocast() returned, to what they wrap. Kept beside them rather than as an
@@ -362,12 +397,21 @@ def autocast_runner(
     categories = None if info is None else info.settings.categories
     rules = None
     if info is not None:
-        rules = Rules(info.settings.rules, default=info.settings.policy, builtins=False)
+        rules = Rules(
+            info.settings.rules,
+            default=info.settings.policy,
+            builtins=False,
+            allow_unmatched=info.allow_unmatched,
+        )
 
     def under(rules: Rules) -> Callable[..., Any]:
         scoped = tuple(r for r in rules.rules if not r.builtin and not isinstance(r.key, type))
         settings = Settings(rules.default, merge_categories(categories), scoped)
-        run_info = _AutocastFunction(wrapped, settings, TraceCache(), trace_scalars=False)
+        # The rules may name parts of the models the function runs, which match them
+        # themselves: the function's own scopes need not.
+        run_info = _AutocastFunction(
+            wrapped, settings, TraceCache(), trace_scalars=False, allow_unmatched=True
+        )
 
         @functools.wraps(wrapped)
         def run(*args, **kwargs):

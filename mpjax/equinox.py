@@ -53,7 +53,14 @@ from mpjax.inspection.describe import Runner, register_argument_model, register_
 from mpjax.inspection.report import ModuleRow, PrecisionReport, matmuls_by_region
 from mpjax.optim.loss_scaling_readers import make_scaled_value_and_grad
 from mpjax.policy import Policy, PolicyLike, cast_floating
-from mpjax.rules import Rules, RulesLike, RuleWarning, as_rules, register_norm_rules
+from mpjax.rules import (
+    Rules,
+    RulesLike,
+    RuleWarning,
+    as_rules,
+    check_unmatched,
+    register_norm_rules,
+)
 
 __all__ = ["MixedPrecision", "apply_policy", "filter_value_and_grad", "module_paths"]
 
@@ -188,7 +195,9 @@ def _translate(rules: Rules) -> Rules:
         else rule
         for rule in rules.rules
     )
-    return Rules(translated, default=rules.default, builtins=False)
+    return Rules(
+        translated, default=rules.default, builtins=False, allow_unmatched=rules.allow_unmatched
+    )
 
 
 def _equinox_rules(rules: Rules) -> Rules:
@@ -200,28 +209,22 @@ def _equinox_rules(rules: Rules) -> Rules:
 
 
 def _check_rules(rules: Rules, nodes: list[_Node], function: str, stacklevel: int) -> None:
-    """Refuses a user's rule that matches no module; warns (:class:`mpjax.RuleWarning`) of one
+    """Refuses a user's rule that matches no module (:func:`mpjax.rules.check_unmatched`); warns
+    (:class:`mpjax.RuleWarning`) of one
     that an earlier rule shadows; refuses delayed fp8 scaling, whose state Equinox cannot carry
     yet."""
     modules = [(n.path, _base_class(n.module)) for n in nodes]
     matching = _equinox_rules(rules)
-    for original, rule in zip(rules.rules, matching.rules):
-        if rule.builtin or any(rule.matches(p, t) for p, t in modules):
-            continue
-        paths = [p for p, _ in modules if p]
-        shown = ", ".join(repr(p) for p in paths[:12]) + (", ..." if len(paths) > 12 else "")
-        hint = ""
-        if isinstance(original.key, str) and "/" in original.key:
-            hint = (
-                " Equinox paths join attribute names with '.' and write indices in brackets "
-                "('layers[2].attn'), not with '/'."
-            )
-        raise ValueError(
-            f"mpjax.equinox.{function}(): rule {original.name!r} matches no module of the "
-            f"{type(nodes[0].module).__name__}. Its module paths are: {shown or 'only the root'}."
-            f"{hint} mpjax.equinox.module_paths(model) lists them with their classes."
-        )
-    for problem in matching.problems(modules):
+    check_unmatched(
+        matching,
+        modules,
+        where=f"mpjax.equinox.{function}()",
+        what=f"module of the {type(nodes[0].module).__name__}",
+        syntax="Equinox paths join attribute names with '.' and write indices in brackets "
+        "('layers[2].attn'), not with '/'.",
+        listing="mpjax.equinox.module_paths(model) lists them with their classes.",
+    )
+    for problem in matching.problems(modules, unmatched=False):
         warnings.warn(problem, RuleWarning, stacklevel=stacklevel + 1)
     if rules.scales_fp8_delayed():
         raise ValueError(

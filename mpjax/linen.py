@@ -68,6 +68,7 @@ from mpjax.rules import (
     RulesLike,
     RuleWarning,
     as_rules,
+    check_unmatched,
     register_norm_rules,
 )
 
@@ -113,10 +114,23 @@ class _WrapperState:
         self._warned = False
 
     def warn_once(self, seen: dict[str, tuple[type, Resolution]]) -> None:
+        """Refuses rules that matched no module the call ran (every call until they match),
+        then warns once of shadowed ones."""
         if self._warned:
             return
+        modules = [(path, cls) for path, (cls, _) in seen.items()]
+        root = seen[""][0].__name__ if "" in seen else "the model"
+        check_unmatched(
+            self.rules,
+            modules,
+            where="mpjax.linen.apply_policy()",
+            what=f"module the {root} ran in its first call",
+            syntax="Linen paths join submodule names with '/' from the wrapped module "
+            "('Block_0/Dense_1'), not with '.'.",
+            listing="mpjax.describe(model, variables=variables)(x) lists every module path.",
+        )
         self._warned = True
-        for problem in self.rules.problems((path, cls) for path, (cls, _) in seen.items()):
+        for problem in self.rules.problems(modules, unmatched=False):
             warnings.warn(problem, RuleWarning, stacklevel=2)
 
 
@@ -355,8 +369,11 @@ def apply_policy(module: nn.Module | type, policy_or_rules: RulesLike):
     (:class:`mpjax.AutocastWarning`): a host callback gets its inputs in the traced dtypes.
     Code inside :func:`mpjax.full_precision` runs as written.
 
-    The user's rules that match no module, or only modules an earlier rule claims, are warned
-    about once (:class:`mpjax.RuleWarning`), after the first call (usually ``init``).
+    A user's rule that matches no module the first call (usually ``init``) ran is an error
+    (``ValueError``, naming the closest paths), raised after that call and every call until one
+    matches; ``Rules(..., allow_unmatched=True)`` accepts rules for modules that only some
+    calls run. Rules that match only modules an earlier rule claims are warned about once
+    (:class:`mpjax.RuleWarning`).
 
     Args:
       module: a linen module instance that is not bound or attached to a parent yet, or a

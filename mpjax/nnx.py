@@ -72,6 +72,7 @@ from mpjax.rules import (
     RulesLike,
     RuleWarning,
     as_rules,
+    check_unmatched,
     register_norm_rules,
 )
 
@@ -384,11 +385,11 @@ def set_policy(model: nnx.Module, policy_or_rules: RulesLike) -> None:
     Raises:
       TypeError: ``model`` is not an ``nnx.Module`` instance, or ``policy_or_rules`` is none
         of the forms above.
-      ValueError: the policy cannot be parsed.
+      ValueError: the policy cannot be parsed, or a user's rule matches no module of ``model`` (the error names the closest
+        paths; ``Rules(..., allow_unmatched=True)`` accepts it).
 
     Warns:
-      RuleWarning: once per problem :meth:`mpjax.Rules.problems` finds (a rule that matches
-        no module, or one an earlier rule shadows).
+      RuleWarning: for a rule that an earlier rule shadows wherever it matches.
 
     >>> import jax.numpy as jnp, mpjax
     >>> from flax import nnx
@@ -403,7 +404,17 @@ def set_policy(model: nnx.Module, policy_or_rules: RulesLike) -> None:
     rules = as_rules(policy_or_rules)
     nodes = _walk(model)
     resolved = _resolve(nodes, rules)
-    for problem in rules.problems((n.path, _base_class(n.module)) for n in nodes):
+    modules = [(n.path, _base_class(n.module)) for n in nodes]
+    check_unmatched(
+        rules,
+        modules,
+        where="mpjax.nnx.set_policy()",
+        what=f"module of the {type(model).__name__}",
+        syntax="NNX paths join attribute names with '/' and write list indices as names "
+        "('layers/2/attn').",
+        listing="mpjax.describe(model)() lists every module path.",
+    )
+    for problem in rules.problems(modules, unmatched=False):
         warnings.warn(problem, RuleWarning, stacklevel=2)
     for node in nodes:
         resolution = resolved[node.path]

@@ -555,6 +555,19 @@ def _parse(spec: str) -> Policy:
     return Policy(param, compute, output, fp8, precision or DEFAULT_F32_MATMUL_PRECISION)
 
 
+PURE_FLOAT16_NOTE = (
+    "'fp16', 'f16', 'float16' and 'half' mean pure float16: float16 params, compute and output. "
+    "AMP (PyTorch's autocast to float16) is 'mixed_float16' (p=f32,c=f16,o=f32)."
+)
+"""What :func:`mpjax.describe` says under its table where a module runs pure float16."""
+
+
+def is_pure_float16(policy: Policy) -> bool:
+    """Whether ``policy`` keeps its params in float16 and computes in it too."""
+    f16 = np.dtype(jnp.float16)
+    return policy.param_dtype == f16 and policy.compute_dtype == f16
+
+
 def get_policy(spec: PolicyLike) -> Policy:
     """Returns the :class:`Policy` that ``spec`` names.
 

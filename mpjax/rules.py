@@ -17,6 +17,7 @@ compute dtype. This module knows no module library: it matches classes it is giv
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -255,6 +256,10 @@ class Rules:
       default: the policy for modules no rule matches.
       builtins: append mpjax's built-in rules (those the integrations registered: their norms
         in f32) after the user's.
+      allow_unmatched: accept rules that match no module. By default a rule that matches
+        nothing is an error (``check_unmatched``) when the wrapped model or autocast
+        function first runs; set it for rules written for modules that only run in some calls
+        (a module used only in training, only in ``apply`` and not in ``init``).
 
     >>> import flax.linen as nn
     >>> rules = Rules({"head": "float32"}, default="mixed_bfloat16")
@@ -268,6 +273,7 @@ class Rules:
 
     rules: tuple[Rule, ...]
     default: Policy
+    allow_unmatched: bool = False
 
     def __init__(
         self,
@@ -275,6 +281,7 @@ class Rules:
         *,
         default: PolicyLike = "float32",
         builtins: bool = True,
+        allow_unmatched: bool = False,
     ):
         if isinstance(rules, (str, bytes)) or not isinstance(rules, (Mapping, Iterable)):
             raise TypeError(
@@ -287,6 +294,11 @@ class Rules:
                 f"Rules(builtins=...) must be a bool, got {builtins!r} of type "
                 f"{type(builtins).__name__}."
             )
+        if not isinstance(allow_unmatched, bool):
+            raise TypeError(
+                f"Rules(allow_unmatched=...) must be a bool, got {allow_unmatched!r} of type "
+                f"{type(allow_unmatched).__name__}."
+            )
         entries = rules.items() if isinstance(rules, Mapping) else rules
         user = tuple(_as_rule(e) for e in entries)
         keys = [r.key for r in user]
@@ -295,12 +307,14 @@ class Rules:
             raise ValueError(f"Duplicate rule keys: {', '.join(duplicates)}. Give each key once.")
         object.__setattr__(self, "rules", user + (builtin_rules() if builtins else ()))
         object.__setattr__(self, "default", _policy_argument(default, "Rules(default=...)"))
+        object.__setattr__(self, "allow_unmatched", allow_unmatched)
 
     @classmethod
-    def _from(cls, rules: tuple[Rule, ...], default: Policy) -> Rules:
+    def _from(cls, rules: tuple[Rule, ...], default: Policy, allow_unmatched: bool) -> Rules:
         new = object.__new__(cls)
         object.__setattr__(new, "rules", rules)
         object.__setattr__(new, "default", default)
+        object.__setattr__(new, "allow_unmatched", allow_unmatched)
         return new
 
     def resolve(self, path: str | Sequence[str], module_type: type | Any) -> Resolution:
@@ -362,7 +376,7 @@ class Rules:
         else:
             n_user = sum(not r.builtin for r in self.rules)
             rules = self.rules[:n_user] + (rule,) + self.rules[n_user:]
-        return Rules._from(rules, self.default)
+        return Rules._from(rules, self.default, self.allow_unmatched)
 
     def without(self, key: RuleKey) -> Rules:
         """Returns new rules without the rule for ``key`` (a user rule or a built-in one)."""
@@ -372,7 +386,9 @@ class Rules:
                 f"No rule has key {_key_text(key)!r}. Keys: "
                 f"{', '.join(_key_text(r.key) for r in self.rules) or 'none'}."
             )
-        return Rules._from(self.rules[:index] + self.rules[index + 1 :], self.default)
+        return Rules._from(
+            self.rules[:index] + self.rules[index + 1 :], self.default, self.allow_unmatched
+        )
 
     def scales_fp8_delayed(self) -> bool:
         """Whether the default or any rule's policy runs fp8 matmuls with delayed scaling: then
@@ -382,7 +398,9 @@ class Rules:
 
     def with_default(self, policy: PolicyLike) -> Rules:
         """Returns new rules with another default policy."""
-        return Rules._from(self.rules, _policy_argument(policy, "with_default(policy)"))
+        return Rules._from(
+            self.rules, _policy_argument(policy, "with_default(policy)"), self.allow_unmatched
+        )
 
     def _index(self, key: RuleKey) -> int | None:
         for i, rule in enumerate(self.rules):
@@ -390,9 +408,11 @@ class Rules:
                 return i
         return None
 
-    def problems(self, modules: Iterable[tuple[str, type]]) -> list[str]:
-        """Reports the user's rules that never match, or that match a module a rule before them
-        already claims (so they never apply there), over the given ``(path, class)`` pairs.
+    def problems(self, modules: Iterable[tuple[str, type]], *, unmatched: bool = True) -> list[str]:
+        """Reports the user's rules that never match (unless ``unmatched=False``: the
+        integrations refuse those with ``check_unmatched``), or that match a module a rule
+        before them already claims (so they never apply there), over the given ``(path,
+        class)`` pairs.
 
         Raises:
           TypeError: if ``modules`` is not an iterable of ``(path, class)`` pairs.
@@ -420,7 +440,8 @@ class Rules:
                 continue
             hits = [(p, t) for p, t in modules if rule.matches(p, t)]
             if not hits:
-                found.append(f"rule {rule.name!r} matches no module.")
+                if unmatched:
+                    found.append(f"rule {rule.name!r} matches no module.")
                 continue
             for path, module_type in hits:
                 earlier = next((r for r in self.rules[:i] if r.matches(path, module_type)), None)
@@ -481,5 +502,73 @@ def as_rules(spec: RulesLike, argument: str = "policy_or_rules") -> Rules:
     return Rules(default=policy)
 
 
+def check_unmatched(
+    rules: Rules,
+    modules: Iterable[tuple[str, type]],
+    *,
+    where: str,
+    what: str,
+    syntax: str,
+    listing: str,
+) -> None:
+    """Refuses the user's rules that match none of ``modules``: the one check of the linen,
+    NNX and Equinox integrations and of :func:`mpjax.autocast`.
+
+    A rule matching nothing is almost always a typo (``{"haed": "float32"}``) or a path in
+    another framework's syntax (``"block1.mlp"`` for linen's ``"block1/mlp"``), and would
+    leave that part of the model in the default policy without a word. The error names, for
+    each such rule, the closest paths that exist, the caller's path syntax and how to list all
+    paths. Nothing is checked when ``rules.allow_unmatched`` is set.
+
+    Args:
+      rules: the rules, matched as the caller matches them (names are what the error shows).
+      modules: the ``(path, class)`` pairs that exist (for autocast, every scope path and its
+        ancestors, with ``object`` as the class).
+      where: the caller, as the error starts (``"mpjax.linen.apply_policy()"``).
+      what: what a rule should match (``"module of the MLP"``).
+      syntax: a sentence on the caller's path syntax.
+      listing: a sentence saying how to list every path.
+
+    Raises:
+      ValueError: naming every user rule that matches no module.
+
+    >>> import flax.linen as nn
+    >>> try:
+    ...     check_unmatched(Rules({"haed": "float32"}), [("head", nn.Dense)], where="f()",
+    ...                     what="module of the model", syntax="", listing="")
+    ... except ValueError as error:
+    ...     print(str(error).split(". ")[0])
+    f(): rule 'haed' matches no module of the model (closest paths: 'head')
+    """
+    if rules.allow_unmatched:
+        return
+    modules = list(modules)
+    paths = sorted({p for p, _ in modules if p})
+    classes = sorted({t.__name__ for _, t in modules})
+    found = []
+    for rule in rules.rules:
+        if rule.builtin or any(rule.matches(p, t) for p, t in modules):
+            continue
+        if isinstance(rule.key, type):
+            close = difflib.get_close_matches(rule.key.__name__, classes, n=3, cutoff=0.5)
+            what_close = "closest classes"
+        else:
+            # An integration's translated key (Equinox's globs) keeps the user's text as name.
+            text = rule.key if isinstance(rule.key, str) else rule.name.removeprefix("re:")
+            close = difflib.get_close_matches(text, paths, n=3, cutoff=0.5)
+            what_close = "closest paths"
+        hint = f"{what_close}: {', '.join(repr(c) for c in close)}" if close else "no close path"
+        found.append(f"rule {rule.name!r} matches no {what} ({hint})")
+    if not found:
+        return
+    shown = ", ".join(repr(p) for p in paths[:12]) + (", ..." if len(paths) > 12 else "")
+    raise ValueError(
+        f"{where}: {'; '.join(found)}. A rule that matches nothing would leave that part in the "
+        f"default policy. Paths: {shown or 'only the root'}. {syntax} {listing} For rules "
+        "meant for parts that only run in some calls, pass Rules(..., allow_unmatched=True)."
+    )
+
+
 class RuleWarning(UserWarning):
-    """Warned when a user's rule never matches or is shadowed by an earlier rule."""
+    """Warned when a user's rule is shadowed by an earlier rule (a rule that matches no module
+    at all is an error: ``check_unmatched``)."""

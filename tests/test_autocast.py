@@ -894,3 +894,21 @@ def test_the_autocast_report_shows_the_precision_of_f32_matmuls():
     table = report.table()
     assert "f32,f32@highest" in table and "* " not in table.split("dot_general")[1]
     assert {"tanh"} <= {r.primitive for r in report if r.f32_precision is None}
+
+
+def test_a_rule_for_a_scope_that_does_not_exist_is_an_error_naming_the_closest():
+    def f(w, x):
+        with jax.named_scope("encoder"):
+            h = x @ w
+        with jax.named_scope("head"):
+            return h @ w
+
+    w, x = jnp.ones((3, 3)), jnp.ones((2, 3))
+    for run in (lambda g: g(w, x), lambda g: jax.jit(g)(w, x)):
+        with pytest.raises(ValueError, match="rule 'haed' matches no scope") as error:
+            run(mpjax.autocast(f, rules={"haed": "float32"}))
+        assert "closest paths: 'head'" in str(error.value)
+        assert "allow_unmatched=True" in str(error.value)
+    allowed = mpjax.Rules({"haed": "float32"}, allow_unmatched=True)
+    assert mpjax.autocast(f, "mixed_bfloat16", rules=allowed)(w, x).dtype == jnp.float32
+    assert mpjax.autocast(f, rules={"head": "float32"})(w, x).dtype == jnp.float32

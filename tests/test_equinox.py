@@ -671,8 +671,10 @@ def test_bad_input_gets_a_clear_error_at_the_call():
         ValueError, match=r"rule 'layers\[7\]' matches no module of the MLP.*'layers\[0\]'"
     ):
         mpe.apply_policy(mlp, {"layers[7]": "float32"})
-    with pytest.raises(ValueError, match=r"with '/'"):
+    with pytest.raises(ValueError, match=r"closest paths: 'layers\[0\]'.*not with '/'"):
         mpe.apply_policy(mlp, {"layers/0": "float32"})
+    allowed = mpjax.Rules({"layers/0": "float32"}, allow_unmatched=True)
+    assert mpe.apply_policy(mlp, allowed)(jnp.ones(4)).shape == (2,)
     with pytest.raises(ValueError, match="param_dtype float8_e4m3fn is too narrow"):
         mpe.apply_policy(mlp, "p=float8_e4m3fn,c=bf16,o=f32")
     with pytest.raises(ValueError, match="delayed fp8 scaling"):

@@ -533,10 +533,8 @@ def test_wrapping_again_replaces_the_rules():
 # --- Rule problems. ----------------------------------------------------------------------------
 
 
-def test_a_never_matching_rule_warns_exactly_once():
-    rules = Rules(
-        [("decoder/*", "float32"), ("up", None), (nn.Dense, None)], default="mixed_bfloat16"
-    )
+def test_a_shadowed_rule_warns_exactly_once():
+    rules = Rules([("up", None), (nn.Dense, None)], default="mixed_bfloat16")
     model = mpl.apply_policy(Block(), rules)
     x = jnp.ones((1, SEQ, DIM))
     with warnings.catch_warnings(record=True) as caught:
@@ -546,10 +544,35 @@ def test_a_never_matching_rule_warns_exactly_once():
         jax.jit(model.apply).lower(variables, x)
     messages = [str(w.message) for w in caught if issubclass(w.category, mpjax.RuleWarning)]
     assert messages == [
-        "rule 'decoder/*' matches no module.",
         "rule 'flax.linen.linear.Dense' is ambiguous at 'up': rule 'up' comes first and wins "
         "there.",
     ]
+
+
+@pytest.mark.parametrize(
+    "key, closest", [("donw", "'down'"), ("attn.query", "'attn/query'"), ("upp", "'up'")]
+)
+def test_a_rule_that_matches_no_module_is_an_error_naming_the_closest_paths(key, closest):
+    model = mpl.apply_policy(Block(), Rules({key: "float32"}, default="mixed_bfloat16"))
+    x = jnp.ones((1, SEQ, DIM))
+    with pytest.raises(ValueError, match="matches no module") as error:
+        _init(model, x)
+    message = str(error.value)
+    assert f"rule {key!r}" in message and f"closest paths: {closest}" in message
+    assert "'/'" in message and "allow_unmatched=True" in message
+    # Still refused at the next call: the mistake is never silent.
+    with pytest.raises(ValueError, match="matches no module"):
+        _init(model, x)
+
+
+def test_allow_unmatched_accepts_a_rule_for_a_module_the_call_does_not_run():
+    rules = Rules({"decoder/*": "float32"}, default="mixed_bfloat16", allow_unmatched=True)
+    model = mpl.apply_policy(Block(), rules)
+    x = jnp.ones((1, SEQ, DIM))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mpjax.RuleWarning)
+        variables = _init(model, x)
+        assert jax.eval_shape(model.apply, variables, x).shape == x.shape
 
 
 # --- The cost: no more converts than the same model written with dtype=jnp.bfloat16. -----------
@@ -593,9 +616,10 @@ class Tiny(nn.Module):
 
 
 def test_describe_returns_the_table_and_prints_nothing(capsys):
-    rules = Rules({"scale": "float32", "decoder": "float16"}, default="mixed_bfloat16")
-    with pytest.warns(mpjax.RuleWarning, match="'decoder' matches no module"):
-        report = mpjax.describe(mpl.apply_policy(Tiny(), rules))(jnp.ones((1, 3)))
+    rules = Rules(
+        {"scale": "float32", "decoder": "float16"}, default="mixed_bfloat16", allow_unmatched=True
+    )
+    report = mpjax.describe(mpl.apply_policy(Tiny(), rules))(jnp.ones((1, 3)))
     expected = [
         "path    type       params   compute   output    rule                             #params  bytes  matmuls ran in",
         "------  ---------  -------  --------  --------  -------------------------------  -------  -----  ------------------",
@@ -609,9 +633,21 @@ def test_describe_returns_the_table_and_prints_nothing(capsys):
     ]
     assert capsys.readouterr().out == ""
     assert report.table().splitlines() == expected and str(report) == report.table()
-    with pytest.warns(mpjax.RuleWarning):  # a new wrap warns again
-        again = mpjax.describe(Tiny(), rules=rules)(jnp.ones((1, 3)))  # wrapped by describe
+    again = mpjax.describe(Tiny(), rules=rules)(jnp.ones((1, 3)))  # wrapped by describe
     assert again == report
+
+
+@pytest.mark.parametrize("spec", ["fp16", "f16", "float16", "half"])
+def test_describe_says_that_fp16_is_pure_float16_and_names_amp(spec):
+    note = (
+        "note: 'fp16', 'f16', 'float16' and 'half' mean pure float16: float16 params, compute "
+        "and output. AMP (PyTorch's autocast to float16) is 'mixed_float16' (p=f32,c=f16,o=f32)."
+    )
+    report = mpjax.describe(mpl.apply_policy(Tiny(), spec))(jnp.ones((1, 3)))
+    assert report.table().splitlines()[-1] == note
+    assert report.to_dict()["notes"] == [note.removeprefix("note: ")]
+    amp = mpjax.describe(mpl.apply_policy(Tiny(), "mixed_float16"))(jnp.ones((1, 3)))
+    assert "note:" not in amp.table() and amp.to_dict()["notes"] == []
 
 
 def test_describe_to_dict_is_plain_json():

@@ -29,6 +29,7 @@ from mpjax import (
     PersistentOverflowError,
     StaticLossScale,
     check_overflow,
+    jax_compat,
     loss_scaling,
     loss_scaling_info,
     scale_loss,
@@ -558,9 +559,11 @@ def test_persistent_overflow_never_applies_and_check_overflow_raises():
         step = jax.jit(lambda s, p: tx.update({"w": jnp.full(4, jnp.nan)}, s, p))
         initial_inner = state.inner_state
         check_overflow(state, max_consecutive=1)
-        for _ in range(300):
-            updates, state = step(state, params)
-            params = optax.apply_updates(params, updates)
+        with pytest.warns(mpjax.LossScalingWarning, match="the last 25 optimizer steps"):
+            for _ in range(300):
+                updates, state = step(state, params)
+                params = optax.apply_updates(params, updates)
+            jax.effects_barrier()
     assert_trees_bitwise_equal(params, initial_params)
     assert_trees_bitwise_equal(state.inner_state, initial_inner)
     assert int(state.consecutive_skipped) == 300 and int(state.skipped_steps) == 300
@@ -572,6 +575,156 @@ def test_persistent_overflow_never_applies_and_check_overflow_raises():
     ):
         check_overflow(state, max_consecutive=100)
     assert issubclass(PersistentOverflowError, RuntimeError)
+
+
+def _overflow_warnings(caught):
+    return [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, mpjax.LossScalingWarning) and "skipped" in str(w.message)
+    ]
+
+
+def _unscaled_warnings(caught):
+    return [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, mpjax.LossScalingWarning) and "not scaled" in str(w.message)
+    ]
+
+
+UNSCALED = (
+    "mpjax.loss_scaling: update() got gradients of a loss that was not scaled with this state's "
+    "loss scale: gradients from a plain jax.value_and_grad are divided by a scale they were never "
+    "multiplied by, and the step all but vanishes. Compute them with "
+    "mpjax.scaled_value_and_grad(loss_fn)(opt_state, params) or differentiate "
+    "mpjax.scale_loss(loss, opt_state). If the loss was scaled in another jitted function than "
+    "this update, this warning is a false alarm (see the loss-scaling guide)."
+)
+
+
+def _steps(tx):
+    """A plain, a scaled_value_and_grad and a scale_loss training step for ``tx``."""
+
+    def loss_fn(p):
+        return jnp.sum(p["w"] ** 2)
+
+    def plain(state, params):
+        return tx.update(jax.grad(loss_fn)(params), state, params)
+
+    def scaled(state, params):
+        _, grads = mpjax.scaled_value_and_grad(loss_fn)(state, params)
+        return tx.update(grads, state, params)
+
+    def by_hand(state, params):
+        grads = jax.grad(lambda p: scale_loss(loss_fn(p), state))(params)
+        return tx.update(grads, state, params)
+
+    return plain, scaled, by_hand
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: loss_scaling(optax.sgd(0.1)),
+        lambda: loss_scaling(optax.sgd(0.1), "static:1024"),
+        lambda: loss_scaling(optax.MultiSteps(optax.sgd(0.1), 2)),
+        lambda: mpjax.master_weights(loss_scaling(optax.sgd(0.1))),
+    ],
+    ids=["dynamic", "static", "multisteps", "master_weights"],
+)
+def test_a_forgotten_scale_loss_warns_and_the_documented_paths_do_not(make):
+    tx = make()
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    plain, scaled, by_hand = _steps(tx)
+    for wrap in (lambda f: f, jax.jit):
+        with warnings.catch_warnings(record=True) as caught, standard_promotion():
+            warnings.simplefilter("always")
+            wrap(plain)(state, params)
+        assert _unscaled_warnings(caught) == [UNSCALED]
+        with warnings.catch_warnings(record=True) as caught, standard_promotion():
+            warnings.simplefilter("always")
+            for step in (scaled, by_hand):
+                _, new_state = wrap(step)(state, params)
+                wrap(step)(new_state, params)  # the next step, with the next state's scale
+        assert _unscaled_warnings(caught) == []
+
+
+def test_no_warning_where_the_scale_is_trivial():
+    for tx in (loss_scaling(optax.sgd(0.1), "none"), loss_scaling(optax.sgd(0.1), "static:1")):
+        params = {"w": jnp.ones(3)}
+        plain, _, _ = _steps(tx)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            jax.jit(plain)(tx.init(params), params)
+        assert _unscaled_warnings(caught) == []
+
+
+def test_persistent_overflow_warns_once_from_the_step_and_changes_nothing(monkeypatch):
+    tx = loss_scaling(optax.sgd(0.1))  # dynamic: 2**15 down to the floor of 1 in 15 steps
+    params = {"w": jnp.ones(4)}
+    nan = {"w": jnp.full(4, jnp.nan)}
+
+    def run():
+        step = jax.jit(lambda s, g: tx.update(g, s, params))
+        state = tx.init(params)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(60):
+                _, state = step(state, nan)
+            jax.effects_barrier()
+        return state, _overflow_warnings(caught)
+
+    with standard_promotion():
+        state, messages = run()
+        module = importlib.import_module(
+            "mpjax.optim.loss_scaling"
+        )  # the attribute is the function
+        monkeypatch.setattr(module, "_warn_if_persistent", lambda *a: None)
+        silent_state, silent = run()
+    assert messages == [
+        "mpjax.loss_scaling: the last 25 optimizer steps were all skipped because the gradients "
+        "had inf or NaN; the loss scale is now 1 and nothing has been applied since. No loss "
+        "scale fixes this: check the loss and the forward pass for inf/NaN, keep "
+        "overflow-prone ops in float32 via the policy, lower the learning rate, or use "
+        "bfloat16. mpjax.check_overflow(opt_state) raises PersistentOverflowError instead."
+    ]
+    assert silent == [] and int(state.consecutive_skipped) == 60
+    assert_trees_bitwise_equal(state, silent_state)
+
+
+def test_a_healthy_step_warns_nothing_and_its_callback_sits_in_the_skip_branch():
+    tx = loss_scaling(optax.sgd(0.1))
+    params = {"w": jnp.ones(4)}
+    with standard_promotion():
+        step = jax.jit(lambda s: tx.update({"w": jnp.ones(4)}, s, params))
+        state = tx.init(params)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(30):
+                _, state = step(state)
+            jax.effects_barrier()
+        jaxpr = jax.make_jaxpr(lambda s: tx.update({"w": jnp.ones(4)}, s, params))(state)
+    assert _overflow_warnings(caught) == [] and int(state.consecutive_skipped) == 0
+
+    def callbacks(jaxpr):
+        return sum(
+            (e.primitive.name == "debug_callback")
+            + sum(callbacks(getattr(j, "jaxpr", j)) for j in jax_compat.sub_jaxprs(e))
+            for e in jaxpr.eqns
+        )
+
+    top = jaxpr.jaxpr.eqns
+    assert callbacks(jaxpr.jaxpr) == 1
+    assert not [e for e in top if e.primitive.name == "debug_callback"]
+    (cond,) = [e for e in top if e.primitive.name == "cond" and callbacks(_Eqns([e]))]
+    assert sorted(callbacks(b.jaxpr) for b in jax_compat.cond_branches(cond)) == [0, 1]
+
+
+class _Eqns:
+    def __init__(self, eqns):
+        self.eqns = eqns
 
 
 def test_check_overflow_reports_the_scale_and_rejects_bad_use():

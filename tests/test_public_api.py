@@ -28,6 +28,7 @@ PUBLIC = {
         "LossScale",
         "LossScalingInfo",
         "LossScalingState",
+        "LossScalingWarning",
         "LowPrecisionParamsState",
         "MIXED_BFLOAT16",
         "MIXED_BFLOAT16_FP8",

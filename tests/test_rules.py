@@ -358,3 +358,15 @@ def test_norm_policy_takes_any_policy_spelling():
     expected = Policy(F32, F32, jnp.bfloat16)
     assert mpjax.norm_policy("mixed_bfloat16") == mpjax.norm_policy(mpjax.MIXED_BFLOAT16)
     assert mpjax.norm_policy("mixed_bfloat16") == expected
+
+
+def test_allow_unmatched_is_kept_by_every_derived_rules_and_must_be_a_bool():
+    rules = Rules({"head": "float32"}, allow_unmatched=True)
+    derived = (
+        rules.with_rule("body", "bf16"),
+        rules.without("head"),
+        rules.with_default("mixed_bfloat16"),
+    )
+    assert all(r.allow_unmatched for r in derived) and not Rules({}).allow_unmatched
+    with pytest.raises(TypeError, match=r"allow_unmatched=\.\.\.\) must be a bool, got 'yes'"):
+        Rules({}, allow_unmatched="yes")

@@ -16,7 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpjax.inspection.matmuls import call_on_leaves, inspect_matmuls
-from mpjax.policy import Policy, is_floating, short_dtype_name
+from mpjax.policy import (
+    PURE_FLOAT16_NOTE,
+    Policy,
+    is_floating,
+    is_pure_float16,
+    short_dtype_name,
+)
 from mpjax.table import format_table, human_bytes
 
 
@@ -113,7 +119,7 @@ class PrecisionReport:
         return self.table()
 
     def table(self) -> str:
-        """The rows as a text table with a total, then the problems as warnings."""
+        """The rows as a text table with a total, then the problems as warnings and the notes."""
         header = (
             "path",
             "type",
@@ -160,15 +166,25 @@ class PrecisionReport:
             )
         ]
         lines += [f"warning: {p}" for p in self.problems]
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """What the table's reader should know about its policies, such as that pure float16 (``"fp16"``)
+        is not AMP, where a module runs it."""
+        if any(is_pure_float16(r.policy) for r in self.rows):
+            return (PURE_FLOAT16_NOTE,)
+        return ()
+
     def to_dict(self) -> dict[str, Any]:
-        """The report as JSON-serialisable data: ``{"rows": [...], "problems": [...],
+        """The report as JSON-serialisable data: ``{"rows": [...], "problems": [...], "notes": [...],
         "matmuls_traced": ..., "total_params": ..., "total_bytes": ...}``, each row as
         :meth:`ModuleRow.to_dict` gives it."""
         return {
             "rows": [r.to_dict() for r in self.rows],
             "problems": list(self.problems),
+            "notes": list(self.notes),
             "matmuls_traced": self.matmuls_traced,
             "total_params": self.total_params,
             "total_bytes": self.total_bytes,

@@ -18,6 +18,8 @@ optimizer state (steps 1 and 2, the counters, the checks) is :mod:`mpjax.optim.l
 from __future__ import annotations
 
 import functools
+import warnings
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -25,9 +27,94 @@ import jax.numpy as jnp
 import optax
 
 from mpjax.optim.gradient_checks import InitTrees, check_params, check_transformation, check_update
-from mpjax.optim.loss_scale import LossScale, parse_loss_scale
+from mpjax.optim.loss_scale import LossScale, NoOpLossScale, StaticLossScale, parse_loss_scale
 
-__all__ = ["LossScalingState", "loss_scaling"]
+__all__ = ["LossScalingState", "LossScalingWarning", "loss_scaling"]
+
+# The default dynamic scale backs off from 2**15 to its floor of 1 in 15 overflowed steps in a
+# row; 10 more at the floor are overflow that no scale fixes.
+DEFAULT_MAX_CONSECUTIVE = 25
+
+
+class LossScalingWarning(UserWarning):
+    """Warned by a :func:`loss_scaling` update that skipped ``DEFAULT_MAX_CONSECUTIVE`` (25)
+    optimizer steps in a row for inf or NaN gradients (on the host, from the step), or that
+    got gradients of a loss never scaled with its state's scale (at trace time)."""
+
+
+def _warn_persistent_overflow(count: Any, scale: Any) -> None:
+    """The host side of the persistent-overflow warning (a ``jax.debug.callback``)."""
+    warnings.warn(
+        f"mpjax.loss_scaling: the last {int(count)} optimizer steps were all skipped because "
+        f"the gradients had inf or NaN; the loss scale is now {float(scale):g} and nothing has "
+        "been applied since. No loss scale fixes this: check the loss and the forward pass for "
+        "inf/NaN, keep overflow-prone ops in float32 via the policy, lower the learning rate, "
+        "or use bfloat16. mpjax.check_overflow(opt_state) raises PersistentOverflowError "
+        "instead.",
+        LossScalingWarning,
+        stacklevel=2,
+    )
+
+
+# The loss-scale values that scaled a loss (scale_loss, scaled_value_and_grad): concrete arrays,
+# or the tracers of a trace in progress, by id. Weak, so nothing is kept alive and an id is only
+# found while its value lives.
+_scaled_with: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def record_scaled(scale: Any) -> None:
+    """Notes that ``scale`` (a :class:`LossScalingState`'s ``loss_scale.loss_scale``, concrete
+    or traced) multiplied a loss, for the update's check of a forgotten ``scale_loss``."""
+    try:
+        _scaled_with[id(scale)] = scale
+    except TypeError:  # not weak-referenceable: nothing to check against
+        pass
+
+
+def _scales(loss_scale: LossScale) -> bool:
+    """Whether ``loss_scale`` (a transformation's initial scale) changes the gradients at all:
+    not for no scale or a static scale of 1."""
+    if isinstance(loss_scale, NoOpLossScale):
+        return False
+    if isinstance(loss_scale, StaticLossScale):
+        return float(loss_scale.loss_scale) != 1.0
+    return True
+
+
+def _warn_if_unscaled(loss_scale: LossScale) -> None:
+    """Warns, at trace time (no cost to the step), when the update runs with a scale that
+    never scaled a loss in this trace or, outside jit, with this array: gradients from a plain
+    ``jax.value_and_grad`` would be divided by a scale they were never multiplied by."""
+    scale = loss_scale.loss_scale
+    if _scaled_with.get(id(scale)) is scale:
+        return
+    warnings.warn(
+        "mpjax.loss_scaling: update() got gradients of a loss that was not scaled with this "
+        "state's loss scale: gradients from a plain jax.value_and_grad are divided by a scale "
+        "they were never multiplied by, and the step all but vanishes. Compute them with "
+        "mpjax.scaled_value_and_grad(loss_fn)(opt_state, params) or differentiate "
+        "mpjax.scale_loss(loss, opt_state). If the loss was scaled in another jitted function "
+        "than this update, this warning is a false alarm (see the loss-scaling guide).",
+        LossScalingWarning,
+        stacklevel=3,
+    )
+
+
+def _warn_if_persistent(skipped: jax.Array, consecutive: jax.Array, scale: jax.Array) -> None:
+    """Warns once per run of skipped steps, when it reaches ``DEFAULT_MAX_CONSECUTIVE``. The
+    callback sits in the branch of a ``cond`` that only such a step takes, so a step that went
+    well sends nothing to the host and waits for nothing."""
+
+    def warn(count, scale):
+        jax.debug.callback(_warn_persistent_overflow, count, scale)
+
+    jax.lax.cond(
+        skipped & (consecutive == DEFAULT_MAX_CONSECUTIVE),
+        warn,
+        lambda count, scale: None,
+        consecutive,
+        scale,
+    )
 
 
 class LossScalingState(NamedTuple):
@@ -139,7 +226,9 @@ def loss_scaling(
 
     Unlike ``optax.apply_if_finite``, a non-finite update is never applied, however many steps
     in a row overflow; ``state.consecutive_skipped`` counts them and :func:`mpjax.check_overflow`
-    raises outside jit when it gets too long.
+    raises outside jit when it gets too long. Without it, the update itself warns on the host
+    (:class:`mpjax.LossScalingWarning`, through ``jax.debug.callback``) when the 25th step in a
+    row is skipped; the callback runs only on that step, so steps that go well do not sync.
 
     Gradient accumulation: wrap ``optax.MultiSteps`` (the ``MultiSteps`` object itself or its
     ``gradient_transformation()``, alone or anywhere inside ``inner``: in a chain, inside
@@ -196,6 +285,7 @@ def loss_scaling(
     check_transformation(inner, "loss_scaling")
     scale0 = parse_loss_scale(loss_scale)
     axis_name = _check_axis_name(axis_name)
+    checks_scaled = _scales(scale0)
     inner = optax.with_extra_args_support(inner)
     init_trees = InitTrees()
 
@@ -227,6 +317,8 @@ def loss_scaling(
             needs_params=False,
             init_trees=init_trees,
         )
+        if checks_scaled:
+            _warn_if_unscaled(state.loss_scale)
         unscaled = state.loss_scale.unscale(updates)
         # Back to each gradient's own dtype, so inner state dtypes never change; the check comes
         # after the cast because a value finite in float32 can overflow float16.
@@ -273,6 +365,7 @@ def loss_scaling(
             consecutive_skipped=consecutive,
             window_finite=next_window_finite,
         )
+        _warn_if_persistent(skipped, consecutive, new_scale.loss_scale)
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init, update)

@@ -27,8 +27,10 @@ import optax
 from mpjax import jax_compat
 from mpjax.optim.loss_scale import DynamicLossScale
 from mpjax.optim.loss_scaling import (
+    DEFAULT_MAX_CONSECUTIVE,
     LossScalingState,
     loss_scaling,  # noqa: F401  (the docstrings' examples use it)
+    record_scaled,
 )
 from mpjax.policy import is_floating
 
@@ -306,7 +308,10 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
         loss = jnp.asarray(loss, jnp.float32)
     _check_loss(loss, "scale_loss", "loss")
     state = _find_state(opt_state, "scale_loss")
-    return loss if state is None else state.loss_scale.scale(loss)
+    if state is None:
+        return loss
+    record_scaled(state.loss_scale.loss_scale)
+    return state.loss_scale.scale(loss)
 
 
 def check_argnums(argnums: Any, where: str, also: tuple[type, ...] = (), what: str = "") -> None:
@@ -373,7 +378,10 @@ def make_scaled_value_and_grad(
             # In at least float32: a float16 loss times the scale would overflow to an inf
             # (discarded, but jax_debug_infs stops at it); the gradients are scale_loss's.
             wide = loss if jnp.finfo(loss.dtype).bits >= 32 else loss.astype(jnp.float32)
-            return (wide if state is None else state.loss_scale.scale(wide)), (loss, aux)
+            if state is None:
+                return wide, (loss, aux)
+            record_scaled(state.loss_scale.loss_scale)
+            return state.loss_scale.scale(wide), (loss, aux)
 
         (_, (loss, aux)), grads = value_and_grad(scaled, argnums=argnums, has_aux=True)(
             *args, **kwargs
@@ -488,11 +496,6 @@ def _info(state: LossScalingState | None) -> LossScalingInfo:
 
 class PersistentOverflowError(RuntimeError):
     """Raised by :func:`check_overflow` when too many optimizer steps in a row were skipped."""
-
-
-# The default dynamic scale backs off from 2**15 to its floor of 1 in 15 overflowed steps in a
-# row; 10 more at the floor are overflow that no scale fixes.
-DEFAULT_MAX_CONSECUTIVE = 25
 
 
 def check_overflow(opt_state: Any, max_consecutive: int = DEFAULT_MAX_CONSECUTIVE) -> None:
