@@ -20,12 +20,21 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 def pytest_sessionstart(session):
     """The sharding tests need 8 devices. With ``MPJAX_REQUIRE_GPU_PLAN`` set (as CI's newest
     suite sets it), a missing CUDA plugin is an error rather than a reason to skip the tests
-    that compile for an H100."""
+    that compile for an H100; with ``MPJAX_REQUIRE_TPU_PLAN``, a missing libtpu is one for the
+    tests that compile for a TPU."""
     if jax.device_count() < 8:
         raise pytest.UsageError(
             f"the tests need at least 8 devices; XLA_FLAGS gives {jax.device_count()}: "
             f"{os.environ['XLA_FLAGS']!r}"
         )
+    if os.environ.get("MPJAX_REQUIRE_TPU_PLAN"):
+        from mpjax.jax_compat import tpu_compiler_unavailable  # after jax is configured above
+
+        reason = tpu_compiler_unavailable()
+        if reason is not None:
+            raise pytest.UsageError(
+                f"MPJAX_REQUIRE_TPU_PLAN is set, but nothing can compile for a TPU: {reason}"
+            )
     if not os.environ.get("MPJAX_REQUIRE_GPU_PLAN"):
         return
     from mpjax.inspection.gpu_plan import gpu_plan_unavailable  # after jax is configured above
