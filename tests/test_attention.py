@@ -6,6 +6,7 @@ here in Pallas's interpreter, and compile for a TPU on this machine where libtpu
 
 import functools
 import os
+import warnings
 
 import flax.linen as nn
 import jax
@@ -314,7 +315,9 @@ def test_implementation_can_be_forced_and_is_checked():
     q, k, v = _qkv(jnp.bfloat16)
     forced = functools.partial(mpjax.dot_product_attention, implementation="xla")
     assert _attention_conds(forced, q, k, v) == []
-    with pytest.raises(ValueError, match="implementation=.*'cudnn', 'pallas' or 'xla'; got 'flash'"):
+    with pytest.raises(
+        ValueError, match="implementation=.*'cudnn', 'pallas' or 'xla'; got 'flash'"
+    ):
         mpjax.dot_product_attention(q, k, v, implementation="flash")
     with pytest.raises(TypeError, match="arrays for query, key and value; got key=None"):
         mpjax.dot_product_attention(q, None, v)
@@ -481,6 +484,21 @@ def test_inputs_pallas_refuses_take_xla_and_forcing_pallas_on_them_is_a_clear_er
     assert all(("tpu",) not in c for c in _attention_conds(fn, q, k, v, None, mask))
     with pytest.raises(ValueError, match="implementation='pallas'.*no boolean mask"):
         mpjax.dot_product_attention(q, k, v, mask=mask, implementation="pallas")
+
+
+def test_under_a_policy_the_pallas_kernels_run_in_the_compute_dtype_as_traced():
+    """The kernels are traced in the region's compute dtype and autocast keeps them so, as it
+    keeps cuDNN's calls, without warning of an unknown higher-order primitive."""
+    q, k, v, _ = _pallas_qkv(jnp.float32)
+    fused = functools.partial(mpjax.dot_product_attention, is_causal=True, implementation="pallas")
+    under_policy = mpjax.autocast(fused, "mixed_bfloat16")
+    gradient = jax.grad(lambda q: under_policy(q, k, v).sum())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mpjax.AutocastWarning)
+        equations = mpjax.inspection.matmuls.iter_equations(gradient, q)
+        kernels = [eqn for eqn, _ in equations if eqn.primitive.name == "pallas_call"]
+    assert len(kernels) == 3  # forward, dK/dV, dQ
+    assert {np.dtype(x.aval.dtype) for e in kernels for x in e.invars[:3]} == {BF16}
 
 
 TPU_REASON = jax_compat.tpu_compiler_unavailable()

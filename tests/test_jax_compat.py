@@ -417,3 +417,38 @@ def test_a_bound_equation_keeps_the_source_location_it_was_traced_at():
 
     (converted,) = jax.make_jaxpr(cast)(X).jaxpr.eqns
     assert jax_compat.source_location(converted) == jax_compat.source_location(sin)
+
+
+def test_pallas_flash_attention_is_a_forward_and_two_backward_kernels_interpreted_here():
+    """The kernel's signature (heads-first operands, ``causal``, ``sm_scale``, the default
+    block sizes with backward blocks) and the interpreter that runs it on a CPU."""
+    q, k, v = (
+        jax.random.normal(key, (1, 1, 128, 64)) for key in jax.random.split(jax.random.key(0), 3)
+    )
+
+    def loss(q, k, v):
+        out = jax_compat.pallas_flash_attention(q, k, v, is_causal=True, scale=0.125)
+        return out.sum()
+
+    def kernels(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield eqn
+            else:  # a kernel's own jaxpr is not walked
+                for sub in jax_compat.sub_jaxprs(eqn):
+                    yield from kernels(getattr(sub, "jaxpr", sub))
+
+    gradient = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
+    assert len(list(kernels(gradient))) == 3  # forward (with softmax statistics), dK/dV, dQ
+    with jax_compat.pallas_tpu_interpreted():
+        out = jax.jit(
+            lambda q, k, v: jax_compat.pallas_flash_attention(q, k, v, is_causal=True, scale=1.0)
+        )(q, k, v)
+    # The first query attends to the first key only.
+    np.testing.assert_array_equal(out[0, 0, 0], v[0, 0, 0])
+    assert jax_compat.PALLAS_BLOCK == 128
+
+
+def test_tpu_compiler_unavailable_says_why_or_none():
+    reason = jax_compat.tpu_compiler_unavailable()
+    assert reason is None or "libtpu" in reason
