@@ -2,19 +2,30 @@
 
 Attention written as two einsums and a softmax materializes the ``T x T`` scores, in memory and
 in time. :func:`dot_product_attention` computes the same function with cuDNN's fused flash
-attention where it can, and with XLA's composition elsewhere:
+attention on CUDA GPUs and Pallas's flash attention on TPUs where they can, and with XLA's
+composition elsewhere:
 
 - **Chosen per platform when the function is lowered**, not when it is traced: the function
-  holds both (``lax.platform_dependent``), and compiling it for a CUDA GPU keeps cuDNN's
-  kernels, forward and backward, while compiling it for a CPU keeps XLA's. So the same jitted
-  step gets the right path on a GPU, on a CPU, and in a compile for a GPU done on a machine
-  without one (see :func:`mpjax.plan`). ``jax.nn.dot_product_attention``'s own default
-  (``implementation=None``) is XLA's path everywhere.
+  holds all three (``lax.platform_dependent``), and compiling it for a CUDA GPU keeps cuDNN's
+  kernels, forward and backward, compiling it for a TPU keeps Pallas's (Mosaic
+  ``tpu_custom_call``s), and compiling it for a CPU keeps XLA's. So the same jitted step gets
+  the right path on a GPU, on a TPU, on a CPU, and in a compile for a GPU or a TPU done on a
+  machine without one (see :func:`mpjax.plan`). ``jax.nn.dot_product_attention``'s own
+  default (``implementation=None``) is XLA's path everywhere.
 - **cuDNN where it applies**: bfloat16 or float16 inputs, a head size of at most 128 and a
   multiple of 8, a bias only with even sequence lengths, and whatever else cuDNN's own checks
   refuse when the call is traced (without the CUDA plugin, ``pip install "mpjax[cuda12]"``,
   cuDNN is never chosen). Otherwise XLA's path runs on every platform. ``implementation``
   forces either.
+- **Pallas where it applies** (``jax.experimental.pallas.ops.tpu.flash_attention``): bfloat16
+  or float32 inputs, as many key/value heads as query heads, sequence lengths that are
+  multiples of 128 (its block size), a head size below 128 or a multiple of it, causal or no
+  mask, and no bias (:func:`pallas_refusal`). ``implementation="pallas"`` forces it. Its Mosaic
+  kernels cannot be partitioned by XLA: a step compiled for several TPU devices with sharded
+  (or replicated) inputs fails to compile with them, so such a step passes
+  ``implementation="xla"``. Splash attention, which also takes grouped-query heads and
+  arbitrary mask patterns, is built from NumPy masks for fixed lengths when it is traced; the
+  flash kernel takes the shapes it is traced with, as this function does.
 - **In the compute dtype**: under an mpjax policy (a wrapped Flax model, :func:`mpjax.autocast`)
   the query, key and value are cast to the compute dtype of the region the attention is called
   in *when it is traced*, so a model whose Dense layers return float32 still reaches cuDNN in
@@ -51,16 +62,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mpjax import jax_compat as compat
 from mpjax.casting.trace_context import traced_compute_dtype
 
-__all__ = ["IMPLEMENTATIONS", "cudnn_refusal", "dot_product_attention"]
+__all__ = ["IMPLEMENTATIONS", "cudnn_refusal", "dot_product_attention", "pallas_refusal"]
 
-IMPLEMENTATIONS = ("xla", "cudnn", None)
-"""The values of ``implementation``: XLA's composition, cuDNN's fused kernel, or cuDNN on
-CUDA GPUs where it applies and XLA elsewhere (the default)."""
+IMPLEMENTATIONS = ("xla", "cudnn", "pallas", None)
+"""The values of ``implementation``: XLA's composition, cuDNN's fused kernel, Pallas's TPU
+flash attention, or cuDNN on CUDA GPUs and Pallas on TPUs where they apply and XLA elsewhere
+(the default)."""
 
 _CUDNN_DTYPES = frozenset(np.dtype(d) for d in (jnp.bfloat16, jnp.float16))
 _CUDNN_MAX_HEAD = 128  # Hopper takes 256, but the target is not known when tracing
+_PALLAS_DTYPES = frozenset(np.dtype(d) for d in (jnp.bfloat16, jnp.float32))
 _F16 = np.dtype(jnp.float16)
 _F32 = np.dtype(jnp.float32)
 # cuDNN's own checks when it is traced: bad layouts, no cuDNN (no CUDA plugin), shapes its
@@ -83,7 +97,7 @@ def dot_product_attention(
     module: Any = None,
     *,
     is_causal: bool = False,
-    implementation: Literal["xla", "cudnn"] | None = None,
+    implementation: Literal["xla", "cudnn", "pallas"] | None = None,
     **flax_options: Any,
 ) -> jax.Array:
     """Multi-head attention through ``jax.nn.dot_product_attention``, with the signature of
@@ -108,9 +122,13 @@ def dot_product_attention(
       module: the calling Flax module (unused: fused attention has no weights to sow).
       is_causal: mask out the future, without materializing a mask.
       implementation: None (the default): cuDNN's fused kernel when the function is
-        compiled for a CUDA GPU and cuDNN takes these inputs (:func:`cudnn_refusal`), XLA's
-        composition otherwise. ``"cudnn"`` forces cuDNN (which then fails to compile for a
-        platform other than CUDA, or raises for inputs it refuses); ``"xla"`` forces XLA.
+        compiled for a CUDA GPU and cuDNN takes these inputs (:func:`cudnn_refusal`), Pallas's
+        flash attention when it is compiled for a TPU and Pallas takes them
+        (:func:`pallas_refusal`), XLA's composition otherwise. ``"cudnn"`` forces cuDNN
+        (which then fails to compile for a platform other than CUDA, or raises for inputs it
+        refuses); ``"pallas"`` forces Pallas (which fails to compile for other platforms,
+        unless traced under ``jax.experimental.pallas.tpu.force_tpu_interpret_mode()``, or
+        raises for inputs it refuses); ``"xla"`` forces XLA.
       **flax_options: Flax's other ``attention_fn`` keywords. ``force_fp32_for_softmax`` and
         ``promote_dtype`` are accepted (the softmax runs in f32 anyway); custom einsums
         (``einsum_dot_general``, ``qk_attn_weights_einsum``, ``attn_weights_value_einsum``)
@@ -167,8 +185,9 @@ def dot_product_attention(
         )
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
-            f"dot_product_attention(implementation=...) must be None (cuDNN on CUDA GPUs where "
-            f"it applies, XLA elsewhere), 'cudnn' or 'xla'; got {implementation!r}."
+            "dot_product_attention(implementation=...) must be None (cuDNN on CUDA GPUs and "
+            "Pallas on TPUs where they apply, XLA elsewhere), 'cudnn', 'pallas' or 'xla'; got "
+            f"{implementation!r}."
         )
     given = dtype if dtype is not None else _common_dtype(query, key, value)
     # Under a policy the engine casts every operation's inputs when it evaluates the traced
@@ -189,13 +208,31 @@ def dot_product_attention(
     # promotion forbids; the promotion is the intended one, whatever the caller's setting.
     with jax.numpy_dtype_promotion("standard"):
         cudnn = functools.partial(_cudnn, is_causal=is_causal)
+        pallas = functools.partial(_pallas, is_causal=is_causal)
         xla = functools.partial(_xla, is_causal=is_causal)
+        operands = (query, key, value, bias, mask)
         if implementation == "cudnn":
-            out = cudnn(query, key, value, bias, mask)
-        elif implementation == "xla" or cudnn_refusal(query, key, value, bias, mask, is_causal):
-            out = xla(query, key, value, bias, mask)
+            out = cudnn(*operands)
+        elif implementation == "pallas":
+            refusal = pallas_refusal(*operands, is_causal)
+            if refusal is not None:
+                raise ValueError(
+                    f"dot_product_attention(implementation='pallas') cannot run: {refusal}. "
+                    "Leave implementation=None for XLA's path where Pallas does not apply."
+                )
+            out = pallas(*operands)
+        elif implementation == "xla":
+            out = xla(*operands)
         else:
-            out = lax.platform_dependent(query, key, value, bias, mask, cuda=cudnn, default=xla)
+            fused = {}
+            if cudnn_refusal(*operands, is_causal) is None:
+                fused["cuda"] = cudnn
+            if pallas_refusal(*operands, is_causal) is None:
+                fused["tpu"] = pallas
+            if fused:
+                out = lax.platform_dependent(*operands, default=xla, **fused)
+            else:
+                out = xla(*operands)
     out = out.astype(given)
     return out[0] if unbatched else out
 
@@ -237,10 +274,71 @@ def cudnn_refusal(
     return None
 
 
+def pallas_refusal(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    is_causal: bool = False,
+) -> str | None:
+    """Why Pallas's TPU flash attention would not take these inputs, or None if it would.
+
+    Takes arrays or ``jax.ShapeDtypeStruct`` values of rank 4, already in the dtype to compute
+    in. Checks the dtype (bfloat16 or float32), the heads (as many for the key and value as for
+    the query), the sequence lengths (multiples of the kernel's block size, 128), the head
+    size (below 128 or a multiple of it), and that there is no mask (causal attention is
+    ``is_causal``) and no bias; then traces the kernels, forward and backward, whose own checks
+    cover the rest.
+
+    >>> import jax, jax.numpy as jnp
+    >>> pallas_refusal(*[jax.ShapeDtypeStruct((1, 200, 2, 64), jnp.bfloat16)] * 3)
+    'Pallas takes sequence lengths that are multiples of 128; got 200 and 200'
+    """
+    dtype = np.dtype(query.dtype)
+    if dtype not in _PALLAS_DTYPES:
+        return f"Pallas runs attention in bfloat16 or float32, not {dtype.name}"
+    devices = compat.traced_devices(query)
+    if devices > 1:
+        return (
+            f"Pallas's kernels cannot be partitioned by XLA, and the query spans {devices} devices"
+        )
+    if mask is not None:
+        return "Pallas takes no boolean mask (only is_causal)"
+    if bias is not None:
+        return "Pallas takes no bias"
+    if key.shape[2] != query.shape[2]:
+        return (
+            "Pallas takes as many key/value heads as query heads; got "
+            f"{key.shape[2]} and {query.shape[2]}"
+        )
+    t, s, head = query.shape[1], key.shape[1], query.shape[-1]
+    block = compat.PALLAS_BLOCK
+    if t % block or s % block:
+        return f"Pallas takes sequence lengths that are multiples of {block}; got {t} and {s}"
+    if head > block and head % block:
+        return f"Pallas takes head sizes below {block} or multiples of it; got {head}"
+    kernel = functools.partial(_pallas, bias=None, mask=None, is_causal=is_causal)
+    try:
+        jax.eval_shape(lambda q, k, v: jax.vjp(kernel, q, k, v), query, key, value)
+    except _REFUSALS as error:
+        return f"Pallas refused: {error}"
+    return None
+
+
 def _cudnn(query, key, value, bias, mask, *, is_causal):
     return jax.nn.dot_product_attention(
         query, key, value, bias, mask, is_causal=is_causal, implementation="cudnn"
     )
+
+
+def _pallas(query, key, value, bias, mask, *, is_causal):
+    """Pallas's flash attention on ``[batch, length, heads, head_dim]`` operands."""
+    del bias, mask  # None: pallas_refusal refuses them
+    heads_first = [jnp.swapaxes(x, 1, 2) for x in (query, key, value)]
+    scale = 1.0 / float(np.sqrt(query.shape[-1]))
+    out = compat.pallas_flash_attention(*heads_first, is_causal=is_causal, scale=scale)
+    return jnp.swapaxes(out, 1, 2)
 
 
 def _xla(query, key, value, bias, mask, *, is_causal):

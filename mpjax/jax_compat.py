@@ -23,6 +23,10 @@ CI runs it on the oldest and the newest). The differences handled here:
 * jax 0.9.2 changed ``Primitive.get_bind_params`` to return params only.
 * XLA's Triton GEMMs take dots on two different float8 types from jax 0.10.2 on, not in
   jax 0.8 (:func:`mixed_fp8_dots`).
+* Pallas's TPU flash attention (:func:`pallas_flash_attention`) has the same signature in
+  jax 0.8.1 and 0.12 (``jax.experimental.pallas.ops.tpu.flash_attention``: ``[batch, heads,
+  length, head_dim]`` operands, ``causal``, ``sm_scale``, ``block_sizes``), and so has
+  ``jax.experimental.pallas.tpu.force_tpu_interpret_mode`` (:func:`pallas_tpu_interpreted`).
 * Compiling for a GPU without one (:func:`cuda_topology`, :func:`deviceless_compile`): the
   CUDA plugin of jax 0.8 needs ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` to start without a GPU,
   knows fewer fields of the GPU description, autotunes Triton GEMMs and cannot print a
@@ -54,6 +58,8 @@ from jax._src import (
     xla_bridge,  # the platform name lowering uses ("cuda" for "gpu")
 )
 from jax.experimental import topologies
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as jex_primitives
 
@@ -402,6 +408,44 @@ def lowering_platform() -> str:
     and :func:`cond_platforms` name platforms: ``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``
     (``jax.default_backend()`` says ``"gpu"`` for the GPU ones)."""
     return xla_bridge.canonicalize_platform(jax.default_backend())
+
+
+PALLAS_BLOCK = pallas_flash.MIN_BLOCK_SIZE
+"""The block size of Pallas's TPU flash attention along both sequences, forward and backward
+(JAX's default block sizes): sequence lengths must be multiples of it."""
+
+
+def pallas_flash_attention(
+    query: jax.Array, key: jax.Array, value: jax.Array, *, is_causal: bool, scale: float
+) -> jax.Array:
+    """Pallas's TPU flash attention (forward and backward kernels, through its ``custom_vjp``)
+    on ``[batch, heads, length, head_dim]`` operands, with JAX's default block sizes
+    (:data:`PALLAS_BLOCK` along both sequences, one batch row a block).
+
+    It lowers to Mosaic ``tpu_custom_call``s, which compile for TPUs only, unless traced in
+    :func:`pallas_tpu_interpreted`.
+    """
+    b, n, t, h = query.shape
+    blocks = pallas_flash.BlockSizes.get_default(b, n, t, key.shape[2], h)
+    return pallas_flash.flash_attention(
+        query, key, value, causal=is_causal, sm_scale=scale, block_sizes=blocks
+    )
+
+
+def traced_devices(x: Any) -> int:
+    """How many devices the mesh of ``x``'s sharding spans as it is traced: the input
+    shardings of a ``jax.jit`` reach every value computed from them (an unsharded value, or
+    one traced outside ``jit``, counts 1). XLA partitions a step over that many devices, which
+    a Mosaic kernel (Pallas) cannot follow."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    return max(int(getattr(mesh, "size", 1) or 1), 1)
+
+
+def pallas_tpu_interpreted() -> contextlib.AbstractContextManager[None]:
+    """Runs the Pallas TPU kernels traced inside it with Pallas's TPU interpreter, on any
+    platform (slowly): how the kernels' numbers are checked on a CPU."""
+    return pltpu.force_tpu_interpret_mode()
 
 
 @dataclasses.dataclass(frozen=True)

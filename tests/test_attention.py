@@ -1,8 +1,12 @@
 """Fused attention (``mpjax.dot_product_attention``): the same function as attention written
 out in f32, with causal, padding and bias masks; clear errors for what the fused kernel cannot
-do; and routed to Flax's attention layers by a rule, under a policy."""
+do; and routed to Flax's attention layers by a rule, under a policy. Pallas's TPU kernels run
+here in Pallas's interpreter, and compile for a TPU on this machine where libtpu is installed
+(``MPJAX_REQUIRE_TPU_PLAN`` makes a missing libtpu an error)."""
 
 import functools
+import os
+import warnings
 
 import flax.linen as nn
 import jax
@@ -10,9 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.experimental import topologies
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tolerances import assert_close_in_norm, tolerance
 
 import mpjax
+from mpjax import jax_compat
 
 B, T, S, N, H = 2, 6, 6, 4, 8
 BF16 = np.dtype(jnp.bfloat16)
@@ -307,7 +315,9 @@ def test_implementation_can_be_forced_and_is_checked():
     q, k, v = _qkv(jnp.bfloat16)
     forced = functools.partial(mpjax.dot_product_attention, implementation="xla")
     assert _attention_conds(forced, q, k, v) == []
-    with pytest.raises(ValueError, match="implementation=.*'cudnn' or 'xla'; got 'flash'"):
+    with pytest.raises(
+        ValueError, match="implementation=.*'cudnn', 'pallas' or 'xla'; got 'flash'"
+    ):
         mpjax.dot_product_attention(q, k, v, implementation="flash")
     with pytest.raises(TypeError, match="arrays for query, key and value; got key=None"):
         mpjax.dot_product_attention(q, None, v)
@@ -376,3 +386,182 @@ def test_under_a_policy_attention_is_traced_in_the_region_compute_dtype():
             return mpjax.dot_product_attention(q, k, v)
 
     assert _attention_dtypes(mpjax.autocast(in_full_precision), q, k, v) == {np.dtype(jnp.float32)}
+
+
+# --- Pallas's flash attention on TPUs -------------------------------------------------------
+
+# Pallas's kernels take sequence lengths that are multiples of 128: small, for its interpreter.
+PALLAS_T, PALLAS_N = 256, 2
+
+
+def _pallas_qkv(dtype, head=64):
+    keys = jax.random.split(jax.random.key(1), 4)
+    q, k, v, cotangent = (jax.random.normal(kk, (1, PALLAS_T, PALLAS_N, head)) for kk in keys)
+    return tuple(x.astype(dtype) for x in (q, k, v, cotangent))
+
+
+def _forward_and_gradients(q, k, v, cotangent, *, implementation, is_causal):
+    fn = functools.partial(
+        mpjax.dot_product_attention, is_causal=is_causal, implementation=implementation
+    )
+
+    def loss(q, k, v):
+        return jnp.vdot(fn(q, k, v).astype(jnp.float32), cotangent.astype(jnp.float32))
+
+    return fn(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+@pytest.mark.parametrize(
+    "dtype, is_causal, head",
+    [
+        (jnp.bfloat16, True, 64),
+        (jnp.bfloat16, False, 64),
+        (jnp.float32, True, 64),
+        (jnp.float32, False, 64),
+        (jnp.bfloat16, True, 128),
+    ],
+)
+def test_pallas_kernels_match_xla_forward_and_backward_in_the_interpreter(dtype, is_causal, head):
+    """Pallas's forward and backward kernels, run by Pallas's TPU interpreter, against XLA's
+    composition: the same function, summed in other orders (online softmax over blocks of
+    128 keys). For bf16 both round the weights to bf16 for the weighted values and the output:
+    half an epsilon each, on each side; in the backward also the scores' gradient: three."""
+    q, k, v, cotangent = qkvc = _pallas_qkv(dtype, head)
+    run = functools.partial(_forward_and_gradients, is_causal=is_causal)
+    # Outside a policy XLA's bf16 backward needs standard promotion (see the bf16 tests above).
+    with jax.numpy_dtype_promotion("standard"):
+        with jax_compat.pallas_tpu_interpreted():
+            out, grads = jax.jit(functools.partial(run, implementation="pallas"))(*qkvc)
+        want_out, want_grads = jax.jit(functools.partial(run, implementation="xla"))(*qkvc)
+    assert out.dtype == want_out.dtype == np.dtype(dtype)
+    rounding = 0.0 if np.dtype(dtype) == np.float32 else float(jnp.finfo(dtype).eps)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    atol = _reordered_atol(*f32) + 2 * rounding * float(jnp.abs(f32[2]).max())
+    np.testing.assert_allclose(np.asarray(out, np.float64), want_out, atol=atol, rtol=0)
+    for name, got, want in zip("qkv", grads, want_grads, strict=True):
+        assert got.dtype == np.dtype(dtype)
+        assert_close_in_norm(got, want, 2 * _reordered_rtol(*f32[:2]) + 3 * rounding, name)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_default_holds_pallas_for_tpus_when_pallas_takes_the_inputs(dtype):
+    """Staged for TPUs next to XLA's path (and cuDNN's, where the CUDA plugin is installed),
+    forward and backward; lowered for the CPU, XLA's path runs here."""
+    q, k, v, _ = _pallas_qkv(dtype)
+    fn = functools.partial(mpjax.dot_product_attention, is_causal=True)
+    cuda = [("cuda",)] if _cudnn_available() and np.dtype(dtype) == BF16 else []
+    assert _attention_conds(fn, q, k, v) == [(*cuda, ("tpu",), None)]
+    with jax.numpy_dtype_promotion("standard"):
+        gradient = jax.grad(lambda q: fn(q, k, v).astype(jnp.float32).sum())
+        # One for the forward, one for the backward.
+        assert _attention_conds(gradient, q) == [(*cuda, ("tpu",), None)] * 2
+    with jax.numpy_dtype_promotion("standard"):
+        out = jax.jit(fn)(q, k, v)
+    want = jax.jit(functools.partial(fn, implementation="xla"))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+
+
+def test_inputs_pallas_refuses_take_xla_and_forcing_pallas_on_them_is_a_clear_error():
+    q, k, v, _ = _pallas_qkv(jnp.bfloat16)
+    refusal = mpjax.attention.pallas_refusal
+    f16 = jax.ShapeDtypeStruct(q.shape, jnp.float16)
+    assert refusal(f16, f16, f16) == "Pallas runs attention in bfloat16 or float32, not float16"
+    mask = jnp.ones((1, 1, PALLAS_T, PALLAS_T), bool)
+    assert refusal(q, k, v, mask=mask) == "Pallas takes no boolean mask (only is_causal)"
+    assert refusal(q, k, v, bias=mask.astype(q.dtype)) == "Pallas takes no bias"
+    assert refusal(q, k[:, :, :1], v[:, :, :1]) == (
+        "Pallas takes as many key/value heads as query heads; got 1 and 2"
+    )
+    short = q[:, :200]
+    assert refusal(short, short, short) == (
+        "Pallas takes sequence lengths that are multiples of 128; got 200 and 200"
+    )
+    wide = jax.ShapeDtypeStruct((1, PALLAS_T, PALLAS_N, 192), jnp.bfloat16)
+    assert refusal(wide, wide, wide) == (
+        "Pallas takes head sizes below 128 or multiples of it; got 192"
+    )
+    fn = functools.partial(mpjax.dot_product_attention, is_causal=True)
+    assert all(("tpu",) not in c for c in _attention_conds(fn, q, k, v, None, mask))
+    with pytest.raises(ValueError, match="implementation='pallas'.*no boolean mask"):
+        mpjax.dot_product_attention(q, k, v, mask=mask, implementation="pallas")
+
+
+def test_under_a_policy_the_pallas_kernels_run_in_the_compute_dtype_as_traced():
+    """The kernels are traced in the region's compute dtype and autocast keeps them so, as it
+    keeps cuDNN's calls, without warning of an unknown higher-order primitive."""
+    q, k, v, _ = _pallas_qkv(jnp.float32)
+    fused = functools.partial(mpjax.dot_product_attention, is_causal=True, implementation="pallas")
+    under_policy = mpjax.autocast(fused, "mixed_bfloat16")
+    gradient = jax.grad(lambda q: under_policy(q, k, v).sum())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mpjax.AutocastWarning)
+        equations = mpjax.inspection.matmuls.iter_equations(gradient, q)
+        kernels = [eqn for eqn, _ in equations if eqn.primitive.name == "pallas_call"]
+    assert len(kernels) == 3  # forward, dK/dV, dQ
+    assert {np.dtype(x.aval.dtype) for e in kernels for x in e.invars[:3]} == {BF16}
+
+
+TPU_REASON = mpjax.plan_unavailable("v5p")
+
+
+@pytest.mark.skipif(
+    TPU_REASON is not None and not os.environ.get("MPJAX_REQUIRE_TPU_PLAN"),
+    reason=f"cannot compile for a TPU here: {TPU_REASON}",
+)
+@pytest.mark.parametrize("policy", [None, "mixed_bfloat16"])
+def test_compiled_for_a_tpu_attention_is_pallas_forward_and_backward(policy):
+    """Compiled for a v5p on this machine (no TPU needed), the attention of a forward and
+    backward is three Mosaic kernels (Pallas's forward, its dK/dV and its dQ), and no
+    ``[batch, heads, T, T]`` score or weight is materialized, as XLA's attention does; outside
+    a policy (bf16 inputs) and under one (f32 inputs, traced in bf16)."""
+    b, t, n, h = 2, 1024, 4, 64
+    scores = f"{b},{n},{t},{t}]"
+    pallas = _tpu_hlo((b, t, n, h), policy, implementation=None)
+    assert pallas.count('custom_call_target="tpu_custom_call"') == 3
+    assert scores not in pallas
+    xla = _tpu_hlo((b, t, n, h), policy, implementation="xla")
+    assert "tpu_custom_call" not in xla
+    assert scores in xla
+
+
+def _tpu_hlo(shape, policy, implementation):
+    """The TPU HLO of causal attention's forward and backward, compiled for one v5p chip."""
+    topology = topologies.get_topology_desc(topology_name="v5p:1x1x1", platform="tpu")
+    mesh = topologies.make_mesh(topology, (1,), ("x",))
+    dtype = jnp.float32 if policy else jnp.bfloat16
+    arg = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+    fn = functools.partial(
+        mpjax.dot_product_attention, is_causal=True, implementation=implementation
+    )
+    if policy:
+        fn = mpjax.autocast(fn, policy)
+
+    def step(q, k, v):
+        loss = lambda *qkv: fn(*qkv).astype(jnp.float32).sum()  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    with jax.numpy_dtype_promotion("standard"):
+        return jax.jit(step).lower(arg, arg, arg).compile().as_text()
+
+
+@pytest.mark.skipif(
+    TPU_REASON is not None and not os.environ.get("MPJAX_REQUIRE_TPU_PLAN"),
+    reason=f"cannot compile for a TPU here: {TPU_REASON}",
+)
+def test_a_step_over_several_tpu_devices_takes_xla_attention_and_compiles():
+    # XLA cannot partition Pallas's Mosaic kernels: traced for a slice of four chips (the
+    # batch sharded over them), the default keeps XLA's path, and the step compiles.
+    mesh = mpjax.plan_mesh("v5p:2x2x1", (4,), ("data",))
+    arg = jax.ShapeDtypeStruct(
+        (8, 256, 2, 64), jnp.bfloat16, sharding=NamedSharding(mesh, P("data"))
+    )
+
+    def step(q, k, v):
+        def loss(*qkv):
+            return mpjax.dot_product_attention(*qkv, is_causal=True).astype(jnp.float32).sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    with jax.numpy_dtype_promotion("standard"):
+        plan = mpjax.plan(step, "v5p:2x2x1")(arg, arg, arg)
+    assert plan.compiled and plan.attention == () and plan.custom_calls == 0

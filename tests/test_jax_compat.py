@@ -471,3 +471,50 @@ def test_precision_name_reads_what_the_code_wrote(precision, name, left_default)
     (eqn,) = jax.make_jaxpr(lambda a: jnp.dot(a, a, precision=precision))(x).jaxpr.eqns
     assert jax_compat.precision_name(eqn) == name
     assert jax_compat.precision_left_default(eqn) == left_default
+
+
+def test_pallas_flash_attention_is_a_forward_and_two_backward_kernels_interpreted_here():
+    """The kernel's signature (heads-first operands, ``causal``, ``sm_scale``, the default
+    block sizes with backward blocks) and the interpreter that runs it on a CPU."""
+    q, k, v = (
+        jax.random.normal(key, (1, 1, 128, 64)) for key in jax.random.split(jax.random.key(0), 3)
+    )
+
+    def loss(q, k, v):
+        out = jax_compat.pallas_flash_attention(q, k, v, is_causal=True, scale=0.125)
+        return out.sum()
+
+    def kernels(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield eqn
+            else:  # a kernel's own jaxpr is not walked
+                for sub in jax_compat.sub_jaxprs(eqn):
+                    yield from kernels(getattr(sub, "jaxpr", sub))
+
+    gradient = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
+    assert len(list(kernels(gradient))) == 3  # forward (with softmax statistics), dK/dV, dQ
+    with jax_compat.pallas_tpu_interpreted():
+        out = jax.jit(
+            lambda q, k, v: jax_compat.pallas_flash_attention(q, k, v, is_causal=True, scale=1.0)
+        )(q, k, v)
+    # The first query attends to the first key only.
+    np.testing.assert_array_equal(out[0, 0, 0], v[0, 0, 0])
+    assert jax_compat.PALLAS_BLOCK == 128
+
+
+def test_the_devices_a_value_spans_as_traced_come_from_the_jit_input_shardings():
+    # On jax 0.8.1 and 0.12 alike, a value traced from an input sharded over 4 devices (its
+    # computed descendants too) spans 4; a value traced from nothing sharded spans 1.
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]), ("d",))
+    sharded = jax.device_put(jnp.ones((8, 2)), jax.sharding.NamedSharding(mesh, P("d")))
+    seen = []
+
+    def f(x):
+        seen.append(jax_compat.traced_devices(jnp.tanh(x) * 2))
+        return x
+
+    jax.jit(f)(sharded)
+    jax.jit(f)(jnp.ones((8, 2)))
+    assert seen == [4, 1]
+    assert jax_compat.traced_devices(jnp.ones(3)) == 1

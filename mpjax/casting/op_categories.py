@@ -284,6 +284,9 @@ _KEEP = (
     "dot_product_attention_fp8_fwd_wrapper",
     "dot_product_attention_fp8_bwd",
     "dot_product_attention_fp8_bwd_wrapper",
+    # A Pallas kernel (mpjax.dot_product_attention's on TPUs) is written for the dtypes it is
+    # traced with, as a cuDNN call is.
+    "pallas_call",
 )
 
 _ORIGINAL = (
