@@ -542,6 +542,29 @@ def test_a_tpu_slice_plans_each_device_of_a_sharded_step():
         mpjax.plan_mesh("v5p:2x2x1", (3,), ("data",))
 
 
+@needs_libtpu
+def test_a_tpu_plan_finds_pallas_attention_and_says_what_its_estimate_leaves_out():
+    def step(q, k, v):
+        def loss(*qkv):
+            return mpjax.dot_product_attention(*qkv, is_causal=True).astype(jnp.float32).sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    b, t, n, h = 2, 256, 2, 64
+    arg = sds((b, t, n, h), jnp.bfloat16)
+    with jax.numpy_dtype_promotion("standard"):
+        p = mpjax.plan(step, "v5p")(arg, arg, arg)
+    # Pallas's forward kernel, and its backward as two (dK/dV, dQ): nominal FLOPs of two
+    # matmuls forward and four backward, no materialized [B, H, T, T] scores.
+    assert [a.backward for a in p.attention] == [False, True, True]
+    assert {a.target for a in p.attention} == {"tpu_custom_call"}
+    assert sum(a.flops for a in p.attention) == 3 * 4 * b * n * t * t * h
+    assert p.gemms == ()  # no score matmul left to XLA
+    # The backward kernels declare no cost: XLA's estimate leaves their work out, and says so.
+    assert p.modelled_flops < p.total_flops
+    assert "count only what their own cost estimates declare" in p.summary()
+
+
 def test_tpu_targets_are_checked_at_the_call():
     for bad in ("v5p:2x2", "v9", "v5p:", "tpu"):
         with pytest.raises(ValueError, match=r"unknown target .*'v5p:2x2x1'"):

@@ -137,6 +137,9 @@ class Plan:
       estimated_seconds: XLA's estimate of one call's time (TPU only: its cost model's
         ``optimal_seconds``; None on a GPU). An estimate, not a measurement.
       bytes_accessed: the memory traffic XLA's cost model counts for one call (TPU only).
+      modelled_flops: the FLOPs XLA's cost model counts for one call (TPU only): fewer than the
+        plan's matmul FLOPs where a custom call (a Pallas kernel) declares less than it does, or
+        nothing, so the estimate leaves that work out.
       peak_flops: the device's peak bfloat16 matmul rate, FLOP/s (its chip's, divided among the
         chip's cores where the target has several devices per chip).
       compiled: False when the compile failed for lack of memory (TPU): then ``memory`` says by
@@ -159,6 +162,7 @@ class Plan:
     memory: PlanMemory | None = None
     estimated_seconds: float | None = None
     bytes_accessed: float | None = None
+    modelled_flops: float | None = None
     peak_flops: float | None = None
     compiled: bool = True
 
@@ -318,6 +322,13 @@ class Plan:
                 f"{_seconds_text(self.estimated_seconds)}"
                 + (f", estimated MFU {mfu:.1%} of the bf16 peak" if mfu is not None else "")
             )
+        if self.modelled_flops is not None and self.modelled_flops < 0.95 * self.total_flops:
+            lines.append(
+                f"XLA's cost model counts {_flops_text(int(self.modelled_flops))} FLOPs in all, "
+                f"fewer than the {_flops_text(self.total_flops)} of the matmuls: custom calls "
+                f"({self.custom_calls}) count only what their own cost estimates declare, so the "
+                "estimate leaves work out"
+            )
         roofline = self.roofline_seconds
         if roofline:
             lines.append(
@@ -439,6 +450,7 @@ class Plan:
             "estimated_seconds": self.estimated_seconds,
             "estimated_mfu": self.mfu(),
             "bytes_accessed": self.bytes_accessed,
+            "modelled_flops": self.modelled_flops,
             "roofline_seconds": self.roofline_seconds,
             "peak_flops": self.peak_flops,
             "autotuned": self.autotuned,
@@ -703,6 +715,7 @@ def plan(
             memory=memory_of(result.memory, capacity),
             estimated_seconds=cost.get("optimal_seconds") if parsed.platform == "tpu" else None,
             bytes_accessed=cost.get("bytes accessed") if parsed.platform == "tpu" else None,
+            modelled_flops=cost.get("flops") if parsed.platform == "tpu" else None,
             **read_module(parse_module(result.hlo_text), parsed.platform),
         )
 
