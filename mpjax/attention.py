@@ -18,12 +18,13 @@ composition elsewhere:
   cuDNN is never chosen). Otherwise XLA's path runs on every platform. ``implementation``
   forces either.
 - **Pallas where it applies** (``jax.experimental.pallas.ops.tpu.flash_attention``): bfloat16
-  or float32 inputs, as many key/value heads as query heads, sequence lengths that are
-  multiples of 128 (its block size), a head size below 128 or a multiple of it, causal or no
-  mask, and no bias (:func:`pallas_refusal`). ``implementation="pallas"`` forces it. Its Mosaic
-  kernels cannot be partitioned by XLA: a step compiled for several TPU devices with sharded
-  (or replicated) inputs fails to compile with them, so such a step passes
-  ``implementation="xla"``. Splash attention, which also takes grouped-query heads and
+  or float32 inputs (the default takes bfloat16 ones: float32 attention stays on XLA's path,
+  whose matmuls run at the policy's float32 precision), as many key/value heads as query heads,
+  sequence lengths that are multiples of 128 (its block size), a head size below 128 or a
+  multiple of it, causal or no mask, and no bias (:func:`pallas_refusal`).
+  ``implementation="pallas"`` forces it. Its Mosaic kernels cannot be partitioned by XLA, so
+  the default takes them only for a query traced on one device; in a step whose input
+  shardings span several devices it is XLA's path. Splash attention, which also takes grouped-query heads and
   arbitrary mask patterns, is built from NumPy masks for fixed lengths when it is traced; the
   flash kernel takes the shapes it is traced with, as this function does.
 - **In the compute dtype**: under an mpjax policy (a wrapped Flax model, :func:`mpjax.autocast`)
@@ -123,8 +124,8 @@ def dot_product_attention(
       is_causal: mask out the future, without materializing a mask.
       implementation: None (the default): cuDNN's fused kernel when the function is
         compiled for a CUDA GPU and cuDNN takes these inputs (:func:`cudnn_refusal`), Pallas's
-        flash attention when it is compiled for a TPU and Pallas takes them
-        (:func:`pallas_refusal`), XLA's composition otherwise. ``"cudnn"`` forces cuDNN
+        flash attention when it is compiled for a TPU, the inputs are bfloat16 and Pallas takes
+        them (:func:`pallas_refusal`), XLA's composition otherwise. ``"cudnn"`` forces cuDNN
         (which then fails to compile for a platform other than CUDA, or raises for inputs it
         refuses); ``"pallas"`` forces Pallas (which fails to compile for other platforms,
         unless traced under ``jax.experimental.pallas.tpu.force_tpu_interpret_mode()``, or
@@ -227,7 +228,9 @@ def dot_product_attention(
             fused = {}
             if cudnn_refusal(*operands, is_causal) is None:
                 fused["cuda"] = cudnn
-            if pallas_refusal(*operands, is_causal) is None:
+            # float32 attention keeps XLA's path, whose matmuls run at the policy's float32
+            # precision (true float32 by default); Pallas's kernel multiplies as it chooses.
+            if query.dtype == jnp.bfloat16 and pallas_refusal(*operands, is_causal) is None:
                 fused["tpu"] = pallas
             if fused:
                 out = lax.platform_dependent(*operands, default=xla, **fused)

@@ -446,15 +446,18 @@ def test_pallas_kernels_match_xla_forward_and_backward_in_the_interpreter(dtype,
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_default_holds_pallas_for_tpus_when_pallas_takes_the_inputs(dtype):
     """Staged for TPUs next to XLA's path (and cuDNN's, where the CUDA plugin is installed),
-    forward and backward; lowered for the CPU, XLA's path runs here."""
+    forward and backward, for bfloat16 inputs; float32 attention keeps XLA's path, whose
+    matmuls run at the policy's float32 precision. Lowered for the CPU, XLA's path runs here."""
     q, k, v, _ = _pallas_qkv(dtype)
     fn = functools.partial(mpjax.dot_product_attention, is_causal=True)
-    cuda = [("cuda",)] if _cudnn_available() and np.dtype(dtype) == BF16 else []
-    assert _attention_conds(fn, q, k, v) == [(*cuda, ("tpu",), None)]
+    bf16 = np.dtype(dtype) == BF16
+    cuda = [("cuda",)] if _cudnn_available() and bf16 else []
+    staged = [(*cuda, ("tpu",), None)] if bf16 else []
+    assert _attention_conds(fn, q, k, v) == staged
     with jax.numpy_dtype_promotion("standard"):
         gradient = jax.grad(lambda q: fn(q, k, v).astype(jnp.float32).sum())
         # One for the forward, one for the backward.
-        assert _attention_conds(gradient, q) == [(*cuda, ("tpu",), None)] * 2
+        assert _attention_conds(gradient, q) == staged * 2
     with jax.numpy_dtype_promotion("standard"):
         out = jax.jit(fn)(q, k, v)
     want = jax.jit(functools.partial(fn, implementation="xla"))(q, k, v)

@@ -204,7 +204,8 @@ class Plan:
         for g in self.gemms:
             yield g.lhs_dtype, g.rhs_dtype, g.flops * g.executions, g.precision
         for a in self.attention:
-            yield a.dtype, a.dtype, a.flops * a.executions, "default"
+            # A fused kernel multiplies as its code says, which the HLO does not show.
+            yield a.dtype, a.dtype, a.flops * a.executions, "kernel"
 
     @property
     def total_flops(self) -> int:
@@ -224,8 +225,8 @@ class Plan:
 
     def float32_precisions(self) -> dict[str, int]:
         """The matmul FLOPs with a float32 operand by the precision they run at
-        (``"default"``, ``"high"``, ``"highest"``, or a dot algorithm): what "float32" means
-        there. Largest first; empty without float32 matmuls."""
+        (``"default"``, ``"high"``, ``"highest"``, a dot algorithm, or ``"kernel"`` for a fused
+        attention kernel, which multiplies as its code says): what "float32" means there. Largest first; empty without float32 matmuls."""
         totals: dict[str, int] = {}
         for lhs, rhs, flops, precision in self._matmuls():
             if np.dtype(np.float32) in (lhs, rhs):
