@@ -115,6 +115,10 @@ _F32 = (
     "fft",
 )
 
+F32_FOR_RANGE = frozenset({"integer_pow", "square"})
+"""The f32 ops that are f32 for float16's range alone: under a bfloat16 compute dtype, which
+has f32's range, they run as ``promote`` ops."""
+
 _PROMOTE = (
     # Elementwise arithmetic and math.
     "abs",

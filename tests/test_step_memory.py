@@ -1,0 +1,170 @@
+"""How much memory the example's training step holds under mixed precision.
+
+A bf16 step must hold less than the f32 one, and mpjax's step no more than the same model with
+its dtypes written by hand. Two things used to break that: XLA's attention kept its ``T x T``
+intermediates for the backward pass in both widths (f32 softmax and bf16 probabilities, more
+than f32's), and mpjax ran the MLP's bias add and its GELU in f32 (a bf16 matmul output plus an
+f32 bias; the GELU's cube), keeping f32 copies of the MLP's widest activation.
+
+The fast tests read what the backward pass keeps (the leaves of ``jax.vjp``'s function); the
+slow ones compile the example's step, with the ``small`` preset's width, heads and sequence
+length but two layers and a batch of 4 (every layer holds the same, and the whole preset takes
+minutes per compile on two cores), for a v5p chip (with libtpu) and an H100 (with JAX's CUDA
+plugin), and compare XLA's temporaries (``memory_analysis()``). They skip without those;
+``MPJAX_REQUIRE_TPU_PLAN`` / ``MPJAX_REQUIRE_GPU_PLAN`` turn a missing one into an error.
+"""
+
+import dataclasses
+import functools
+import importlib.resources
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec
+
+import mpjax
+from mpjax import jax_compat
+from mpjax.inspection.gpu_plan import TARGETS, gpu_plan_unavailable
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import gpt  # noqa: E402
+import train_transformer as tt  # noqa: E402
+
+# mpjax's step may hold this much more than the hand-written one (XLA's scheduling differs).
+HAND_RATIO = 1.05
+
+
+def residuals(fn, *args):
+    """What the backward pass of ``fn`` keeps: ``{(dtype, shape): count}``."""
+    leaves = jax.tree.leaves(jax.eval_shape(lambda *a: jax.vjp(fn, *a)[1], *args))
+    kept: dict = {}
+    for x in leaves:
+        key = (np.dtype(x.dtype).name, tuple(x.shape))
+        kept[key] = kept.get(key, 0) + 1
+    return kept
+
+
+def kept_bytes(kept):
+    """The bytes of the arrays kept; scalars (the constants of a trace) left out."""
+    return sum(np.dtype(d).itemsize * int(np.prod(s)) * n for (d, s), n in kept.items() if s)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_xla_attention_keeps_no_scores_for_the_backward_pass(dtype):
+    t = 64
+    q = k = v = jax.ShapeDtypeStruct((2, t, 4, 16), dtype)
+
+    def attention(q, k, v):
+        return mpjax.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+    kept = residuals(attention, q, k, v)
+    assert not [s for (_, s), _ in kept.items() if s[-2:] == (t, t)], kept
+
+
+def _loss(mode, policy):
+    config = gpt.GPTConfig(block_size=64, n_layer=1, n_head=2, d_model=32)
+    model = tt.build_model(config, mpjax.get_policy(policy), mode)
+    tokens = jax.ShapeDtypeStruct((2, 64), jnp.int32)
+    params = jax.eval_shape(
+        lambda: model.init(jax.random.key(0), jnp.zeros((2, 64), jnp.int32))["params"]
+    )
+    return residuals(lambda p, x: tt.loss_fn(model, p, x, x), params, tokens)
+
+
+def test_mpjax_keeps_what_the_hand_written_model_keeps():
+    # The MLP's hidden activation [2, 64, 128] is kept in bf16 only. (Under float16 the GELU's
+    # cube runs in f32, for its range, and keeps f32 copies.)
+    mpjax_kept = _loss("mpjax", "mixed_bfloat16")
+    hand_kept = _loss("hand", "mixed_bfloat16")
+    assert not [k for k in mpjax_kept if k == ("float32", (2, 64, 128))], mpjax_kept
+    assert kept_bytes(mpjax_kept) <= kept_bytes(hand_kept), (mpjax_kept, hand_kept)
+
+
+def test_float16_still_cubes_in_f32():
+    """Powers stay f32 where the compute dtype lacks the range: 400 cubed is past f16's max."""
+    cube = mpjax.autocast(lambda w, x: (x @ w) ** 3, "mixed_float16")
+    assert jnp.isfinite(cube(jnp.eye(4), jnp.full((2, 4), 400.0))).all()
+
+
+# --- Compiled for a v5p chip and an H100 -------------------------------------------------------
+
+
+def tpu_sharding():
+    """The replicated sharding over one compile-only v5p chip, or None without libtpu."""
+    try:
+        topology = topologies.get_topology_desc(topology_name="v5p:1x1x1", platform="tpu")
+    except Exception:  # no libtpu: jax raises whatever its backend lookup raises
+        return None
+    return NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), PartitionSpec())
+
+
+def h100_sharding():
+    spec = (importlib.resources.files("mpjax.inspection") / "gpu_targets" / TARGETS["h100"])
+    topology = jax_compat.cuda_topology(spec.read_text()).topology
+    return NamedSharding(topologies.make_mesh(topology, (1,), ("gpu",)), PartitionSpec())
+
+
+TPU = tpu_sharding()
+GPU_REASON = gpu_plan_unavailable()
+# Options per platform: without a GPU, XLA's GPU compiler cannot autotune.
+TARGET = {
+    "v5p": pytest.param(
+        "v5p",
+        marks=pytest.mark.skipif(TPU is None, reason="libtpu is not installed"),
+    ),
+    "h100": pytest.param(
+        "h100",
+        marks=pytest.mark.skipif(
+            GPU_REASON is not None, reason=f"gpu_plan cannot run: {GPU_REASON}"
+        ),
+    ),
+}
+
+
+@functools.cache
+def step_temporaries(target, variant):
+    """XLA's temporaries (bytes) of the example's train step for one benchmark row, compiled
+    for ``target`` with the ``small`` preset's width and sequence length, two layers."""
+    policy, mode = variant
+    cfg = tt.TrainConfig(policy=policy, preset="small", mode=mode, batch_size=4)
+    config = dataclasses.replace(cfg.model_config(), n_layer=2)
+    precision = mpjax.get_policy(policy)
+    model = tt.build_model(config, precision, mode)
+    tx = tt.make_optimizer(cfg, precision)
+    sharding = TPU if target == "v5p" else h100_sharding()
+
+    def on_target(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    state = jax.tree.map(
+        on_target, jax.eval_shape(lambda: tt.init_state(model, tx, 0, config.block_size))
+    )
+    tokens = on_target(jax.ShapeDtypeStruct((1, 4, config.block_size), jnp.int32))
+    lowered = jax.jit(tt.make_train_step(model, tx)).lower(state, tokens, tokens)
+    options = {"xla_gpu_autotune_level": 0} if target == "h100" else {}
+    return lowered.compile(options).memory_analysis().temp_size_in_bytes
+
+
+F32_ROW = ("float32", "hand")
+BF16_HAND = ("mixed_bfloat16", "hand")
+BF16_MPJAX = ("mixed_bfloat16", "mpjax")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", [TARGET["v5p"]])
+def test_bf16_step_holds_less_than_f32_on_tpu(target):
+    for row in (BF16_HAND, BF16_MPJAX):
+        assert step_temporaries(target, row) < step_temporaries(target, F32_ROW), row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", list(TARGET.values()))
+def test_mpjax_step_holds_what_the_hand_written_step_holds(target):
+    mpjax_bytes = step_temporaries(target, BF16_MPJAX)
+    hand_bytes = step_temporaries(target, BF16_HAND)
+    assert mpjax_bytes <= HAND_RATIO * hand_bytes, (mpjax_bytes, hand_bytes)
