@@ -20,12 +20,22 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 def pytest_sessionstart(session):
     """The sharding tests need 8 devices. With ``MPJAX_REQUIRE_GPU_PLAN`` set (as CI's newest
     suite sets it), a missing CUDA plugin is an error rather than a reason to skip the tests
-    that compile for an H100."""
+    that compile for an H100; ``MPJAX_REQUIRE_TPU_PLAN`` does the same for libtpu and the tests
+    that compile for a TPU."""
     if jax.device_count() < 8:
         raise pytest.UsageError(
             f"the tests need at least 8 devices; XLA_FLAGS gives {jax.device_count()}: "
             f"{os.environ['XLA_FLAGS']!r}"
         )
+    if os.environ.get("MPJAX_REQUIRE_TPU_PLAN"):
+        from jax.experimental import topologies  # after jax is configured above
+
+        try:
+            topologies.get_topology_desc(topology_name="v5p:1x1x1", platform="tpu")
+        except Exception as error:  # whatever JAX's TPU backend lookup raises without libtpu
+            raise pytest.UsageError(
+                f"MPJAX_REQUIRE_TPU_PLAN is set, but no TPU can be compiled for: {error}"
+            ) from error
     if not os.environ.get("MPJAX_REQUIRE_GPU_PLAN"):
         return
     from mpjax.inspection.gpu_plan import gpu_plan_unavailable  # after jax is configured above

@@ -164,7 +164,7 @@ class Interpreter:
         casts: dict[tuple[Any, Any], Any] = {}  # a value cast once serves all its uses
         paths = [path + compat.scope_names(eqn) for eqn in jaxpr.eqns]
         widened = self._widened(jaxpr, paths)
-        biases = _bias_adds(jaxpr)
+        bias = _bias_adds(jaxpr)
         observed: dict[str, list] = collections.defaultdict(list)
         for i, eqn in enumerate(jaxpr.eqns):
             invals = [read(a) for a in eqn.invars]
@@ -174,9 +174,7 @@ class Interpreter:
                 stack.enter_context(compat.traced_at(eqn))
                 for name in paths[i][len(path) :]:
                     stack.enter_context(jax.named_scope(name))
-                outs = self.equation(
-                    eqn, invals, avals, paths[i], casts, i in widened, biases.get(i)
-                )
+                outs = self.equation(eqn, invals, avals, paths[i], casts, i in widened, bias.get(i))
             primitive = eqn.primitive.name
             if observers() and (primitive not in self.handlers or primitive in _OBSERVED_WHOLE):
                 floats = [k for k, x in enumerate(outs) if is_floating(jax.typeof(x).dtype)]
@@ -243,7 +241,7 @@ class Interpreter:
         path: tuple[str, ...],
         casts: dict,
         widen: bool = False,
-        matmul_operand: int | None = None,
+        bias_of: int | None = None,
     ) -> list:
         name = eqn.primitive.name
         handler = self.handlers.get(name)
@@ -275,11 +273,7 @@ class Interpreter:
                 category = F32
             label = category
         compute = region.policy.compute_dtype if region.policy is not None else None
-        if (
-            category == PROMOTE
-            and matmul_operand is not None
-            and avals[matmul_operand].dtype == np.dtype(compute)
-        ):
+        if category == PROMOTE and bias_of is not None and avals[bias_of].dtype == compute:
             # A bias added to a matmul's output belongs to the matmul (PyTorch's addmm): run
             # in f32, it would widen the activation that every op after it keeps for the
             # backward pass, a copy in each width of the same value.
