@@ -345,6 +345,21 @@ def _pallas(query, key, value, bias, mask, *, is_causal):
 
 
 def _xla(query, key, value, bias, mask, *, is_causal):
+    """XLA's composition, rematerialized in the backward pass.
+
+    Differentiated as written, the composition keeps its ``T x T`` intermediates for the
+    backward pass: the masked f32 logits, the f32 softmax and, for bfloat16, the bfloat16
+    probabilities as well, about 10 bytes per score, more than float32's 8. Recomputing them
+    from the query and key (which the backward pass keeps anyway) keeps none: one more logits
+    matmul backward, and the step's memory no longer grows with ``layers x T x T``.
+    """
+    return jax.checkpoint(
+        functools.partial(_xla_composition, is_causal=is_causal),
+        policy=jax.checkpoint_policies.nothing_saveable,
+    )(query, key, value, bias, mask)
+
+
+def _xla_composition(query, key, value, bias, mask, *, is_causal):
     if np.dtype(query.dtype) == _F16:
         return _xla_float16(query, key, value, bias, mask, is_causal)
     return jax.nn.dot_product_attention(

@@ -40,7 +40,16 @@ from jax import lax
 from mpjax import fp8
 from mpjax import jax_compat as compat
 from mpjax.casting.fp8_sites import DelayedScaling
-from mpjax.casting.op_categories import F32, KEEP, LOWER, ORIGINAL, PROMOTE, merge_categories
+from mpjax.casting.op_categories import (
+    F32,
+    F32_FOR_RANGE,
+    KEEP,
+    LOWER,
+    ORIGINAL,
+    PROMOTE,
+    bias_adds,
+    merge_categories,
+)
 from mpjax.casting.regions import boundary_dtype
 from mpjax.casting.trace_context import Settings, abstractly, observers, trace, unobserved
 from mpjax.policy import DEFAULT_F32_MATMUL_PRECISION, Policy, is_floating, short_dtype_name
@@ -55,6 +64,7 @@ __all__ = [
 ]
 
 _F32 = np.dtype(jnp.float32)
+_F16 = np.dtype(jnp.float16)
 # PyTorch autocasts only these: float64 is never narrowed and fp8 is always deliberate.
 _ELIGIBLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
 # Host code sees the values as traced; a matmul in it is out of autocast's reach.
@@ -155,6 +165,7 @@ class Interpreter:
         casts: dict[tuple[Any, Any], Any] = {}  # a value cast once serves all its uses
         paths = [path + compat.scope_names(eqn) for eqn in jaxpr.eqns]
         widened = self._widened(jaxpr, paths)
+        bias = bias_adds(jaxpr)
         observed: dict[str, list] = collections.defaultdict(list)
         for i, eqn in enumerate(jaxpr.eqns):
             invals = [read(a) for a in eqn.invars]
@@ -164,7 +175,7 @@ class Interpreter:
                 stack.enter_context(compat.traced_at(eqn))
                 for name in paths[i][len(path) :]:
                     stack.enter_context(jax.named_scope(name))
-                outs = self.equation(eqn, invals, avals, paths[i], casts, i in widened)
+                outs = self.equation(eqn, invals, avals, paths[i], casts, i in widened, bias.get(i))
             primitive = eqn.primitive.name
             if observers() and (primitive not in self.handlers or primitive in _OBSERVED_WHOLE):
                 floats = [k for k, x in enumerate(outs) if is_floating(jax.typeof(x).dtype)]
@@ -231,6 +242,7 @@ class Interpreter:
         path: tuple[str, ...],
         casts: dict,
         widen: bool = False,
+        bias_of: int | None = None,
     ) -> list:
         name = eqn.primitive.name
         handler = self.handlers.get(name)
@@ -254,10 +266,19 @@ class Interpreter:
         else:
             if name in _CALLBACKS:
                 self.settings.warn_callback(name, region)
+            if category == F32 and name in F32_FOR_RANGE and region.policy.compute_dtype != _F16:
+                # Only float16 lacks the range for powers; in bfloat16 the f32 copies of a
+                # GELU's cube would each be kept for the backward pass.
+                category = PROMOTE
             if widen and category == PROMOTE:
                 category = F32
             label = category
         compute = region.policy.compute_dtype if region.policy is not None else None
+        if category == PROMOTE and bias_of is not None and avals[bias_of].dtype == compute:
+            # A bias added to a matmul's output belongs to the matmul (PyTorch's addmm): run
+            # in f32, it would widen the activation that every op after it keeps for the
+            # backward pass, a copy in each width of the same value.
+            category = label = LOWER
         # Observed (the precision monitor), a cast is a value the region computes: its
         # gradient (a weight's, in the compute dtype) is measured there.
         tap = functools.partial(observers()[-1].tap, region.path) if observers() else None

@@ -36,6 +36,10 @@ from __future__ import annotations
 
 import types
 from collections.abc import Mapping
+from typing import Any
+
+from mpjax import jax_compat as compat
+from mpjax.policy import is_floating
 
 LOWER = "lower"
 F32 = "f32"
@@ -114,6 +118,10 @@ _F32 = (
     "symmetric_product",
     "fft",
 )
+
+F32_FOR_RANGE = frozenset({"integer_pow", "square"})
+"""The f32 ops that are f32 for float16's range alone: under a bfloat16 compute dtype, which
+has f32's range, they run as ``promote`` ops."""
 
 _PROMOTE = (
     # Elementwise arithmetic and math.
@@ -354,3 +362,30 @@ def merge_categories(overrides: Mapping[str, str] | None) -> Mapping[str, str]:
             )
         merged[name] = category
     return types.MappingProxyType(merged)
+
+
+def bias_adds(jaxpr: Any) -> dict[int, int]:
+    """The equations that add a bias to a matmul's output: ``{equation: matmul operand}``.
+
+    A bias add is an ``add`` of a ``dot_general``'s output and a smaller operand (a vector,
+    reshaped or broadcast to the output's rank), as Flax's ``Dense`` and ``DenseGeneral``
+    write it. An add of two full-size values (a residual connection) is not one.
+    """
+    matmul_outputs = {
+        eqn.outvars[0]: eqn.outvars[0].aval.size
+        for eqn in jaxpr.eqns
+        if eqn.primitive.name == "dot_general"
+    }
+    adds: dict[int, int] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name != "add" or len(eqn.invars) != 2:
+            continue
+        for k, atom in enumerate(eqn.invars):
+            other = eqn.invars[1 - k]
+            if compat.is_literal(atom) or atom not in matmul_outputs:
+                continue
+            if not is_floating(other.aval.dtype) or other.aval.size >= matmul_outputs[atom]:
+                continue
+            adds[i] = k
+            break
+    return adds
