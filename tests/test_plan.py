@@ -565,6 +565,22 @@ def test_a_tpu_plan_finds_pallas_attention_and_says_what_its_estimate_leaves_out
     assert "count only what their own cost estimates declare" in p.summary()
 
 
+@needs_libtpu
+def test_a_cost_model_figure_that_is_no_time_is_no_estimate(monkeypatch):
+    # XLA's cost model has returned a negative time (a v5e step with many custom calls): the
+    # plan then has no estimate rather than a nonsense one.
+    compile_for = jax_compat.deviceless_compile
+
+    def negative(lowered, options):
+        result = compile_for(lowered, options)
+        return result._replace(cost={**result.cost, "optimal_seconds": -483.0})
+
+    monkeypatch.setattr(jax_compat, "deviceless_compile", negative)
+    p = mpjax.plan(jnp.matmul, "v5e")(sds((M, K), jnp.bfloat16), sds((K, N), jnp.bfloat16))
+    assert p.estimated_seconds is None and p.mfu() is None
+    assert "estimated time" not in p.summary() and "roofline bound" in p.summary()
+
+
 def test_tpu_targets_are_checked_at_the_call():
     for bad in ("v5p:2x2", "v9", "v5p:", "tpu"):
         with pytest.raises(ValueError, match=r"unknown target .*'v5p:2x2x1'"):

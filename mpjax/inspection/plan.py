@@ -135,7 +135,8 @@ class Plan:
       memory: what each device holds (:class:`PlanMemory`), or None where XLA gave no memory
         analysis (old jaxlibs' deviceless GPU compiles).
       estimated_seconds: XLA's estimate of one call's time (TPU only: its cost model's
-        ``optimal_seconds``; None on a GPU). An estimate, not a measurement.
+        ``optimal_seconds``; None on a GPU, and where the cost model's figure is not positive).
+        An estimate, not a measurement.
       bytes_accessed: the memory traffic XLA's cost model counts for one call (TPU only).
       modelled_flops: the FLOPs XLA's cost model counts for one call (TPU only): fewer than the
         plan's matmul FLOPs where a custom call (a Pallas kernel) declares less than it does, or
@@ -599,6 +600,13 @@ def _abstract(tree: Any, devices: tuple[Any, ...]) -> Any:
     return jax.tree.map(leaf, tree)
 
 
+def _estimate(cost: Mapping[str, float]) -> float | None:
+    """XLA's estimated seconds, or None where its cost model gave none it could stand by: a
+    v5e compile with many custom calls has returned a negative time."""
+    seconds = cost.get("optimal_seconds")
+    return seconds if seconds is not None and seconds > 0 else None
+
+
 def plan(
     fn: Callable[..., Any],
     /,
@@ -714,7 +722,7 @@ def plan(
             **common,
             hlo_text=result.hlo_text,
             memory=memory_of(result.memory, capacity),
-            estimated_seconds=cost.get("optimal_seconds") if parsed.platform == "tpu" else None,
+            estimated_seconds=_estimate(cost) if parsed.platform == "tpu" else None,
             bytes_accessed=cost.get("bytes accessed") if parsed.platform == "tpu" else None,
             modelled_flops=cost.get("flops") if parsed.platform == "tpu" else None,
             **read_module(parse_module(result.hlo_text), parsed.platform),
