@@ -420,9 +420,9 @@ def pallas_flash_attention(
 ) -> jax.Array:
     """Pallas's TPU flash attention (forward and backward kernels, through its ``custom_vjp``)
     on ``[batch, heads, length, head_dim]`` operands, with JAX's default block sizes
-    (:data:`PALLAS_BLOCK` along both sequences, one batch row a block).
+    (``PALLAS_BLOCK``, 128, along both sequences, one batch row a block).
 
-    It lowers to Mosaic ``tpu_custom_call``s, which compile for TPUs only, unless traced in
+    It lowers to Mosaic ``tpu_custom_call`` instructions, which compile for TPUs only, unless traced in
     :func:`pallas_tpu_interpreted`.
     """
     b, n, t, h = query.shape

@@ -24,6 +24,7 @@ PYTHON = [
     ("collections.abc.Iterable", "class", "library/collections.abc.html"),
     ("collections.abc.Mapping", "class", "library/collections.abc.html"),
     ("collections.abc.Sequence", "class", "library/collections.abc.html"),
+    ("contextlib.AbstractContextManager", "class", "library/contextlib.html"),
     ("os.PathLike", "class", "library/os.html"),
     ("re.Pattern", "class", "library/re.html"),
 ]
