@@ -52,6 +52,7 @@ from mpjax.inspection.plan_rows import (
     read_module,
 )
 from mpjax.inspection.targets import CHIPS, Target, parse_target
+from mpjax.optim.loss_scaling import without_host_warnings
 from mpjax.table import format_table
 
 __all__ = [
@@ -585,13 +586,14 @@ def _abstract(tree: Any, devices: tuple[Any, ...]) -> Any:
     ``None``) stay as they are, for ``jit`` to treat as it always does."""
     mesh = Mesh(np.asarray(devices, dtype=object), ("devices",))
     replicated = NamedSharding(mesh, PartitionSpec())
-    ids = {d.id for d in devices}
+    on_target = set(devices)
 
     def leaf(x: Any) -> Any:
         if hasattr(x, "shape") and hasattr(x, "dtype"):
             weak = bool(getattr(x, "weak_type", False))
             sharding = getattr(x, "sharding", None)
-            own = sharding is not None and {d.id for d in sharding.device_set} <= ids
+            # By device, not by id: a CPU array's device 0 is not the target's device 0.
+            own = sharding is not None and set(sharding.device_set) <= on_target
             return jax.ShapeDtypeStruct(
                 x.shape, x.dtype, sharding=sharding if own else replicated, weak_type=weak
             )
@@ -709,8 +711,12 @@ def plan(
             "peak_flops": peak,
         }
         args, kwargs = _abstract((args, kwargs), devices)
+        # No host callback lowers for a device this process lacks: a loss-scaled step is planned
+        # without its overflow warning's (a branch only a run of skipped steps takes).
+        with without_host_warnings():
+            lowered = lower(*args, **kwargs)
         try:
-            result = jax_compat.deviceless_compile(lower(*args, **kwargs), options)
+            result = jax_compat.deviceless_compile(lowered, options)
         except Exception as error:
             memory = out_of_memory(error, capacity)
             if memory is None:

@@ -17,6 +17,8 @@ optimizer state (steps 1 and 2, the counters, the checks) is :mod:`mpjax.optim.l
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import warnings
 import weakref
@@ -100,10 +102,28 @@ def _warn_if_unscaled(loss_scale: LossScale) -> None:
     )
 
 
+# Whether steps traced now carry the persistent-overflow warning's host callback.
+_host_warnings = contextvars.ContextVar("mpjax_loss_scaling_host_warnings", default=True)
+
+
+@contextlib.contextmanager
+def without_host_warnings() -> Any:
+    """Traces loss scaling's steps without the host callback of the persistent-overflow
+    warning, for a compile for devices this process cannot call back from: the compile-only
+    GPUs and TPUs of :func:`mpjax.plan`, where lowering a callback fails."""
+    token = _host_warnings.set(False)
+    try:
+        yield
+    finally:
+        _host_warnings.reset(token)
+
+
 def _warn_if_persistent(skipped: jax.Array, consecutive: jax.Array, scale: jax.Array) -> None:
     """Warns once per run of skipped steps, when it reaches ``DEFAULT_MAX_CONSECUTIVE``. The
     callback sits in the branch of a ``cond`` that only such a step takes, so a step that went
     well sends nothing to the host and waits for nothing."""
+    if not _host_warnings.get():
+        return
 
     def warn(count, scale):
         jax.debug.callback(_warn_persistent_overflow, count, scale)
