@@ -67,10 +67,8 @@ _scaled_with: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionar
 def record_scaled(scale: Any) -> None:
     """Notes that ``scale`` (a :class:`LossScalingState`'s ``loss_scale.loss_scale``, concrete
     or traced) multiplied a loss, for the update's check of a forgotten ``scale_loss``."""
-    try:
+    with contextlib.suppress(TypeError):  # not weak-referenceable: nothing to check against
         _scaled_with[id(scale)] = scale
-    except TypeError:  # not weak-referenceable: nothing to check against
-        pass
 
 
 def _scales(loss_scale: LossScale) -> bool:
