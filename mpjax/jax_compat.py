@@ -218,11 +218,14 @@ def source_location(eqn: Any) -> str:
     """Where ``eqn`` was written: the innermost frame of its traceback outside JAX and outside
     mpjax, ``"file.py:12:8 (fn)"`` (``"unknown"`` when the traceback was not recorded). An
     operation mpjax writes, such as the cast at a module's output boundary, is where the
-    module was called; one with only JAX's and mpjax's frames, the innermost of mpjax's."""
+    module was called; one with only JAX's and mpjax's frames (traced inside mpjax alone, as
+    a root module's output cast is), ``"mpjax's cast in <its scope>"``."""
     frames = list(source_info_util.user_frames(eqn.source_info.traceback))
     if not frames:
         return "unknown"
-    frame = next((f for f in frames if not f.file_name.startswith(_MPJAX_DIR)), frames[0])
+    frame = next((f for f in frames if not f.file_name.startswith(_MPJAX_DIR)), None)
+    if frame is None:  # traced inside mpjax alone (a root module's output cast): its scope
+        return f"mpjax's cast in {'/'.join(scope_names(eqn)) or 'the traced function'}"
     if frame.start_column != 0:
         return f"{frame.file_name}:{frame.start_line}:{frame.start_column} ({frame.function_name})"
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"

@@ -31,6 +31,7 @@ from mpjax.doctor.recommendations import (
 )
 from mpjax.doctor.side_by_side import STRUCTURAL, Evaluation, Kernels, to_exact
 from mpjax.inspection.describe import Runner, runner_of
+from mpjax.inspection.report import unflatten_with
 from mpjax.policy import is_floating
 from mpjax.rules import Rules, RulesLike, as_rules
 
@@ -137,12 +138,9 @@ class Doctor:
         rules = self._rules
 
         def value(float_leaves, array_leaves):
-            merged = list(leaves)
-            for i, leaf in zip(dynamic, array_leaves):
-                merged[i] = leaf
-            for i, leaf in zip(floating, float_leaves):
-                merged[i] = leaf
-            call_args, call_kwargs = jax.tree.unflatten(tree, merged)
+            call_args, call_kwargs = unflatten_with(
+                tree, leaves, (dynamic, array_leaves), (floating, float_leaves)
+            )
             if self._rules is None:  # each wrapped model under its own
                 out = fn(*call_args, **call_kwargs)
             else:  # every wrapped model the target runs under the rules diagnosed

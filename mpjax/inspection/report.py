@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -191,6 +191,17 @@ class PrecisionReport:
         }
 
 
+def unflatten_with(tree: Any, leaves: list, *replaced: tuple[Sequence[int], Sequence[Any]]) -> Any:
+    """``jax.tree.unflatten(tree, leaves)`` with, for each ``(indices, values)`` of
+    ``replaced`` in turn, the leaves at ``indices`` replaced by ``values``: a function of some
+    of its arguments' leaves (traced or differentiated) called with all of them."""
+    merged = list(leaves)
+    for indices, values in replaced:
+        for i, leaf in zip(indices, values):
+            merged[i] = leaf
+    return jax.tree.unflatten(tree, merged)
+
+
 def _is_array(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
@@ -220,12 +231,9 @@ def matmuls_by_region(
     floating = [i for i in arrays if is_floating(leaves[i])]
 
     def loss(float_leaves, array_leaves):
-        merged = list(leaves)
-        for i, leaf in zip(arrays, array_leaves):
-            merged[i] = leaf
-        for i, leaf in zip(floating, float_leaves):
-            merged[i] = leaf
-        call_args, call_kwargs = jax.tree.unflatten(tree, merged)
+        call_args, call_kwargs = unflatten_with(
+            tree, leaves, (arrays, array_leaves), (floating, float_leaves)
+        )
         outs = jax.tree.leaves(fn(*call_args, **call_kwargs))
         outs = [x for x in outs if is_floating(x)]
         return sum((jnp.sum(x.astype(jnp.float32)) for x in outs), jnp.zeros((), jnp.float32))
