@@ -214,6 +214,7 @@ ALIASES = {
     "optax._src.base.GradientTransformation": "optax.GradientTransformation",
     "optax._src.base.GradientTransformationExtraArgs": "optax.GradientTransformationExtraArgs",
     "equinox._module._module.Module": "equinox.Module",
+    "equinox._module.Module": "equinox.Module",  # Equinox before 0.13
     "jax._src.mesh.Mesh": "jax.sharding.Mesh",
     "flax.nnx.transforms.autodiff.DiffState": "flax.nnx.DiffState",
     "flax.nnx.module.Module": "flax.nnx.Module",

@@ -23,6 +23,7 @@ import mpjax
 from mpjax import jax_compat
 from mpjax.inspection.hlo_text import HloShape, parse_module
 from mpjax.inspection.plan import PlanUnavailableError, plan_unavailable
+from mpjax.inspection.plan_rows import read_module
 from mpjax.inspection.targets import CHIPS
 
 # `mpjax.plan` is the function; the module is reached through sys.modules.
@@ -506,6 +507,42 @@ def test_a_tpu_batched_matmul_written_as_a_convolution_counts_only_what_it_sums(
         sds((batch, i, j), jnp.bfloat16), sds((batch, j, k), jnp.bfloat16)
     )
     assert grads.total_flops == 2 * (2 * batch * i * j * k)
+
+
+def _tpu_convolution_flops(lhs: str, rhs: str, out: str, attributes: str) -> int:
+    """The FLOPs a TPU plan counts for one ``convolution`` of the given shapes and attributes."""
+    text = f"""HloModule m, entry_computation_layout={{}}
+
+ENTRY %main (p0: {lhs}, p1: {rhs}) -> {out} {{
+  %p0 = {lhs} parameter(0)
+  %p1 = {rhs} parameter(1)
+  ROOT %conv = {out} convolution(%p0, %p1), {attributes}
+}}
+"""
+    return only(read_module(parse_module(text), "tpu")["gemms"]).flops
+
+
+def test_a_tpu_convolution_counts_the_window_taps_that_read_real_input():
+    # The attention backward of a 4-device step (batch 2, 4 heads, 128 x 32 per head) writes
+    # P^T x dO with its batch windows over a padded base rather than a dilated one: each output
+    # element meets one real tap there, so the FLOPs are those of the batched matmul.
+    flops = _tpu_convolution_flops(
+        "bf16[2,128,4,32]",
+        "bf16[2,4,128,128]",
+        "bf16[2,4,128,32]",
+        "window={size=2x4 stride=2x4 pad=1_1x3_3 lhs_dilate=1x3 rhs_reversal=1x1}, "
+        "dim_labels=0f1b_01oi->01fb",
+    )
+    assert flops == 2 * (2 * 4) * 128 * 128 * 32
+    # An ordinary 3x3 convolution padded to keep an 8x8 image: a border output reads fewer
+    # real pixels (22 real taps along each axis rather than 8 x 3).
+    flops = _tpu_convolution_flops(
+        "f32[1,8,8,16]",
+        "f32[3,3,16,32]",
+        "f32[1,8,8,32]",
+        "window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f",
+    )
+    assert flops == 2 * 32 * 16 * (8 * 3 - 2) ** 2
 
 
 @needs_libtpu

@@ -77,7 +77,9 @@ class PlanGemm:
       out_dtype: the dtype it writes. A GEMM that XLA splits along its contracted dimension
         (split-K, common for weight gradients) writes float32 partial sums, which a following
         fusion adds and converts: its operands then show the split as an extra dimension.
-      flops: ``2 * prod(output dims) * prod(contracted dims)``, for one execution.
+      flops: ``2 * prod(output dims) * prod(contracted dims)``, for one execution; for a
+        TPU ``convolution``, two per multiply-add of a window tap that reads real input (a
+        batched matmul's batch windows sum over nothing; a padded border reads less).
       executions: how many times one call of the function runs it: the product of the trip
         counts XLA knows for the loops around it (1 outside loops, and for a loop whose trip
         count XLA does not know).
@@ -260,40 +262,72 @@ def _precision(inst: HloInstruction) -> str:
     return max(named, key=levels.index) if named else "default"
 
 
-def _convolution_contracting(
-    inst: HloInstruction, rhs: HloShape, out: HloShape
-) -> tuple[int, ...] | None:
-    """The sizes a TPU ``convolution`` sums over: its kernel's input-feature dimension and the
-    spatial windows that are real windows. XLA's TPU compiler writes a batched matmul as a
-    convolution whose batch dimensions are windows over a dilated base
-    (``window={size=16x4 stride=15x3 lhs_dilate=16x4}``, or in a transpose ``lhs_dilate=15x3``
-    with padding): along such a dimension the input is dilated and the output has exactly the
-    window's size, so each output element meets one tap and nothing is summed. None when the
-    dimension labels do not parse."""
-    labels = inst.attribute("dim_labels") or ""
-    match = re.fullmatch(r"[0-9bf]+_([0-9io]+)->([0-9bf]+)", labels)
-    if match is None or len(match[1]) != len(rhs.dims) or len(match[2]) != len(out.dims):
+def _window_taps(
+    size: int, outputs: int, window: int, stride: int, low: int, base: int, dilation: int
+) -> int:
+    """How many (output position, window tap) pairs of one spatial dimension of a convolution
+    read a real input element, not padding or a hole of the dilated base: the input's ``size``
+    elements sit at every ``base``-th position after ``low`` positions of padding, and output
+    position ``o`` reads positions ``o * stride + j * dilation`` for ``j`` below ``window``."""
+    extent = (size - 1) * base + 1
+    taps = np.arange(window) * dilation
+    total = 0
+    for start in range(-low, outputs * stride - low, stride):
+        at = start + taps
+        total += int(np.count_nonzero((at >= 0) & (at < extent) & (at % base == 0)))
+    return total
+
+
+def _window_values(window: str, key: str, rank: int, default: int) -> list[int] | None:
+    found = re.search(rf"\b{key}=([-0-9_x]+)", window)
+    if found is None:
+        return [default] * rank
+    values = found[1].split("x")
+    if len(values) != rank:
         return None
+    return [int(v.split("_")[0]) for v in values]
+
+
+def _convolution_flops(
+    inst: HloInstruction, lhs: HloShape, rhs: HloShape, out: HloShape
+) -> int | None:
+    """The FLOPs of a ``convolution``: two per multiply-add, each output element multiplying
+    its input features by every window tap that reads a real input element. XLA's TPU compiler
+    writes a batched matmul as a convolution whose batch dimensions are windows over a dilated
+    or padded base (``window={size=16x4 stride=15x3 lhs_dilate=16x4}``, or ``size=2x4
+    stride=2x4 pad=1_1x3_3 lhs_dilate=1x3`` in a transpose): each output element of such a
+    dimension meets one real tap, so it sums over nothing there. None when the dimension labels
+    or the window do not parse."""
+    labels = re.fullmatch(r"([0-9bf]+)_([0-9io]+)->([0-9bf]+)", inst.attribute("dim_labels") or "")
+    if labels is None or [len(g) for g in labels.groups()] != [
+        len(lhs.dims),
+        len(rhs.dims),
+        len(out.dims),
+    ]:
+        return None
+    lhs_labels, rhs_labels, out_labels = labels.groups()
+    rank = sum(label.isdigit() for label in lhs_labels)
     window = inst.attribute("window") or ""
-    size = re.search(r"size=([0-9x]+)", window)
-    dilate = re.search(r"lhs_dilate=([0-9x]+)", window)
-    sizes = [int(n) for n in size[1].split("x")] if size else []
-    dilations = [int(n) for n in dilate[1].split("x")] if dilate else [1] * len(sizes)
-    out_spatial = {int(label): out.dims[d] for d, label in enumerate(match[2]) if label.isdigit()}
-    contracting = []
-    for dim, label in enumerate(match[1]):
-        if label == "i":
-            contracting.append(rhs.dims[dim])
-        elif label.isdigit():
-            spatial = int(label)
-            batch = (
-                spatial < len(sizes)
-                and dilations[spatial] > 1
-                and out_spatial.get(spatial) == sizes[spatial]
-            )
-            if not batch:
-                contracting.append(rhs.dims[dim])
-    return tuple(contracting)
+    fields = [
+        _window_values(window, key, rank, default)
+        for key, default in (("stride", 1), ("pad", 0), ("lhs_dilate", 1), ("rhs_dilate", 1))
+    ]
+    if any(f is None for f in fields):
+        return None
+    strides, lows, bases, dilations = fields
+    summed = rhs.dims[rhs_labels.index("i")]
+    outputs = out.size
+    for dim in range(rank):
+        label = str(dim)
+        size = lhs.dims[lhs_labels.index(label)]
+        width = rhs.dims[rhs_labels.index(label)]
+        positions = out.dims[out_labels.index(label)]
+        taps = _window_taps(
+            size, positions, width, strides[dim], lows[dim], bases[dim], dilations[dim]
+        )
+        summed *= taps
+        outputs //= positions
+    return 2 * outputs * summed
 
 
 def _gemm(
@@ -312,12 +346,11 @@ def _gemm(
         return None
     out = inst.shapes[0]
     if contracting is None:
-        sizes = _convolution_contracting(inst, rhs, out)
-        if sizes is None:
+        flops = _convolution_flops(inst, lhs, rhs, out)
+        if flops is None:
             return None
-        summed = _prod(sizes)
     else:
-        summed = _prod(lhs.dims[d] for d in contracting)
+        flops = 2 * out.size * _prod(lhs.dims[d] for d in contracting)
     return PlanGemm(
         name=name,
         computation=where,
@@ -325,7 +358,7 @@ def _gemm(
         lhs_dtype=_np_dtype(lhs.dtype),
         rhs_dtype=_np_dtype(rhs.dtype),
         out_dtype=_np_dtype(out.dtype),
-        flops=2 * out.size * summed,
+        flops=flops,
         executions=executions,
         lhs_shape=lhs.dims,
         rhs_shape=rhs.dims,
