@@ -48,7 +48,15 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sharding  # noqa: E402
-from gpt import ATTENTION, GPT, PRESETS, REMAT_POLICIES, GPTConfig, LayerNorm  # noqa: E402
+from gpt import (  # noqa: E402
+    ATTENTION,
+    GPT,
+    PRESETS,
+    REMAT_POLICIES,
+    Embed,
+    GPTConfig,
+    LayerNorm,
+)
 
 import mpjax  # noqa: E402
 
@@ -430,9 +438,10 @@ def build_model(
         (``FP8_DELAYED``) ``init`` adds the matmuls' state as the ``"fp8"`` collection,
         and ``apply`` takes it back (:func:`model_variables`), in both modes that run fp8.
       mode: how the policy reaches the model:
-        ``"mpjax"``: the unmodified model wrapped by :func:`mpjax.linen.apply_policy`, with a
-        class rule that treats the model's own ``LayerNorm`` like Flax's norms (f32 params and
-        statistics, output in the compute dtype);
+        ``"mpjax"``: the unmodified model wrapped by :func:`mpjax.linen.apply_policy`, with
+        class rules that treat the model's own ``LayerNorm`` and ``Embed`` like Flax's (norms:
+        f32 params and statistics, output in the compute dtype; embeddings: rows out in the
+        compute dtype, so the residual stream runs in it);
         ``"hand"``: the policy's dtypes written into the model by hand
         (``GPT(config, dtype=compute, param_dtype=param)``), the way Flax users do it today;
         ``"autocast"``: the unmodified model's ``apply`` under :func:`mpjax.autocast`.
@@ -444,7 +453,11 @@ def build_model(
         ``dtype`` attributes cannot say fp8).
     """
     if mode == "mpjax":
-        rules = {LayerNorm: mpjax.norm_policy, **head_rule(config, policy, fp8_head)}
+        rules = {
+            LayerNorm: mpjax.norm_policy,
+            Embed: mpjax.embedding_policy,
+            **head_rule(config, policy, fp8_head),
+        }
         return mpjax.linen.apply_policy(GPT(config), mpjax.Rules(rules, default=policy))
     if mode == "hand":
         if policy.fp8 is not None:

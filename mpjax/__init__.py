@@ -67,7 +67,15 @@ from mpjax.policy import (
     cast_floating,
     get_policy,
 )
-from mpjax.rules import Resolution, Rule, Rules, RuleWarning, as_rules, norm_policy
+from mpjax.rules import (
+    Resolution,
+    Rule,
+    Rules,
+    RuleWarning,
+    as_rules,
+    embedding_policy,
+    norm_policy,
+)
 
 _flax: Any
 try:
@@ -162,6 +170,7 @@ __all__ = [
     "dot_product_attention",
     "fp8_state",
     "full_precision",
+    "embedding_policy",
     "get_policy",
     "plan",
     "plan_mesh",

@@ -59,12 +59,14 @@ from mpjax.rules import (
     RuleWarning,
     as_rules,
     check_unmatched,
+    register_embedding_rules,
     register_norm_rules,
 )
 
 __all__ = ["MixedPrecision", "apply_policy", "filter_value_and_grad", "module_paths"]
 
 register_norm_rules("equinox", eqx.nn.LayerNorm, eqx.nn.RMSNorm, eqx.nn.BatchNorm, eqx.nn.GroupNorm)
+register_embedding_rules("equinox", eqx.nn.Embedding)
 
 
 def _is_module(x: Any) -> bool:

@@ -69,6 +69,7 @@ from mpjax.rules import (
     RuleWarning,
     as_rules,
     check_unmatched,
+    register_embedding_rules,
     register_norm_rules,
 )
 
@@ -80,6 +81,7 @@ FP8_COLLECTION = "fp8"
 gradient with respect to it is the next state (:func:`mpjax.fp8.delayed_dot_general`)."""
 
 register_norm_rules("linen", nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm)
+register_embedding_rules("linen", nn.Embed)
 
 _RESOLUTION = "_mpjax_resolution"  # instance-dict key marking a configured bound module
 

@@ -73,6 +73,7 @@ from mpjax.rules import (
     RuleWarning,
     as_rules,
     check_unmatched,
+    register_embedding_rules,
     register_norm_rules,
 )
 
@@ -85,6 +86,7 @@ __all__ = [
 ]
 
 register_norm_rules("nnx", nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm)
+register_embedding_rules("nnx", nnx.Embed)
 
 # Containers hold modules and Params for the module that uses them; they own nothing themselves.
 _CONTAINERS = (nnx.List, nnx.Dict)

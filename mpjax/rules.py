@@ -187,6 +187,34 @@ def norm_policy(default: PolicyLike) -> Policy:
     return Policy(f32, f32, default.compute_dtype)
 
 
+def embedding_policy(default: PolicyLike) -> Policy:
+    """Embedding lookups: the table in the param dtype, the rows it returns in the compute
+    dtype, as Flax's ``nn.Embed(dtype=...)`` returns them.
+
+    The policy function of the built-in embedding rules: ``Rules({MyEmbed:
+    mpjax.embedding_policy})`` gives an embedding of your own the same treatment. The rows are
+    gathered from the stored table and cast where the embedding's region ends, so the table's
+    gradient, a scatter-add of the rows' cotangents, accumulates in the param dtype. Without
+    it, a lookup returns rows in the param dtype (a gather computes nothing to cast), and a
+    transformer's residual stream, which starts at those rows, stays float32 through every
+    block: an activation twice as wide as the hand-written model's, kept for the backward
+    pass and read by every norm. A tied output head (``attend``) still multiplies in the
+    compute dtype.
+
+    Args:
+      default: the default policy the rule receives (anything :func:`mpjax.get_policy`
+        accepts).
+
+    Raises:
+      TypeError: if ``default`` is not a policy.
+
+    >>> embedding_policy("mixed_bfloat16")
+    Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=bfloat16)
+    """
+    default = _policy_argument(default, "embedding_policy(default): default")
+    return dataclasses.replace(default, output_dtype=default.compute_dtype)
+
+
 # mpjax's built-in rules, in registration order. Softmax needs no rule: the casting engine
 # runs its exp and sums in f32 wherever it is.
 _BUILTIN_RULES: list[Rule] = []
@@ -224,10 +252,21 @@ def register_norm_rules(library: str, *classes: type) -> None:
     """Registers the built-in rule giving each normalization layer class :func:`norm_policy`
     (f32 params and statistics, output in the compute dtype), named for reports after
     ``library`` and the class: ``"builtin: linen.LayerNorm in f32"``."""
+    _register_class_rules(library, classes, norm_policy, "in f32")
+
+
+def register_embedding_rules(library: str, *classes: type) -> None:
+    """Registers the built-in rule giving each embedding class :func:`embedding_policy` (rows
+    out in the compute dtype), named for reports after ``library`` and the class:
+    ``"builtin: linen.Embed rows in the compute dtype"``."""
+    _register_class_rules(library, classes, embedding_policy, "rows in the compute dtype")
+
+
+def _register_class_rules(
+    library: str, classes: tuple[type, ...], policy: Callable[[Policy], Policy], what: str
+) -> None:
     for cls in classes:
-        register_builtin_rule(
-            Rule(cls, norm_policy, name=f"builtin: {library}.{cls.__name__} in f32")
-        )
+        register_builtin_rule(Rule(cls, policy, name=f"builtin: {library}.{cls.__name__} {what}"))
 
 
 def builtin_rules() -> tuple[Rule, ...]:

@@ -81,11 +81,14 @@ def assert_matmuls(model, *inputs, expected=None, call=_call, dtype=BF16):
 
 
 def region_dtypes(fn, *args):
-    """{region path: dtypes of the floating inputs of its equations}, casts left out (a cast
-    into a region takes the caller's dtype in)."""
+    """{region path: dtypes of the floating inputs of its equations}, casts, calls and
+    cotangent sums left out: a cast into a region takes the caller's dtype in, a call (a jitted
+    helper such as a norm's) takes its arguments as they come and is read equation by equation,
+    and the backward pass sums the cotangents of an input the region uses twice in the input's
+    dtype, the caller's."""
     found: dict[str, set] = {}
     for eqn, _ in iter_equations(fn, *args):
-        if eqn.primitive.name in ("convert_element_type", "name"):
+        if eqn.primitive.name in ("convert_element_type", "name", "jit", "pjit", "add_any"):
             continue
         region = innermost(jax_compat.scope_names(eqn))
         path = None if region is None else region.path

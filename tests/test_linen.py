@@ -230,21 +230,30 @@ def test_embed_lookup_gathers_rows_of_the_f32_table_and_attend_runs_in_bf16():
     ids = jnp.arange(3)
     variables = _init(model, ids)
     assert variables["params"]["embedding"].dtype == F32
-    # No cast of the whole table: its gradient (a scatter-add) then accumulates in f32.
+    # No cast of the whole table: its gradient (a scatter-add) then accumulates in f32. The
+    # rows read are cast: the built-in embedding rule returns them in the compute dtype.
     gathers = _equations(lambda v: model.apply(v, ids), variables, primitive="gather")
-    converts = _equations(
-        lambda v: model.apply(v, ids), variables, primitive="convert_element_type"
-    )
-    assert [d for d, _ in gathers] == [{F32, np.dtype(jnp.int32)}] and not converts
-    assert jax.eval_shape(model.apply, variables, ids).dtype == F32
+    converts = [
+        (eqn.invars[0].aval.shape, np.dtype(eqn.outvars[0].aval.dtype))
+        for eqn, _ in iter_equations(lambda v: model.apply(v, ids), variables)
+        if eqn.primitive.name == "convert_element_type"
+    ]
+    assert [d for d, _ in gathers] == [{F32, np.dtype(jnp.int32)}]
+    assert converts == [((3, DIM), BF16)], converts
+    assert jax.eval_shape(model.apply, variables, ids).dtype == BF16
     query = jnp.ones((2, DIM))
     for method in ("attend", nn.Embed.attend):  # by name or as Flax's own function
         fwd = mpjax.inspect_matmuls(lambda v: model.apply(v, query, method=method))(variables)  # noqa: B023
         assert [m.operand_dtypes for m in fwd] == [(BF16, BF16)]
         assert (
             jax.eval_shape(functools.partial(model.apply, method=method), variables, query).dtype
-            == F32
+            == BF16
         )
+    # Under Rules without the built-in rules, the root's policy returns the rows in f32.
+    plain = mpl.apply_policy(
+        nn.Embed(VOCAB, DIM), mpjax.Rules(default="mixed_bfloat16", builtins=False)
+    )
+    assert jax.eval_shape(plain.apply, variables, ids).dtype == F32
 
 
 def test_custom_module_reads_params_cast_by_param_get_variable_and_variable():

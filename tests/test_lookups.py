@@ -121,3 +121,75 @@ def test_the_check_catches_a_table_cast_whole_before_the_lookup():
     gathers, scatters, table_converts = _lookups(grad_fn, variables)
     assert gathers == [(BF16, (VOCAB, DIM))] and scatters == [(BF16, (VOCAB, DIM))]
     assert ((F32, (VOCAB, DIM)), BF16) in table_converts
+
+
+# The built-in embedding rules: rows come out in the compute dtype, as from Flax's
+# nn.Embed(dtype=bf16), so what is added to them (a position table, the blocks' outputs) runs
+# in it; the gather still reads the f32 table, and its gradient accumulates in f32.
+
+
+def _add_operand_dtypes(apply, *args):
+    """The operand dtypes of each add of two ``[2, SEQ, DIM]`` activations in the forward
+    jaxpr, in order."""
+    return [
+        (eqn.invars[0].aval.dtype, eqn.invars[1].aval.dtype)
+        for eqn, _ in iter_equations(apply, *args)
+        if eqn.primitive.name == "add" and eqn.outvars[0].aval.shape == (2, SEQ, DIM)
+    ]
+
+
+class LinenResidual(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        h = nn.Embed(VOCAB, DIM, name="wte")(ids)
+        return h + nn.Dense(DIM, name="fc")(h)  # a residual connection
+
+
+def test_linen_embedding_rows_and_the_residual_stream_run_in_the_compute_dtype():
+    model = mpjax.linen.apply_policy(LinenResidual(), "mixed_bfloat16")
+    variables = model.init(jax.random.key(0), IDS)
+    adds = _add_operand_dtypes(lambda v: model.apply(v, IDS), variables)
+    # The bias add, then the residual add: both of bf16 values.
+    assert adds[-1] == (BF16, BF16), adds
+    report = mpjax.describe(model, variables=variables)(IDS)
+    (row,) = [r for r in report.rows if r.path == "wte"]
+    assert row.rule == "builtin: linen.Embed rows in the compute dtype"
+    grad_fn = jax.grad(lambda v: model.apply(v, IDS).astype(jnp.float32).sum())
+    _check(*_lookups(grad_fn, variables), tied=False)
+    # Without the built-in rules, the rows stay f32 and so does the residual add.
+    plain = mpjax.linen.apply_policy(
+        LinenResidual(), mpjax.Rules(default="mixed_bfloat16", builtins=False)
+    )
+    adds = _add_operand_dtypes(lambda v: plain.apply(v, IDS), variables)
+    assert adds[-1] == (F32, F32), adds
+
+
+def test_nnx_embedding_rows_run_in_the_compute_dtype():
+    model = NnxLM(nnx.Rngs(0))
+    mpjax.nnx.set_policy(model, "mixed_bfloat16")
+    rows = []
+    for eqn, _ in iter_equations(lambda m: m.wte(IDS), model):
+        if eqn.primitive.name == "convert_element_type" and eqn.outvars[0].aval.shape == (
+            2,
+            SEQ,
+            DIM,
+        ):
+            rows.append(np.dtype(eqn.outvars[0].aval.dtype))
+    assert rows == [BF16], rows
+
+
+def test_equinox_embedding_rows_run_in_the_compute_dtype():
+    eqx = pytest.importorskip("equinox")
+    embed = eqx.nn.Embedding(VOCAB, DIM, key=jax.random.key(0))
+    wrapped = mpjax.equinox.apply_policy(embed, "mixed_bfloat16")
+    out = jax.vmap(wrapped)(IDS[0])
+    assert out.dtype == BF16 and out.shape == (SEQ, DIM)
+    grads = jax.grad(lambda m: jax.vmap(m)(IDS[0]).astype(jnp.float32).sum())(wrapped)
+    assert jax.tree.leaves(grads)[0].dtype == F32
+
+
+def test_embedding_policy_keeps_the_table_and_returns_rows_in_the_compute_dtype():
+    assert mpjax.embedding_policy("mixed_float16") == mpjax.get_policy("p=f32,c=f16,o=f16")
+    assert mpjax.embedding_policy("float32") == mpjax.get_policy("float32")
+    with pytest.raises(TypeError, match=r"embedding_policy\(default\): default"):
+        mpjax.embedding_policy(3)

@@ -64,6 +64,7 @@ PUBLIC = {
         "equinox",
         "fp8_state",
         "full_precision",
+        "embedding_policy",
         "get_policy",
         "plan",
         "plan_mesh",

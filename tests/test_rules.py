@@ -179,27 +179,36 @@ def test_as_rules_rejects_anything_else_naming_the_argument(spec):
         mpjax.as_rules(spec, "rules")
 
 
-def test_integrations_register_their_norms_in_order_with_stable_names():
+def test_integrations_register_their_norms_and_embeddings_in_order_with_stable_names():
     names = [r.name for r in Rules().rules]
     assert names == [
-        f"builtin: {lib}.{norm} in f32"
-        for lib in ("linen", "nnx", "equinox")
-        for norm in ("LayerNorm", "RMSNorm", "BatchNorm", "GroupNorm")
+        name
+        for lib, embed in (("linen", "Embed"), ("nnx", "Embed"), ("equinox", "Embedding"))
+        for name in (
+            *(f"builtin: {lib}.{norm} in f32" for norm in ("LayerNorm", "RMSNorm", "BatchNorm")),
+            f"builtin: {lib}.GroupNorm in f32",
+            f"builtin: {lib}.{embed} rows in the compute dtype",
+        )
     ]
     assert [r.key for r in Rules().rules] == [
         nn.LayerNorm,
         nn.RMSNorm,
         nn.BatchNorm,
         nn.GroupNorm,
+        nn.Embed,
         nnx.LayerNorm,
         nnx.RMSNorm,
         nnx.BatchNorm,
         nnx.GroupNorm,
+        nnx.Embed,
         eqx.nn.LayerNorm,
         eqx.nn.RMSNorm,
         eqx.nn.BatchNorm,
         eqx.nn.GroupNorm,
+        eqx.nn.Embedding,
     ]
+    policies = {r.name: r.policy for r in Rules().rules}
+    assert policies["builtin: linen.Embed rows in the compute dtype"] is mpjax.embedding_policy
 
 
 def test_register_builtin_rule_appends_or_replaces_by_key(monkeypatch):
