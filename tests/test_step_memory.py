@@ -126,13 +126,6 @@ def test_bf16_step_holds_less_than_f32_on_tpu(target):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="mpjax's bf16 step still holds more than the hand-written one: 1.13x on a v5p "
-    "(8.24 GB against 7.32 GB, small preset, batch 16, Pallas attention), 1.05x on an H100 (9.89 GB against "
-    "9.41 GB) and 1.10x at batch 4 (1.69 GB against 1.53 GB), so partly a fixed cost; mpjax's "
-    "f32 residual stream (embedding rows in f32, as PyTorch's autocast) is only 0.03 GB of it",
-)
 @pytest.mark.parametrize("target", list(TARGET.values()))
 def test_mpjax_step_holds_what_the_hand_written_step_holds(target):
     mpjax_bytes = step_temporaries(target, BF16_MPJAX)

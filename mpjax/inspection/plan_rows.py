@@ -309,10 +309,11 @@ def _convolution_flops(
     rank = sum(label.isdigit() for label in lhs_labels)
     window = inst.attribute("window") or ""
     fields = [
-        _window_values(window, key, rank, default)
+        values
         for key, default in (("stride", 1), ("pad", 0), ("lhs_dilate", 1), ("rhs_dilate", 1))
+        if (values := _window_values(window, key, rank, default)) is not None
     ]
-    if any(f is None for f in fields):
+    if len(fields) != 4:
         return None
     strides, lows, bases, dilations = fields
     summed = rhs.dims[rhs_labels.index("i")]
