@@ -783,5 +783,10 @@ def libtpu_installed() -> bool:
 
 
 def tpu_topology(name: str) -> Any:
-    """The compile-only devices of the TPU slice ``name`` (``"v5p:2x2x1"``), from libtpu."""
-    return topologies.get_topology_desc(topology_name=name, platform="tpu")
+    """The compile-only devices of the TPU slice ``name`` (``"v5p:2x2x1"``), from libtpu.
+
+    A slice of one chip is asked for with one chip per host: the libtpu of jax 0.8 assumes a
+    host of 2x2x1 chips and refuses a smaller slice, where newer ones assume what fits."""
+    one_chip = all(d == "1" for d in name.partition(":")[2].split("x"))
+    options = {"chips_per_host_bounds": (1, 1, 1)} if one_chip else {}
+    return topologies.get_topology_desc(topology_name=name, platform="tpu", **options)

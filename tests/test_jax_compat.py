@@ -518,3 +518,13 @@ def test_the_devices_a_value_spans_as_traced_come_from_the_jit_input_shardings()
     jax.jit(f)(jnp.ones((8, 2)))
     assert seen == [4, 1]
     assert jax_compat.traced_devices(jnp.ones(3)) == 1
+
+
+@pytest.mark.skipif(not jax_compat.libtpu_installed(), reason="needs libtpu (the tpu extra)")
+def test_tpu_topology_gives_one_chip_and_a_slice():
+    # The libtpu of jax 0.8 refuses a slice smaller than its default host of 2x2x1 chips
+    # unless it is told the host's size; newer ones assume it.
+    devices = jax_compat.tpu_topology("v5p:1x1x1").devices
+    assert len(devices) == 1 and devices[0].device_kind == "TPU v5"
+    assert len(jax_compat.tpu_topology("v5e:1x1").devices) == 1
+    assert len(jax_compat.tpu_topology("v5p:2x2x1").devices) == 4
