@@ -1491,6 +1491,10 @@ def test_the_update_rule_is_pytorchs_with_the_clamps(
         scale, tracker = torch_rule(
             scale, tracker, f, growth, backoff, interval, min_scale, max_scale
         )
+        if 0 < scale < np.finfo(np.float32).tiny:
+            # Backed off below float32's normal range (no floor): XLA's CPU backend flushes a
+            # subnormal result to zero where NumPy, and a GPU, keep it.
+            break
         assert float(ls.loss_scale) == float(scale)
         assert int(ls.counter) == tracker
 
