@@ -36,6 +36,7 @@ from mpjax.inspection.plan import (
     plan_mesh,
     plan_unavailable,
 )
+from mpjax.inspection.plan_collectives import PlanCollective
 from mpjax.inspection.plan_rows import PlanAttention, PlanGemm, PlanMemory, PlanScatter
 from mpjax.inspection.report import ModuleRow, PrecisionReport
 from mpjax.optim.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
@@ -124,6 +125,7 @@ __all__ = [
     "Fp8Recipe",
     "Plan",
     "PlanAttention",
+    "PlanCollective",
     "PlanGemm",
     "PlanMemory",
     "PlanScatter",

@@ -54,6 +54,7 @@ LAYERS = (
         "inspection.hlo_text",
         "inspection.targets",
         "inspection.plan_rows",
+        "inspection.plan_collectives",
         "inspection.plan",
         "optim.gradient_checks",
         "optim.loss_scale",

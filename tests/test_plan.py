@@ -658,3 +658,145 @@ def test_without_libtpu_the_error_says_how_to_install_it(monkeypatch, fresh_devi
     assert 'pip install "mpjax[tpu]"' in reason and "JAX_PLATFORMS=cpu" in reason
     with pytest.raises(PlanUnavailableError, match="libtpu, which is not installed"):
         mpjax.plan(jnp.matmul, "v6e")(sds((M, K), jnp.bfloat16), sds((K, N), jnp.bfloat16))
+
+
+# --- What a sharded step sends, and loops. --------------------------------------------------
+
+_COLLECTIVES_HLO = """HloModule m, entry_computation_layout={}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (p0: bf16[32,128], p1: f32[128,128], p2: f32[64], p3: bf16[16,8]) -> bf16[128,128] {
+  %p0 = bf16[32,128] parameter(0)
+  %gather = bf16[128,128] all-gather(%p0), replica_groups=mesh['data'=2,'fsdp'=4] {'fsdp'}, dimensions={0}, metadata={op_name="jit(step)/jvp(M)/mpjax[p=f32,c=bf16,o=f32]fc/mpjax[p=f32,c=bf16,o=f32]fc/convert_element_type"}
+  %p1 = f32[128,128] parameter(1)
+  %scatter = f32[32,128] reduce-scatter(%p1), replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add, metadata={op_name="jit(step)/transpose(jvp(M))/mpjax[p=f32,c=bf16,o=f32]fc/dot_general"}
+  %p2 = f32[64] parameter(2)
+  %start = (f32[64], f32[64]) all-reduce-start(%p2), replica_groups=[4,2]<=[8], to_apply=%add
+  %done = f32[64] all-reduce-done(%start)
+  %p3 = bf16[16,8] parameter(3)
+  %permute = bf16[16,8] collective-permute(%p3), source_target_pairs={{0,1},{1,0}}
+  ROOT %out = bf16[128,128] copy(%gather)
+}
+"""
+
+
+def test_a_plan_reads_collectives_with_their_kind_dtype_bytes_groups_and_module():
+    from mpjax.inspection.plan_collectives import read_collectives
+
+    rows = {c.name: c for c in read_collectives(parse_module(_COLLECTIVES_HLO))}
+    assert set(rows) == {"gather", "scatter", "start", "permute"}  # a -done moves nothing more
+    gather, scatter, start, permute = (rows[n] for n in ("gather", "scatter", "start", "permute"))
+    # An FSDP parameter gathered in bf16 over the mesh's 4-device fsdp axis, for module fc.
+    assert (gather.kind, gather.dtype, gather.bytes, gather.devices) == (
+        "all-gather",
+        BF16,
+        128 * 128 * 2,
+        4,
+    )
+    assert gather.module == "fc" and not gather.backward
+    # Its gradient reduce-scattered in f32, in the backward pass; groups listed.
+    assert (scatter.kind, scatter.dtype, scatter.bytes, scatter.devices) == (
+        "reduce-scatter",
+        F32,
+        128 * 128 * 4,
+        4,
+    )
+    assert scatter.module == "fc" and scatter.backward
+    # An asynchronous all-reduce over iota groups of 2, outside any module; a permute.
+    assert (start.kind, start.bytes, start.devices, start.module) == ("all-reduce", 256, 2, "")
+    assert (permute.kind, permute.dtype, permute.bytes, permute.devices) == (
+        "collective-permute",
+        BF16,
+        16 * 8 * 2,
+        2,
+    )
+
+
+_LOOP_HLO = """HloModule m, entry_computation_layout={}
+
+%cond (c: (s32[], f32[8,8])) -> pred[] {
+  %c = (s32[], f32[8,8]) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(6)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (b: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %b = (s32[], f32[8,8]) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %x = f32[8,8] get-tuple-element(%b), index=1
+  %y = f32[8,8] dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[8,8]) tuple(%j, %y)
+}
+
+ENTRY %main (p: f32[8,8]) -> (s32[], f32[8,8]) {
+  %p = f32[8,8] parameter(0)
+  %start = s32[] constant(START)
+  %init = (s32[], f32[8,8]) tuple(%start, %p)
+  ROOT %loop = (s32[], f32[8,8]) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+@pytest.mark.parametrize("start, trips", [(0, 6), (2, 4)])
+def test_a_loop_without_a_known_trip_count_is_counted_from_its_condition(start, trips):
+    # A TPU compile writes no known_trip_count: the condition, counter < 6 from START, says it.
+    fields = read_module(parse_module(_LOOP_HLO.replace("START", str(start))), "tpu")
+    assert only(fields["gemms"]).executions == trips
+
+
+@needs_libtpu
+def test_a_tpu_plan_of_a_loop_counts_every_iteration_and_gives_no_estimate():
+    def layers(x, ws):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+
+    x, ws = sds((256, 512), jnp.bfloat16), sds((6, 512, 512), jnp.bfloat16)
+    p = mpjax.plan(layers, "v5p")(x, ws)
+    assert p.loop_trips == (6,) and p.total_flops == 6 * 2 * 256 * 512 * 512
+    # XLA's cost model counts the body once: no estimate rather than one six times too short.
+    assert p.estimated_seconds is None and p.mfu() is None
+    assert "no time estimate: XLA's cost model counts a loop's body once" in p.summary()
+    assert p.roofline_seconds == pytest.approx(p.total_flops / CHIPS["v5p"].peak_flops["bf16"])
+
+
+@needs_libtpu
+def test_a_sharded_step_on_a_tpu_slice_reports_what_it_sends_and_for_which_module():
+    import flax.linen as nn
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(512, name="fc2")(jax.nn.gelu(nn.Dense(512, name="fc1")(x)))
+
+    model = mpjax.linen.apply_policy(Mlp(), "mixed_bfloat16")
+    mesh = mpjax.plan_mesh("v5p:2x2x1", (4,), ("fsdp",))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+    params = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rows),
+        jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((8, 512)))["params"],
+    )
+    x = jax.ShapeDtypeStruct((4096, 512), jnp.float32, sharding=rows)
+
+    def grads(params, x):
+        loss = lambda p: jnp.square(model.apply({"params": p}, x).astype(jnp.float32)).mean()  # noqa: E731
+        return jax.grad(loss)(params)
+
+    p = mpjax.plan(grads, "v5p:2x2x1")(params, x)
+    kernels = [c for c in p.collectives if c.kind == "all-gather" and c.bytes == 512 * 512 * 2]
+    # Each FSDP kernel is gathered whole, in bf16 (cast before the gather), for its own module.
+    assert {c.module for c in kernels} == {"fc1", "fc2"}, p.table()
+    assert all(c.dtype == BF16 and c.devices == 4 and not c.backward for c in kernels)
+    # Their gradients leave over the same 4 devices in the backward pass.
+    back = [c for c in p.collectives if c.backward and c.module in ("fc1", "fc2")]
+    assert back and all(c.devices == 4 for c in back), p.table()
+    moved = p.collective_bytes()
+    assert moved["all-gather bfloat16"] >= 2 * 512 * 512 * 2
+    assert "collectives per device and call: all-gather bfloat16" in p.summary()
+    assert json.loads(json.dumps(p.to_dict()))["collective_bytes"] == moved

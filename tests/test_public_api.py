@@ -17,6 +17,7 @@ PUBLIC = {
         "FULL_PRECISION_SCOPE",
         "Fp8Recipe",
         "PlanAttention",
+        "PlanCollective",
         "PlanUnavailableError",
         "PlanGemm",
         "Plan",

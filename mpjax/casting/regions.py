@@ -120,6 +120,38 @@ def innermost(scopes: Sequence[str]) -> Region | None:
     return found
 
 
+# JAX's own named scopes inside a module's code (a cond's branches, a remat, a loop's body,
+# an einsum's subscripts) and transformations (``transpose(jvp(...))``): not part of a path.
+_JAX_SCOPE = re.compile(r"^(cond|branch_\d+_fun|checkpoint|remat|while|body|cond_fun|scan)$|\(|->")
+
+
+def module_path_in_op_name(op_name: str) -> str:
+    """The path of the innermost module region in a compiled operation's op name (HLO's
+    ``metadata={op_name=...}``), or ``""`` outside any module's region.
+
+    An op name joins scope names with ``/``, and a region's name holds its path, so the path
+    is read after the last region's policy, up to the operation's own name or a scope of
+    JAX's.
+
+    >>> module_path_in_op_name("jit(step)/mpjax[p=f32,c=bf16,o=f32]h3/attn/proj/dot_general")
+    'h3/attn/proj'
+    >>> module_path_in_op_name("jit(step)/transpose(jvp(GPT))/mpjax[bfloat16]h0/cond/mul")
+    'h0'
+    >>> module_path_in_op_name("jit(step)/mpjax[bfloat16]wte/...d,vd->...v/dot_general")
+    'wte'
+    """
+    start = op_name.rfind("mpjax[")
+    if start < 0:
+        return ""
+    parts = op_name[op_name.find("]", start) + 1 :].split("/")[:-1]
+    path = []
+    for part in parts:
+        if not part or _JAX_SCOPE.search(part):
+            break
+        path.append(part)
+    return "/".join(path)
+
+
 def output_boundary(tree, dtype: np.dtype):
     """Marks the floating array leaves of ``tree`` as a region's outputs, to be cast to
     ``dtype`` by the engine (see the module docstring); other leaves pass unchanged."""

@@ -13,6 +13,8 @@
 - :mod:`mpjax.inspection.plan_rows`: the parts of a plan read from the optimized HLO (GEMMs,
   attention, scatters) and from XLA's memory analysis, with :mod:`mpjax.inspection.hlo_text`
   parsing the HLO.
+- :mod:`mpjax.inspection.plan_collectives`: what a sharded step sends between devices, by
+  kind, dtype, bytes and the module each collective serves.
 - :mod:`mpjax.inspection.targets`: the chips a plan compiles for and their published figures
   (memory, bandwidth, peak matmul rates), and the GPU descriptions in ``gpu_targets/``.
 

@@ -75,6 +75,7 @@ class HloInstruction:
         %x``), else None, one per operand.
       attributes: ``(key, value)`` pairs after the operands, values as written.
       root: whether it is its computation's ``ROOT``.
+      literal: a ``constant``'s value as written (``"4"``); empty for other instructions.
     """
 
     name: str
@@ -85,6 +86,7 @@ class HloInstruction:
     operand_shapes: tuple[HloShape | None, ...]
     attributes: tuple[tuple[str, str], ...]
     root: bool = False
+    literal: str = ""
 
     def attribute(self, key: str) -> str | None:
         """The value of attribute ``key`` as written, or None if the line has none."""
@@ -258,6 +260,7 @@ def _instruction(name: str, rest: str, root: bool) -> HloInstruction | None:
         operand_shapes=tuple(inline),
         attributes=tuple(attributes),
         root=root,
+        literal=tail[open_at + 1 : close_at].strip() if opcode == "constant" else "",
     )
 
 

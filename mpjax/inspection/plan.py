@@ -42,11 +42,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mpjax import jax_compat
 from mpjax.inspection.hlo_text import parse_module
 from mpjax.inspection.matmuls import check_function
+from mpjax.inspection.plan_collectives import COLLECTIVE_KINDS, PlanCollective, read_collectives
 from mpjax.inspection.plan_rows import (
     PlanAttention,
     PlanGemm,
     PlanMemory,
     PlanScatter,
+    bytes_text,
+    loop_trip_counts,
     memory_of,
     out_of_memory,
     read_module,
@@ -102,6 +105,13 @@ def _section(header: tuple[str, ...], rows: list[Any]) -> list[str]:
     return [format_table(header, rows, right=right), ""] if rows else []
 
 
+def _read(hlo_text: str, platform: str) -> dict[str, Any]:
+    """The fields of a :class:`Plan` read from an optimized HLO module's text."""
+    module = parse_module(hlo_text)
+    loops = {"collectives": read_collectives(module), "loop_trips": loop_trip_counts(module)}
+    return {**read_module(module, platform), **loops}
+
+
 def _shape_text(dtype: np.dtype, shape: tuple[int, ...]) -> str:
     return f"{dtype.name}{list(shape)}" if shape else dtype.name
 
@@ -146,6 +156,11 @@ class Plan:
         chip's cores where the target has several devices per chip).
       compiled: False when the compile failed for lack of memory (TPU): then ``memory`` says by
         how much, and nothing else was read.
+      collectives: what the step sends between devices (:class:`PlanCollective`), in HLO
+        order; empty for one device.
+      loop_trips: the trip count of each loop the step runs (scanned layers). XLA's TPU cost
+        model counts a loop's body once, so a TPU plan that loops gives no estimate (the cost
+        fields are None); its matmul FLOPs count every iteration.
     """
 
     target: str
@@ -167,6 +182,8 @@ class Plan:
     modelled_flops: float | None = None
     peak_flops: float | None = None
     compiled: bool = True
+    collectives: tuple[PlanCollective, ...] = ()
+    loop_trips: tuple[int, ...] = ()
 
     @classmethod
     def from_hlo_text(cls, hlo_text: str, *, device: str, target: str = "") -> Plan:
@@ -199,7 +216,7 @@ class Plan:
             options=(),
             hlo_text=hlo_text,
             autotuned=True,
-            **read_module(parse_module(hlo_text), "gpu"),
+            **_read(hlo_text, "gpu"),
         )
 
     def _matmuls(self) -> Iterator[tuple[np.dtype, np.dtype, int, str]]:
@@ -309,6 +326,17 @@ class Plan:
     def __str__(self) -> str:
         return self.table()
 
+    def collective_bytes(self) -> dict[str, int]:
+        """Bytes per device and call that the collectives move, by kind and dtype
+        (``"all-gather bfloat16"``; :attr:`PlanCollective.bytes` says what is counted), in the
+        order of :data:`~mpjax.inspection.plan_collectives.COLLECTIVE_KINDS`."""
+        totals: dict[str, int] = {}
+        ordered = sorted(self.collectives, key=lambda c: COLLECTIVE_KINDS.index(c.kind))
+        for c in ordered:
+            key = f"{c.kind} {c.dtype.name}"
+            totals[key] = totals.get(key, 0) + c.total_bytes
+        return totals
+
     def summary(self) -> str:
         """The verdict lines: memory against the device's, the estimated time and MFU, the
         roofline bound and the FLOP shares by dtype and by float32 precision."""
@@ -325,6 +353,13 @@ class Plan:
                 f"{_seconds_text(self.estimated_seconds)}"
                 + (f", estimated MFU {mfu:.1%} of the bf16 peak" if mfu is not None else "")
             )
+        loops = [t for t in self.loop_trips if t > 1]
+        if self.platform == "tpu" and loops:
+            lines.append(
+                f"no time estimate: XLA's cost model counts a loop's body once, and this step "
+                f"runs {len(loops)} loop{'s' * (len(loops) != 1)} of up to {max(loops)} "
+                "iterations (scanned layers); plan the step with its layers unrolled for one"
+            )
         if self.modelled_flops is not None and self.modelled_flops < 0.95 * self.total_flops:
             lines.append(
                 f"XLA's cost model counts {_flops_text(int(self.modelled_flops))} FLOPs in all, "
@@ -337,6 +372,9 @@ class Plan:
             lines.append(
                 f"roofline bound (matmul FLOPs at the published peaks): {_seconds_text(roofline)}"
             )
+        if self.collectives:
+            moved = ", ".join(f"{k} {bytes_text(v)}" for k, v in self.collective_bytes().items())
+            lines.append(f"collectives per device and call: {moved}")
         total = self.total_flops
         if total:
             shares = ", ".join(
@@ -394,6 +432,23 @@ class Plan:
         )
         parts += _section(("attention", "target", "pass", "dtype", "FLOPs", "runs"), attention)
         parts += _section(("scatter", "computation", "dtype", "runs"), scatters)
+        collectives = [
+            (
+                c.name,
+                c.kind,
+                c.dtype.name,
+                bytes_text(c.bytes),
+                str(c.devices),
+                c.module or "-",
+                "backward" if c.backward else "forward",
+                str(c.executions),
+            )
+            for c in self.collectives
+        ]
+        parts += _section(
+            ("collective", "kind", "dtype", "bytes", "devices", "module", "pass", "runs"),
+            collectives,
+        )
         if self.compiled:
             fusions = f"{self.fusions} fusion{'s' * (self.fusions != 1)}"
             calls = f"{self.custom_calls} custom call{'s' * (self.custom_calls != 1)}"
@@ -445,6 +500,10 @@ class Plan:
             "gemms": [_row(g) for g in self.gemms],
             "attention": [_row(a) for a in self.attention],
             "scatters": [_row(s) for s in self.scatters],
+            "collectives": [
+                {**_row(c), "module": c.module, "backward": c.backward} for c in self.collectives
+            ],
+            "collective_bytes": self.collective_bytes(),
             "fusions": self.fusions,
             "custom_calls": self.custom_calls,
             "flops_by_dtype": self.flops_by_dtype(),
@@ -723,15 +782,18 @@ def plan(
                 raise
             empty: dict[str, Any] = {"gemms": (), "attention": (), "scatters": ()}
             return Plan(**common, **empty, fusions=0, custom_calls=0, memory=memory, compiled=False)
-        cost = result.cost or {}
+        read = _read(result.hlo_text, parsed.platform)
+        # XLA's cost model counts a loop's body once: no estimate for a step that loops.
+        modelled = parsed.platform == "tpu" and all(t <= 1 for t in read["loop_trips"])
+        cost = (result.cost or {}) if modelled else {}
         return Plan(
             **common,
             hlo_text=result.hlo_text,
             memory=memory_of(result.memory, capacity),
-            estimated_seconds=_estimate(cost) if parsed.platform == "tpu" else None,
-            bytes_accessed=cost.get("bytes accessed") if parsed.platform == "tpu" else None,
-            modelled_flops=cost.get("flops") if parsed.platform == "tpu" else None,
-            **read_module(parse_module(result.hlo_text), parsed.platform),
+            estimated_seconds=_estimate(cost) if modelled else None,
+            bytes_accessed=cost.get("bytes accessed"),
+            modelled_flops=cost.get("flops"),
+            **read,
         )
 
     return compile_plan

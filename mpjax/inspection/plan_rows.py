@@ -29,9 +29,14 @@ __all__ = [
     "PlanMemory",
     "PlanScatter",
     "bytes_text",
+    "kernel_computations",
+    "loop_trip_counts",
     "memory_of",
+    "np_dtype",
+    "op_name_of",
     "out_of_memory",
     "read_module",
+    "trip_count",
 ]
 
 LIBRARIES = ("cublaslt", "cublaslt_fp8", "cublas", "triton", "cudnn", "xla", "mxu")
@@ -156,7 +161,7 @@ class PlanScatter:
     op_name: str = ""
 
 
-def _np_dtype(hlo_type: str) -> np.dtype:
+def np_dtype(hlo_type: str) -> np.dtype:
     """The NumPy dtype of an HLO element type: ``bf16`` -> bfloat16, ``f8e4m3fn`` ->
     float8_e4m3fn."""
     name = _HLO_DTYPES.get(hlo_type)
@@ -178,7 +183,8 @@ def _prod(values: Any) -> int:
     return math.prod(int(v) for v in values)
 
 
-def _op_name(inst: HloInstruction) -> str:
+def op_name_of(inst: HloInstruction) -> str:
+    """The JAX op name in ``inst``'s metadata (``"jit(step)/.../dot_general"``), or ``""``."""
     match = _OP_NAME.search(inst.attribute("metadata") or "")
     return match[1] if match else ""
 
@@ -205,10 +211,58 @@ def _cublas_library(target: str) -> str:
     return "cublas"
 
 
-def _kernel_computations(module: HloModule) -> dict[str, int]:
+def trip_count(module: HloModule, computation: HloComputation, loop: HloInstruction) -> int:
+    """How many times the ``while`` instruction ``loop`` of ``computation`` runs its body: the
+    count a GPU compile writes in its backend config, or, as a TPU compile writes none, read
+    from its condition, ``counter < N`` on an element of the loop's tuple, less the counter's
+    initial constant (0 when it is not a constant in sight, as JAX's scans and fori_loops
+    start). 1 when neither says."""
+    count = loop.backend_config().get("known_trip_count", {})
+    if isinstance(count, dict) and "n" in count:
+        return int(count["n"])
+    condition = module.computations.get((loop.attribute("condition") or "").lstrip("%"))
+    if condition is None:
+        return 1
+    root = next((i for i in condition.instructions if i.root), None)
+    if root is None or root.opcode != "compare" or root.attribute("direction") != "LT":
+        return 1
+    counter, bound = (condition.get(name) for name in root.operands[:2])
+    if counter is None or bound is None or counter.opcode != "get-tuple-element":
+        return 1
+    limit = _constant(bound)
+    if limit is None:
+        return 1
+    start: int | None = None
+    init = computation.get(loop.operands[0]) if loop.operands else None
+    index = int(counter.attribute("index") or -1)
+    if init is not None and init.opcode == "tuple" and 0 <= index < len(init.operands):
+        source = computation.get(init.operands[index])
+        start = _constant(source) if source is not None else None
+    return max(limit - (start or 0), 1)
+
+
+def _constant(inst: HloInstruction) -> int | None:
+    """The value of an integer scalar ``constant``, else None."""
+    if inst.opcode != "constant" or not re.fullmatch(r"-?\d+", inst.literal):
+        return None
+    return int(inst.literal)
+
+
+def loop_trip_counts(module: HloModule) -> tuple[int, ...]:
+    """The trip count of each ``while`` loop one call of ``module`` reaches (:func:`trip_count`),
+    in HLO order."""
+    return tuple(
+        trip_count(module, module.computations[where], inst)
+        for where in kernel_computations(module)
+        for inst in module.computations[where].instructions
+        if inst.opcode == "while"
+    )
+
+
+def kernel_computations(module: HloModule) -> dict[str, int]:
     """The computations that launch kernels, each with how many times one call runs it:
-    the entry, and what its loops, conditionals and calls run (a while body times its known
-    trip count)."""
+    the entry, and what its loops, conditionals and calls run (a while body times its trip
+    count, :func:`trip_count`)."""
     executions = {module.entry: 1}
     todo = [module.entry]
     while todo:
@@ -216,10 +270,7 @@ def _kernel_computations(module: HloModule) -> dict[str, int]:
         for inst in computation.instructions:
             if inst.opcode not in _CONTROL_FLOW:
                 continue
-            times = 1
-            if inst.opcode == "while":
-                count = inst.backend_config().get("known_trip_count", {})
-                times = int(count.get("n", 1)) if isinstance(count, dict) else 1
+            times = trip_count(module, computation, inst) if inst.opcode == "while" else 1
             for callee in inst.called_computations():
                 if callee in module.computations and callee not in executions:
                     executions[callee] = executions[computation.name] * times
@@ -356,14 +407,14 @@ def _gemm(
         name=name,
         computation=where,
         library=library,
-        lhs_dtype=_np_dtype(lhs.dtype),
-        rhs_dtype=_np_dtype(rhs.dtype),
-        out_dtype=_np_dtype(out.dtype),
+        lhs_dtype=np_dtype(lhs.dtype),
+        rhs_dtype=np_dtype(rhs.dtype),
+        out_dtype=np_dtype(out.dtype),
         flops=flops,
         executions=executions,
         lhs_shape=lhs.dims,
         rhs_shape=rhs.dims,
-        op_name=_op_name(inst),
+        op_name=op_name_of(inst),
         precision=_precision(inst),
     )
 
@@ -421,16 +472,16 @@ def _row_of(
             name=kernel.name,
             target=target,
             backward=backward,
-            dtype=_np_dtype(q.dtype),
+            dtype=np_dtype(q.dtype),
             flops=_attention_flops(q, k, config, backward),
             executions=executions,
-            op_name=_op_name(inst),
+            op_name=op_name_of(inst),
         )
-    if target == "tpu_custom_call" and _TPU_ATTENTION.search(_op_name(inst)):
+    if target == "tpu_custom_call" and _TPU_ATTENTION.search(op_name_of(inst)):
         return _tpu_attention(inst, computation, kernel=kernel, executions=executions)
     if inst.opcode == "scatter" and inst.shapes:
-        dtype = _np_dtype(inst.shapes[0].dtype)
-        return PlanScatter(kernel.name, where, dtype, executions, _op_name(inst))
+        dtype = np_dtype(inst.shapes[0].dtype)
+        return PlanScatter(kernel.name, where, dtype, executions, op_name_of(inst))
     return None
 
 
@@ -446,15 +497,15 @@ def _tpu_attention(
         return None
     batch, heads, tq, head_dim = q.dims
     tk = k.dims[2]
-    backward = bool(_TPU_BACKWARD.search(_op_name(inst)))
+    backward = bool(_TPU_BACKWARD.search(op_name_of(inst)))
     return PlanAttention(
         name=kernel.name,
         target="tpu_custom_call",
         backward=backward,
-        dtype=_np_dtype(q.dtype),
+        dtype=np_dtype(q.dtype),
         flops=4 * batch * heads * tq * tk * head_dim,
         executions=executions,
-        op_name=_op_name(inst),
+        op_name=op_name_of(inst),
     )
 
 
@@ -464,7 +515,7 @@ def read_module(module: HloModule, platform: str) -> dict[str, Any]:
     and its fusion and custom-call counts."""
     rows: list[PlanGemm | PlanAttention | PlanScatter] = []
     fusions = custom_calls = 0
-    for where, executions in _kernel_computations(module).items():
+    for where, executions in kernel_computations(module).items():
         for kernel in module.computations[where].instructions:
             if kernel.opcode == "fusion":
                 fusions += 1

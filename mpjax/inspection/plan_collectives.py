@@ -1,0 +1,208 @@
+"""What a sharded step sends between devices: the collectives of an optimized HLO module, as rows
+of a plan (:class:`PlanCollective`), each with its kind, dtype, bytes per device and what it
+carries.
+
+XLA's SPMD partitioner writes the communication a sharding implies as collectives: an FSDP
+step all-gathers each sharded parameter before its matmuls and reduce-scatters its gradient
+after them; data parallelism all-reduces gradients. A GPU compile writes them as instructions
+(``all-gather-start``, ``all-reduce``, ``reduce-scatter``...), or wraps them in ``async-start``
+computations; a TPU compile also fuses a reduce-scatter into a ``fusion`` whose computation
+holds the ``all-reduce`` (``%all-reduce-scatter.3``). Each keeps the JAX op name of the
+operation it serves, whose precision regions name the module (:mod:`mpjax.casting.regions`):
+``h3/attn/qkv``, in the backward pass for a gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterator
+
+import numpy as np
+
+from mpjax.casting import regions
+from mpjax.inspection.hlo_text import HloComputation, HloInstruction, HloModule, HloShape
+from mpjax.inspection.plan_rows import kernel_computations, np_dtype, op_name_of
+
+__all__ = ["COLLECTIVE_KINDS", "PlanCollective", "read_collectives"]
+
+COLLECTIVE_KINDS = (
+    "all-gather",
+    "reduce-scatter",
+    "all-reduce",
+    "all-to-all",
+    "collective-permute",
+)
+"""The kinds of :class:`PlanCollective`, in the order a plan lists them."""
+
+# HLO opcodes of collectives (their ``-start`` halves for the asynchronous ones; the ``-done``
+# halves move nothing more), by kind.
+_OPCODES = {
+    "all-gather": "all-gather",
+    "all-gather-start": "all-gather",
+    "all-reduce": "all-reduce",
+    "all-reduce-start": "all-reduce",
+    "reduce-scatter": "reduce-scatter",
+    "all-to-all": "all-to-all",
+    "ragged-all-to-all": "all-to-all",
+    "collective-permute": "collective-permute",
+    "collective-permute-start": "collective-permute",
+}
+_IOTA_GROUPS = re.compile(r"^\[(?P<dims>[\d,]+)\]<=\[")
+_MESH_GROUPS = re.compile(r"^mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<over>[^}]*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCollective:
+    """One collective of a :class:`~mpjax.Plan`: data moved between devices.
+
+    Attributes:
+      name: the HLO instruction that runs it (the collective, or the fusion that holds it).
+      computation: the HLO computation holding that instruction.
+      kind: one of :data:`COLLECTIVE_KINDS`.
+      dtype: the dtype of the data it moves.
+      bytes: per device and execution, the size of the array it assembles or reduces: the
+        gathered result of an all-gather, the operand of a reduce-scatter or an all-reduce,
+        what a permute or an all-to-all sends. On a ring over ``devices`` devices each device
+        sends ``(devices - 1) / devices`` of that (twice for an all-reduce).
+      devices: how many devices each group of the collective spans (2 for a permute).
+      executions: how many times one call runs it (loop trip counts included).
+      op_name: the JAX op name of the operation it serves.
+    """
+
+    name: str
+    computation: str
+    kind: str
+    dtype: np.dtype
+    bytes: int
+    devices: int
+    executions: int
+    op_name: str = ""
+
+    @property
+    def module(self) -> str:
+        """The path of the module whose operation it serves (``"h3/attn/qkv"``; ``""`` for
+        the root or an operation outside any module's precision region)."""
+        return regions.module_path_in_op_name(self.op_name)
+
+    @property
+    def backward(self) -> bool:
+        """Whether it serves the backward pass (a gradient's reduction, mostly)."""
+        return "transpose(" in self.op_name
+
+    @property
+    def total_bytes(self) -> int:
+        """:attr:`bytes` times :attr:`executions`: per device and call."""
+        return self.bytes * self.executions
+
+
+def _array_bytes(shape: HloShape) -> int:
+    return shape.size * np_dtype(shape.dtype).itemsize
+
+
+def _group_size(inst: HloInstruction) -> int:
+    """How many devices each of ``inst``'s groups spans, from its ``replica_groups``: listed
+    (``{{0,1,2,3}}``), an iota (``[2,4]<=[8]``: groups of 4) or mesh axes
+    (``mesh['data'=2,'fsdp'=4] {'fsdp'}``: the named axes' sizes multiplied)."""
+    if inst.attribute("source_target_pairs") is not None:
+        return 2
+    groups = (inst.attribute("replica_groups") or "").strip()
+    mesh = _MESH_GROUPS.match(groups)
+    if mesh is not None:
+        sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", mesh["axes"])}
+        return math.prod(sizes.get(name, 1) for name in re.findall(r"'([^']+)'", mesh["over"]))
+    iota = _IOTA_GROUPS.match(groups)
+    if iota is not None:
+        return int(iota["dims"].split(",")[-1])
+    first = re.match(r"\{\{([\d,]*)\}", groups)
+    if first is not None and first[1]:
+        return len(first[1].split(","))
+    return 1
+
+
+def _row(
+    inst: HloInstruction,
+    computation: HloComputation,
+    kind: str,
+    *,
+    name: str,
+    where: str,
+    executions: int,
+    op_name: str,
+) -> PlanCollective | None:
+    operands = [computation.operand_shape(inst, i) for i in range(len(inst.operands))]
+    sent = [s for s in operands if s is not None]
+    results = list(inst.shapes)
+    if inst.opcode.endswith("-start") and results:
+        results = [max(results, key=_array_bytes)]  # (operand, result, ...) of an async start
+    arrays = sent + results
+    if not arrays:
+        return None
+    widest = max(arrays, key=_array_bytes)
+    return PlanCollective(
+        name=name,
+        computation=where,
+        kind=kind,
+        dtype=np_dtype(widest.dtype),
+        bytes=max(sum(map(_array_bytes, sent)), sum(map(_array_bytes, results))),
+        devices=_group_size(inst),
+        executions=executions,
+        op_name=op_name,
+    )
+
+
+def _fused(module: HloModule, fusion: HloInstruction) -> Iterator[HloInstruction]:
+    for callee in fusion.called_computations():
+        if callee in module.computations:
+            for inst in module.computations[callee].instructions:
+                if inst.opcode in _OPCODES:
+                    yield inst
+
+
+def read_collectives(module: HloModule) -> tuple[PlanCollective, ...]:
+    """The collectives one call of the optimized ``module`` runs, in HLO order."""
+    rows: list[PlanCollective] = []
+    for where, executions in kernel_computations(module).items():
+        computation = module.computations[where]
+        for inst in computation.instructions:
+            if inst.opcode in _OPCODES:
+                row = _row(
+                    inst,
+                    computation,
+                    _OPCODES[inst.opcode],
+                    name=inst.name,
+                    where=where,
+                    executions=executions,
+                    op_name=op_name_of(inst),
+                )
+            elif inst.opcode == "fusion" and (inner := next(_fused(module, inst), None)):
+                # A TPU fusion around a collective: what crosses devices is the fusion's input
+                # and output; a reduction whose output is smaller than its input scatters it.
+                kind = _OPCODES[inner.opcode]
+                row = _row(
+                    inst,
+                    computation,
+                    kind,
+                    name=inst.name,
+                    where=where,
+                    executions=executions,
+                    op_name=op_name_of(inst) or op_name_of(inner),
+                )
+                if row is not None:
+                    smaller = _smaller_output(inst, computation)
+                    if kind == "all-reduce" and smaller:
+                        row = dataclasses.replace(row, kind="reduce-scatter")
+                    row = dataclasses.replace(row, devices=_group_size(inner))
+            else:
+                continue
+            if row is not None:
+                rows.append(row)
+    return tuple(rows)
+
+
+def _smaller_output(inst: HloInstruction, computation: HloComputation) -> bool:
+    operand = computation.operand_shape(inst, 0)
+    if operand is None or not inst.shapes:
+        return False
+    return inst.shapes[0].size < operand.size
