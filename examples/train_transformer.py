@@ -453,10 +453,13 @@ def build_model(
         ``dtype`` attributes cannot say fp8).
     """
     if mode == "mpjax":
+        # The head's rule first (the first matching rule wins); a tied head is the embedding,
+        # so its rule keeps the embedding's rows in the compute dtype too.
+        head = mpjax.embedding_policy(policy) if config.tie_embeddings else policy
         rules = {
+            **head_rule(config, head, fp8_head),
             LayerNorm: mpjax.norm_policy,
             Embed: mpjax.embedding_policy,
-            **head_rule(config, policy, fp8_head),
         }
         return mpjax.linen.apply_policy(GPT(config), mpjax.Rules(rules, default=policy))
     if mode == "hand":
