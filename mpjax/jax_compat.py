@@ -646,9 +646,10 @@ class CudaTopology(NamedTuple):
     dropped: tuple[str, ...]
 
 
-def cuda_topology(target_config: str) -> CudaTopology:
-    """A compile-only topology of one GPU described by ``target_config``, a
-    ``GpuTargetConfigProto`` in text form (the spec files of openxla/xla).
+def cuda_topology(target_config: str, topology: str = "1x1x1") -> CudaTopology:
+    """A compile-only topology of GPUs described by ``target_config``, a
+    ``GpuTargetConfigProto`` in text form (the spec files of openxla/xla): one GPU, or
+    ``topology`` as ``slices x hosts x GPUs per host`` (``"1x2x8"``: two hosts of eight).
 
     The proto grows with XLA and jaxlib parses it strictly, so a spec newer than the installed
     jaxlib has fields it rejects: jaxlib 0.10.2 lacks ``collective_memory_granularity``, 0.8.1
@@ -672,15 +673,15 @@ def cuda_topology(target_config: str) -> CudaTopology:
         with tempfile.TemporaryFile() as log:
             with _stderr_to(log):
                 try:
-                    topology = topologies.get_topology_desc(
-                        platform="cuda", target_config=text, topology="1x1x1"
+                    made = topologies.get_topology_desc(
+                        platform="cuda", target_config=text, topology=topology
                     )
                 except NotImplementedError:
                     raise
                 except Exception as error:  # jaxlib's error types vary between versions
                     failure = error
                 else:
-                    return CudaTopology(topology, tuple(dropped))
+                    return CudaTopology(made, tuple(dropped))
             log.seek(0)
             logged = log.read().decode(errors="replace")
         match = _UNKNOWN_FIELD.search(logged)

@@ -800,3 +800,30 @@ def test_a_sharded_step_on_a_tpu_slice_reports_what_it_sends_and_for_which_modul
     assert moved["all-gather bfloat16"] >= 2 * 512 * 512 * 2
     assert "collectives per device and call: all-gather bfloat16" in p.summary()
     assert json.loads(json.dumps(p.to_dict()))["collective_bytes"] == moved
+
+
+def test_gpu_clusters_are_named_by_hosts_and_gpus_per_host():
+    from mpjax.inspection.targets import parse_target
+
+    assert parse_target("h100:2x8").topology == "1x2x8" and parse_target("h100:2x8").chips == 16
+    assert parse_target("H100:8").topology == "1x1x8"
+    assert parse_target("h100").topology == "1x1x1"
+    for bad in ("h100:0x8", "h100:2x8x1", "v100:8", "h100:"):
+        with pytest.raises(ValueError, match=r"unknown target .*'h100:2x8': 2 hosts of 8"):
+            mpjax.plan(jnp.matmul, bad)
+
+
+@needs_compiler
+def test_a_gpu_cluster_plans_each_device_of_a_sharded_step_and_what_it_sends():
+    mesh = mpjax.plan_mesh("h100:2x8", (2, 8), ("data", "fsdp"))
+    assert mesh.devices.size == 16
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16, sharding=rows)
+    w = jax.ShapeDtypeStruct((512, 512), jnp.float32, sharding=rows)  # f32 master, FSDP rows
+    p = mpjax.plan(lambda x, w: x @ w.astype(jnp.bfloat16), "h100:2x8")(x, w)
+    assert p.devices == 16 and p.platform == "gpu"
+    assert p.total_flops == 2 * (1024 // 16) * 512 * 512  # one device's share
+    # The weight is cast before it is gathered: the gather moves bf16, over all 16 GPUs.
+    assert p.collective_bytes() == {"all-gather bfloat16": 512 * 512 * 2}, p.table()
+    assert only(p.collectives).devices == 16
+    assert "GPU plan for h100:2x8 (NVIDIA H100 80GB HBM3, 16 devices)" in str(p)

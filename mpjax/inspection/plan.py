@@ -567,7 +567,7 @@ def _devices(name: str) -> tuple[tuple[Any, ...], str, int]:
             raise PlanUnavailableError(_NOT_INSTALLED["gpu"])
         spec = _spec(target.chip.spec)
         try:
-            topology = jax_compat.cuda_topology(spec).topology
+            topology = jax_compat.cuda_topology(spec, target.topology).topology
         except NotImplementedError as error:
             raise PlanUnavailableError(_NOT_STARTED.format(error=error)) from error
         except Exception as error:
@@ -614,12 +614,13 @@ def plan_mesh(
     target: str, axis_shapes: Sequence[int] | None = None, axis_names: Sequence[str] = ("data",)
 ) -> Mesh:
     """A mesh over ``target``'s compile-only devices, for sharding code to run unchanged
-    against a TPU slice this machine does not have: build ``NamedSharding(mesh, spec)`` from
+    against a TPU slice or GPUs this machine does not have: build ``NamedSharding(mesh, spec)`` from
     it and give :func:`plan` ``jax.ShapeDtypeStruct`` values (or arrays) with those
     shardings.
 
     Args:
-      target: a TPU slice (``"v5p:2x2x2"``) or any :func:`plan` target.
+      target: a TPU slice (``"v5p:2x2x2"``), GPUs on hosts (``"h100:2x8"``) or any
+        :func:`plan` target.
       axis_shapes: the mesh's shape; by default one axis over every device.
       axis_names: the mesh's axis names, one per axis.
 

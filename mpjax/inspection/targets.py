@@ -87,6 +87,7 @@ CHIPS: dict[str, Chip] = {
 
 # "v5p:2x2x1", "v5e:2x2": a TPU generation and a slice's chips along each axis.
 _TOPOLOGY = re.compile(r"(v\d+[a-z]?):(\d+(?:x\d+){1,2})")
+_CLUSTER = re.compile(r"([a-z]\d+):(?:(\d+)x)?(\d+)")
 # The single-chip slice each TPU generation's compiler accepts.
 _ONE_CHIP = {"v4": "1x1x1", "v5p": "1x1x1", "v5e": "1x1", "v6e": "1x1"}
 # TPU passes of bf16 per float32 matmul at each precision: one pass at DEFAULT, three at HIGH
@@ -99,10 +100,11 @@ class Target:
     """What a plan compiles for: a chip, and for a TPU the slice's topology.
 
     Attributes:
-      name: the name given (lowercase): ``"h100"``, ``"v5p"``, ``"v5p:2x2x1"``.
+      name: the name given (lowercase): ``"h100"``, ``"v5p"``, ``"v5p:2x2x1"``, ``"h100:2x8"``.
       chip: the :class:`Chip`.
-      topology: the topology the compiler is asked for (``"v5p:1x1x1"`` for ``"v5p"``);
-        ``"1x1x1"`` for a GPU.
+      topology: the topology the compiler is asked for (``"v5p:1x1x1"`` for ``"v5p"``); for
+        GPUs, JAX's CUDA plugin's ``slices x hosts x GPUs per host`` (``"1x1x1"`` for one,
+        ``"1x2x8"`` for ``"h100:2x8"``).
     """
 
     name: str
@@ -153,10 +155,16 @@ def parse_target(target: Any, *, caller: str = "plan") -> Target:
         axes = match[2].count("x") + 1
         if axes == len(_ONE_CHIP[match[1]].split("x")):
             return Target(name or "", CHIPS[match[1]], name or "")
+    cluster = _CLUSTER.fullmatch(name or "")
+    if cluster and cluster[1] in CHIPS and CHIPS[cluster[1]].platform == "gpu":
+        hosts, per_host = int(cluster[2] or 1), int(cluster[3])
+        if hosts >= 1 and per_host >= 1:
+            return Target(name or "", CHIPS[cluster[1]], f"1x{hosts}x{per_host}")
     gpus = sorted(c for c in CHIPS if CHIPS[c].platform == "gpu")
     tpus = sorted(c for c in CHIPS if CHIPS[c].platform == "tpu")
     raise ValueError(
         f"{caller}: unknown target {target!r}; valid targets: GPUs {gpus}, TPUs {tpus} (one "
-        "chip), or a TPU slice as 'generation:topology' with the generation's axes, such as "
-        "'v5p:2x2x1', 'v4:2x2x2', 'v5e:2x2', 'v6e:4x4'."
+        "chip), a TPU slice as 'generation:topology' with the generation's axes, such as "
+        "'v5p:2x2x1', 'v4:2x2x2', 'v5e:2x2', 'v6e:4x4', or GPUs on hosts as "
+        "'gpu:HOSTSxGPUS' ('h100:2x8': 2 hosts of 8) or 'gpu:GPUS' ('h100:8', one host)."
     )
