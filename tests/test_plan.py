@@ -827,3 +827,24 @@ def test_a_gpu_cluster_plans_each_device_of_a_sharded_step_and_what_it_sends():
     assert p.collective_bytes() == {"all-gather bfloat16": 512 * 512 * 2}, p.table()
     assert only(p.collectives).devices == 16
     assert "GPU plan for h100:2x8 (NVIDIA H100 80GB HBM3, 16 devices)" in str(p)
+
+
+def test_a_combined_collective_names_the_modules_of_each_operand():
+    from mpjax.inspection.plan_collectives import read_collectives
+
+    region = "mpjax[p=f32,c=bf16,o=f32]"
+    text = f"""HloModule m, entry_computation_layout={{}}
+
+ENTRY %main (p0: f32[8], p1: f32[8], p2: f32[8], p3: f32[8]) -> (bf16[32], bf16[32]) {{
+  %p0 = f32[8] parameter(0)
+  %a = bf16[8] convert(%p0), metadata={{op_name="jit(f)/{region}h0/fc/convert_element_type"}}
+  %p1 = f32[8] parameter(1)
+  %b = bf16[8] convert(%p1), metadata={{op_name="jit(f)/{region}h1/fc/convert_element_type"}}
+  ROOT %g = (bf16[32], bf16[32]) all-gather(%a, %b), replica_groups={{{{0,1,2,3}}}}, dimensions={{0}}, metadata={{op_name="jit(f)/{region}h0/fc/dot_general"}}
+}}
+"""
+    (row,) = read_collectives(parse_module(text))
+    assert row.modules == ("h0/fc", "h1/fc") and row.module == "h0/fc"
+    assert (row.bytes, row.devices) == (2 * 32 * 2, 4)
+    many = dataclasses.replace(row, modules=tuple(f"h{i}" for i in range(5)))
+    assert many.modules_text == "h0, h1, h2 and 2 more"

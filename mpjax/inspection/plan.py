@@ -439,7 +439,7 @@ class Plan:
                 c.dtype.name,
                 bytes_text(c.bytes),
                 str(c.devices),
-                c.module or "-",
+                c.modules_text,
                 "backward" if c.backward else "forward",
                 str(c.executions),
             )
@@ -500,9 +500,7 @@ class Plan:
             "gemms": [_row(g) for g in self.gemms],
             "attention": [_row(a) for a in self.attention],
             "scatters": [_row(s) for s in self.scatters],
-            "collectives": [
-                {**_row(c), "module": c.module, "backward": c.backward} for c in self.collectives
-            ],
+            "collectives": [{**_row(c), "backward": c.backward} for c in self.collectives],
             "collective_bytes": self.collective_bytes(),
             "fusions": self.fusions,
             "custom_calls": self.custom_calls,

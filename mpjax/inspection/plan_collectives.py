@@ -69,6 +69,10 @@ class PlanCollective:
       devices: how many devices each group of the collective spans (2 for a permute).
       executions: how many times one call runs it (loop trip counts included).
       op_name: the JAX op name of the operation it serves.
+      modules: the paths of the modules whose values it carries (``"h3/attn/qkv"``), from its
+        own op name, or for a collective XLA combined from several (one all-gather of many
+        parameters), from the operations that produce its operands; empty where they are
+        outside any module's precision region.
     """
 
     name: str
@@ -79,12 +83,18 @@ class PlanCollective:
     devices: int
     executions: int
     op_name: str = ""
+    modules: tuple[str, ...] = ()
 
     @property
     def module(self) -> str:
-        """The path of the module whose operation it serves (``"h3/attn/qkv"``; ``""`` for
-        the root or an operation outside any module's precision region)."""
-        return regions.module_path_in_op_name(self.op_name)
+        """The first of :attr:`modules` (``""`` if none)."""
+        return self.modules[0] if self.modules else ""
+
+    @property
+    def modules_text(self) -> str:
+        """:attr:`modules` for a table: the first three, and how many more."""
+        more = len(self.modules) - 3
+        return ", ".join(self.modules[:3]) + (f" and {more} more" if more > 0 else "") or "-"
 
     @property
     def backward(self) -> bool:
@@ -140,6 +150,10 @@ def _row(
     if not arrays:
         return None
     widest = max(arrays, key=_array_bytes)
+    modules = [regions.module_path_in_op_name(op_name)]
+    if len(inst.operands) > 1:  # combined: what each operand's producer belongs to
+        producers = [computation.get(name) for name in inst.operands]
+        modules = [regions.module_path_in_op_name(op_name_of(p)) for p in producers if p]
     return PlanCollective(
         name=name,
         computation=where,
@@ -149,6 +163,7 @@ def _row(
         devices=_group_size(inst),
         executions=executions,
         op_name=op_name,
+        modules=tuple(dict.fromkeys(m for m in modules if m)),
     )
 
 
