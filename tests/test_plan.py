@@ -315,7 +315,7 @@ def test_without_the_cuda_plugin_the_error_says_how_to_install_it(monkeypatch, f
 
 
 def test_a_plugin_that_did_not_start_gets_the_environment_variables(monkeypatch, fresh_devices):
-    def not_registered(spec):
+    def not_registered(spec, topology):
         raise NotImplementedError("topology not implemented for cuda")
 
     monkeypatch.setattr(jax_compat, "cuda_plugin_installed", lambda: True)
