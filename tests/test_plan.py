@@ -23,7 +23,7 @@ import mpjax
 from mpjax import jax_compat
 from mpjax.inspection.hlo_text import HloShape, parse_module
 from mpjax.inspection.plan import PlanUnavailableError, plan_unavailable
-from mpjax.inspection.plan_rows import read_module
+from mpjax.inspection.plan_rows import loop_trip_counts, read_module
 from mpjax.inspection.targets import CHIPS
 
 # `mpjax.plan` is the function; the module is reached through sys.modules.
@@ -750,6 +750,13 @@ def test_a_loop_without_a_known_trip_count_is_counted_from_its_condition(start, 
     # A TPU compile writes no known_trip_count: the condition, counter < 6 from START, says it.
     fields = read_module(parse_module(_LOOP_HLO.replace("START", str(start))), "tpu")
     assert only(fields["gemms"]).executions == trips
+    # Only a loop the program wrote (JAX's while, by its op name) counts as the step's loop,
+    # not one XLA made itself (a matmul split over permutes carries the matmul's op name).
+    for op_name, loops in (("jit(f)/while", (trips,)), ("jit(f)/dot_general", ())):
+        text = _LOOP_HLO.replace("START", str(start)).replace(
+            "body=%body", f'body=%body, metadata={{op_name="{op_name}"}}'
+        )
+        assert loop_trip_counts(parse_module(text)) == loops
 
 
 @needs_libtpu

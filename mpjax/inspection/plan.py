@@ -158,9 +158,9 @@ class Plan:
         how much, and nothing else was read.
       collectives: what the step sends between devices (:class:`PlanCollective`), in HLO
         order; empty for one device.
-      loop_trips: the trip count of each loop the step runs (scanned layers). XLA's TPU cost
-        model counts a loop's body once, so a TPU plan that loops gives no estimate (the cost
-        fields are None); its matmul FLOPs count every iteration.
+      loop_trips: the trip count of each loop the step's code runs (``scan`` over layers,
+        ``fori_loop``). XLA's TPU cost model counts a loop's body once, so a TPU plan of such
+        a step gives no estimate (the cost fields are None); its FLOPs count every iteration.
     """
 
     target: str
@@ -328,7 +328,7 @@ class Plan:
 
     def collective_bytes(self) -> dict[str, int]:
         """Bytes per device and call that the collectives move, by kind and dtype
-        (``"all-gather bfloat16"``; :attr:`PlanCollective.bytes` says what is counted), in the
+        (``"all-gather bfloat16"``; ``PlanCollective.bytes`` says what is counted), in the
         order of :data:`~mpjax.inspection.plan_collectives.COLLECTIVE_KINDS`."""
         totals: dict[str, int] = {}
         ordered = sorted(self.collectives, key=lambda c: COLLECTIVE_KINDS.index(c.kind))
@@ -358,13 +358,14 @@ class Plan:
             lines.append(
                 f"no time estimate: XLA's cost model counts a loop's body once, and this step "
                 f"runs {len(loops)} loop{'s' * (len(loops) != 1)} of up to {max(loops)} "
-                "iterations (scanned layers); plan the step with its layers unrolled for one"
+                "iterations (a scan, over layers or not); plan it unrolled for an estimate"
             )
         if self.modelled_flops is not None and self.modelled_flops < 0.95 * self.total_flops:
             lines.append(
                 f"XLA's cost model counts {_flops_text(int(self.modelled_flops))} FLOPs in all, "
                 f"fewer than the {_flops_text(self.total_flops)} of the matmuls: custom calls "
-                f"({self.custom_calls}) count only what their own cost estimates declare, so the "
+                f"({self.custom_calls}) count only what their own cost estimates declare and a "
+                "loop XLA made (a matmul split over permutes) counts its body once, so the "
                 "estimate leaves work out"
             )
         roofline = self.roofline_seconds

@@ -87,12 +87,12 @@ class PlanCollective:
 
     @property
     def module(self) -> str:
-        """The first of :attr:`modules` (``""`` if none)."""
+        """The first of ``modules`` (``""`` if none)."""
         return self.modules[0] if self.modules else ""
 
     @property
     def modules_text(self) -> str:
-        """:attr:`modules` for a table: the first three, and how many more."""
+        """``modules`` for a table: the first three, and how many more."""
         more = len(self.modules) - 3
         return ", ".join(self.modules[:3]) + (f" and {more} more" if more > 0 else "") or "-"
 
@@ -103,7 +103,7 @@ class PlanCollective:
 
     @property
     def total_bytes(self) -> int:
-        """:attr:`bytes` times :attr:`executions`: per device and call."""
+        """``bytes`` times ``executions``: per device and call."""
         return self.bytes * self.executions
 
 

@@ -249,13 +249,15 @@ def _constant(inst: HloInstruction) -> int | None:
 
 
 def loop_trip_counts(module: HloModule) -> tuple[int, ...]:
-    """The trip count of each ``while`` loop one call of ``module`` reaches (:func:`trip_count`),
-    in HLO order."""
+    """The trip count (:func:`trip_count`) of each loop the program wrote that one call of
+    ``module`` reaches, in HLO order: JAX's ``while`` (a ``scan``, a ``fori_loop``), not the
+    loops XLA makes itself (a matmul split into steps over collective permutes, whose op name
+    is the matmul's)."""
     return tuple(
         trip_count(module, module.computations[where], inst)
         for where in kernel_computations(module)
         for inst in module.computations[where].instructions
-        if inst.opcode == "while"
+        if inst.opcode == "while" and op_name_of(inst).rsplit("/", 1)[-1] == "while"
     )
 
 
