@@ -61,6 +61,9 @@ class GPTConfig:
         instead of a Python loop.
       remat: rematerialize each block in the backward pass: ``"none"``, ``"full"`` (keep only
         the block's input) or ``"dots"`` (keep the weight matmuls' outputs).
+      block_input_sharding: where each block's input ``[batch, time, d_model]`` is placed on
+        a mesh (a ``jax.sharding.NamedSharding``; see ``examples/sharding.py``), or None to
+        leave it to XLA.
     """
 
     vocab_size: int = 256
@@ -73,6 +76,7 @@ class GPTConfig:
     attention: str = "fused"
     scan_layers: bool = False
     remat: str = "none"
+    block_input_sharding: Any = None
 
     def __post_init__(self):
         if self.d_model % self.n_head:
@@ -237,6 +241,8 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        if self.config.block_input_sharding is not None:
+            x = jax.lax.with_sharding_constraint(x, self.config.block_input_sharding)
         x = x + CausalSelfAttention(self.config, name="attn", **kw)(LayerNorm(name="ln1", **kw)(x))
         return x + MLP(self.config, name="mlp", **kw)(LayerNorm(name="ln2", **kw)(x))
 

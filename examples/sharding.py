@@ -107,6 +107,19 @@ def eval_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(AXES))
 
 
+def activation_sharding(mesh: Mesh) -> NamedSharding | None:
+    """Where each transformer block's input ``[batch, seq, d_model]`` lives: split over every
+    device like the batch (None on one device, where there is nothing to place).
+
+    Without it, XLA's partitioner is free to keep the FSDP slices of the weights in place and
+    move the activations to them instead: the plan of the ``small`` step on 8 v5p chips
+    (batch 64) then sends 28 GB a step per chip (activations gathered, all-reduced and
+    permuted) and is estimated at 14.8% MFU; pinned to the batch, the weights are gathered
+    instead, 1 GB, and the estimate is 29%.
+    """
+    return NamedSharding(mesh, P(AXES)) if mesh.devices.size > 1 else None
+
+
 def global_batch(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """The global array of ``batch``, which every process samples whole (same seed, same
     sampler), built from the rows that this process's devices hold: one process, or several,

@@ -1353,7 +1353,9 @@ def plan_step(cfg: TrainConfig) -> mpjax.Plan:
         )
     mesh = sharding.make_mesh(mesh_devices, cfg.fsdp)
     policy = mpjax.get_policy(cfg.policy)
-    mcfg = cfg.model_config()
+    mcfg = dataclasses.replace(
+        cfg.model_config(), block_input_sharding=sharding.activation_sharding(mesh)
+    )
     model = build_model(mcfg, policy, cfg.mode, fp8_head=cfg.fp8_head)
     tx = make_optimizer(cfg, policy)
     abstract = jax.eval_shape(lambda: init_state(model, tx, cfg.seed, mcfg.block_size))
@@ -1431,6 +1433,7 @@ def train(cfg: TrainConfig) -> dict:
             f"({len(devices)}), since each device takes an equal share{remedy}."
         )
     mesh = sharding.make_mesh(devices, cfg.fsdp)
+    mcfg = dataclasses.replace(mcfg, block_input_sharding=sharding.activation_sharding(mesh))
     replicated = NamedSharding(mesh, P())
     batch_sharding = sharding.batch_sharding(mesh)  # [grad_accum, batch, seq]
     eval_sharding = sharding.eval_sharding(mesh)  # [batch, seq]
@@ -1610,8 +1613,11 @@ def train(cfg: TrainConfig) -> dict:
         "device_kind": devices[0].device_kind,
     }
     if cfg.sample_bytes > 0:
+        # Sampling runs on one device: the model without the mesh's placement of activations.
+        one_device = dataclasses.replace(mcfg, block_input_sharding=None)
+        sampler = build_model(one_device, policy, cfg.mode, fp8_head=cfg.fp8_head)
         summary["sample"] = sample_text(
-            model, state.params, cfg, jax.random.key(cfg.seed), state.fp8
+            sampler, state.params, cfg, jax.random.key(cfg.seed), state.fp8
         )
     if writes_files:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
