@@ -191,15 +191,7 @@ def _cached_equinox_rules(rules: Rules) -> Rules:
 
 
 def _translate(rules: Rules) -> Rules:
-    translated = tuple(
-        dataclasses.replace(rule, key=_glob_pattern(rule.key))
-        if isinstance(rule.key, str)
-        else rule
-        for rule in rules.rules
-    )
-    return Rules(
-        translated, default=rules.default, builtins=False, allow_unmatched=rules.allow_unmatched
-    )
+    return rules.with_keys(lambda key: _glob_pattern(key) if isinstance(key, str) else key)
 
 
 def _equinox_rules(rules: Rules) -> Rules:

@@ -417,6 +417,14 @@ class Rules:
             rules = self.rules[:n_user] + (rule,) + self.rules[n_user:]
         return Rules._from(rules, self.default, self.allow_unmatched)
 
+    def with_keys(self, key: Callable[[RuleKey], RuleKey]) -> Rules:
+        """Returns the same rules, built-in ones included and in order, with each rule's key
+        replaced by ``key(rule.key)``: how an integration reads path strings its own way (a
+        user's rule may share a class with a built-in one, as ``{eqx.nn.Embedding: ...}``
+        does, which a new :class:`Rules` would refuse as a duplicate)."""
+        rules = tuple(dataclasses.replace(r, key=key(r.key)) for r in self.rules)
+        return Rules._from(rules, self.default, self.allow_unmatched)
+
     def without(self, key: RuleKey) -> Rules:
         """Returns new rules without the rule for ``key`` (a user rule or a built-in one)."""
         index = self._index(key)

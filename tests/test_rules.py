@@ -379,3 +379,12 @@ def test_allow_unmatched_is_kept_by_every_derived_rules_and_must_be_a_bool():
     assert all(r.allow_unmatched for r in derived) and not Rules({}).allow_unmatched
     with pytest.raises(TypeError, match=r"allow_unmatched=\.\.\.\) must be a bool, got 'yes'"):
         Rules({}, allow_unmatched="yes")
+
+
+def test_with_keys_rewrites_keys_in_order_even_where_a_user_rule_shares_a_builtin_class():
+    rules = Rules({nn.Embed: "float32", "head": "bf16"}, default="mixed_bfloat16")
+    upper = rules.with_keys(lambda key: key.upper() if isinstance(key, str) else key)
+    assert [r.key for r in upper.rules][:2] == [nn.Embed, "HEAD"]
+    assert [r.builtin for r in upper.rules] == [r.builtin for r in rules.rules]
+    assert upper.resolve("x", nn.Embed).policy == get_policy("float32")  # the user's rule first
+    assert upper.default == rules.default
