@@ -129,6 +129,9 @@ PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(block_size=128, n_layer=4, n_head=4, d_model=128),
     "small": GPTConfig(block_size=1024, n_layer=18, n_head=12, d_model=768),
     "medium": GPTConfig(block_size=1024, n_layer=28, n_head=16, d_model=1024),
+    # About a billion parameters (1.21B): for planning a run on a pod (docs/pods.md), run
+    # with --scan-layers to keep its compile short.
+    "1b": GPTConfig(block_size=1024, n_layer=24, n_head=16, d_model=2048),
 }
 
 
