@@ -855,3 +855,9 @@ ENTRY %main (p0: f32[8], p1: f32[8], p2: f32[8], p3: f32[8]) -> (bf16[32], bf16[
     assert (row.bytes, row.devices) == (2 * 32 * 2, 4)
     many = dataclasses.replace(row, modules=tuple(f"h{i}" for i in range(5)))
     assert many.modules_text == "h0, h1, h2 and 2 more"
+
+
+@needs_libtpu
+def test_a_slice_libtpu_cannot_make_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"'v5p:3x5x7' is not a TPU slice: .*INVALID_ARGUMENT"):
+        mpjax.plan_mesh("v5p:3x5x7")

@@ -130,11 +130,9 @@ class Plan:
       attention: every fused attention kernel (:class:`PlanAttention`).
       scatters: every scatter (:class:`PlanScatter`).
       fusions: the number of ``fusion`` instructions in the computations that launch kernels
-        (the entry computation and the bodies and branches of its loops and conditionals, not
-        the computations fused into a kernel), each counted once however often its loop runs.
-        XLA's GPU backend wraps almost every operation in a fusion, Triton GEMMs included, so
-        ``fusions + custom_calls`` is close to the number of kernels (collectives and copies
-        aside).
+        (the entry computation, its loops' bodies and branches), each counted once however
+        often its loop runs. XLA's GPU backend wraps almost every operation in a fusion, so
+        ``fusions + custom_calls`` is close to the number of kernels.
       custom_calls: the number of ``custom-call`` instructions there (cuBLAS GEMMs, cuDNN
         attention, Pallas kernels and other library calls), counted the same way.
       hlo_text: the optimized HLO the plan was read from.
@@ -580,6 +578,8 @@ def _devices(name: str) -> tuple[tuple[Any, ...], str, int]:
     try:
         devices = tuple(jax_compat.tpu_topology(target.topology).devices)
     except Exception as error:
+        if "INVALID_ARGUMENT" in str(error):  # a slice that cannot exist
+            raise ValueError(f"{target.topology!r} is not a TPU slice: {error}") from error
         raise PlanUnavailableError(
             f"libtpu could not make the compile-only TPU slice {target.topology!r}: {error}"
         ) from error
@@ -624,7 +624,8 @@ def plan_mesh(
       axis_names: the mesh's axis names, one per axis.
 
     Raises:
-      ValueError: if the target is unknown, or the axes do not multiply to its device count.
+      ValueError: if the target is unknown or no slice libtpu can make, or the axes do not
+        multiply to its device count.
       PlanUnavailableError: if this machine cannot compile for it.
     """
     name = parse_target(target, caller="plan_mesh").name
