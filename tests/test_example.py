@@ -1244,11 +1244,15 @@ def test_delayed_fp8_state_is_replicated_under_fsdp_and_takes_global_amaxes(text
         assert meta.amax_history.shape == (2, 1024, 3), site
         for a in meta:
             assert len(a.sharding.device_set) == 8 and a.sharding.is_fully_replicated, site
-        # The first step's amaxes (from the same init and batch): a bf16 rounding apart at most.
+        # The first step's amaxes (from the same init and batch), per layer: the input's and
+        # the kernel's a bf16 rounding apart at most; the gradient's reaches the matmul through
+        # the bf16 residual stream's cotangent sums, one per residual add above it (two per
+        # block), whose order the devices change.
+        got, want = meta.amax_history[:, 2], one["state"].fp8[site].amax_history[:, 2]
+        bf16 = float(jnp.finfo(jnp.bfloat16).eps)
+        np.testing.assert_allclose(got[:, :2], want[:, :2], rtol=2 * bf16)
         np.testing.assert_allclose(
-            meta.amax_history[:, 2],
-            one["state"].fp8[site].amax_history[:, 2],
-            rtol=2 * float(jnp.finfo(jnp.bfloat16).eps),
+            got[:, 2], want[:, 2], rtol=tolerance(jnp.bfloat16, 2 * flags["n_layer"])
         )
 
 
