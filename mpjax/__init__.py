@@ -1,7 +1,7 @@
 """mpjax: mixed-precision training for JAX, Flax and optax.
 
 The core (policies, rules, autocast, reports, loss scaling, master weights, optimizer-state
-precision, low-precision params and the memory report) needs only JAX and optax. The Flax integrations, :mod:`mpjax.linen` and :mod:`mpjax.nnx`, are imported here when
+precision, quantized optimizer states, low-precision params and the memory report) needs only JAX and optax. The Flax integrations, :mod:`mpjax.linen` and :mod:`mpjax.nnx`, are imported here when
 Flax is installed (``pip install "mpjax[flax]"``), and the Equinox one, :mod:`mpjax.equinox`,
 when Equinox is (``pip install "mpjax[equinox]"``); importing them registers their built-in
 rules, their :func:`describe` support and the loss scales' ``flax.serialization`` support.
@@ -57,6 +57,21 @@ from mpjax.optim.low_precision_params import (
 )
 from mpjax.optim.master_weights import MasterWeightsState, master_weights
 from mpjax.optim.memory import MemoryReport, MemoryRow, memory_report
+from mpjax.optim.quantization import (
+    QUANT_FORMATS,
+    QuantFormat,
+    QuantizedArray,
+    create_dynamic_map,
+    dequantize_blockwise,
+    quantize_blockwise,
+)
+from mpjax.optim.quantized_state import (
+    QuantizationChoice,
+    QuantizationChoices,
+    QuantizedState,
+    quantization_choices,
+    quantized_state,
+)
 from mpjax.optim.rounding import stochastic_round
 from mpjax.optim.state_precision import StatePrecisionState, state_precision
 from mpjax.policy import (
@@ -156,6 +171,12 @@ __all__ = [
     "PolicyLike",
     "PrecisionMonitor",
     "PrecisionReport",
+    "QUANT_FORMATS",
+    "QuantFormat",
+    "QuantizationChoice",
+    "QuantizationChoices",
+    "QuantizedArray",
+    "QuantizedState",
     "Resolution",
     "Rule",
     "RuleWarning",
@@ -167,6 +188,8 @@ __all__ = [
     "cast_floating",
     "check_loss_scaling",
     "check_overflow",
+    "create_dynamic_map",
+    "dequantize_blockwise",
     "describe",
     "diagnose",
     "dot_product_attention",
@@ -186,6 +209,9 @@ __all__ = [
     "master_weights",
     "memory_report",
     "norm_policy",
+    "quantization_choices",
+    "quantize_blockwise",
+    "quantized_state",
     "scale_loss",
     "scaled_value_and_grad",
     "state_precision",

@@ -1,12 +1,15 @@
-"""``flax.serialization`` support for the loss-scale values of :mod:`mpjax.optim.loss_scale`.
+"""``flax.serialization`` support for the loss-scale values of :mod:`mpjax.optim.loss_scale` and
+the quantized moments of :mod:`mpjax.optim.quantization`.
 
-The loss scales are plain JAX pytrees, so orbax and every ``jax.tree_util`` based checkpointer
-handle them as they are. ``flax.serialization`` (``to_bytes``, ``to_state_dict``, Flax's
-``TrainState`` checkpoints) knows only the types registered with it; this module registers the
-three loss scales, so :mod:`mpjax.optim.loss_scale` itself never imports Flax. The state dicts hold
-the array leaves by field name (``{"loss_scale": ..., "counter": ...}`` for a dynamic scale,
-``{"loss_scale": ...}`` for a static one, ``{}`` for none), as ``flax.struct`` dataclasses
-serialize; restoring rebuilds the target's type with the target's static hyperparameters.
+The loss scales and :class:`~mpjax.optim.quantization.QuantizedArray` are plain JAX pytrees, so
+orbax and every ``jax.tree_util`` based checkpointer handle them as they are.
+``flax.serialization`` (``to_bytes``, ``to_state_dict``, Flax's ``TrainState`` checkpoints)
+knows only the types registered with it; this module registers the three loss scales and the
+quantized array, so the optimizer side itself never imports Flax. The state dicts hold the array
+leaves by field name (``{"loss_scale": ..., "counter": ...}`` for a dynamic scale,
+``{"loss_scale": ...}`` for a static one, ``{}`` for none, ``{"codes": ..., "absmax": ...}``
+for a quantized array), as ``flax.struct`` dataclasses serialize; restoring rebuilds the
+target's type with the target's static fields (hyperparameters; format, map and block size).
 
 >>> import flax.serialization
 >>> from mpjax.optim.loss_scale import DynamicLossScale
@@ -22,10 +25,12 @@ import flax.serialization
 import jax
 
 from mpjax.optim.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from mpjax.optim.quantization import QuantizedArray
 
 
 def _children(target: Any) -> tuple[list[tuple[str, Any]], Any]:
-    """The named array fields of a loss scale, one level deep, and its tree structure."""
+    """The named array fields of a loss scale or quantized array, one level deep, and its tree
+    structure."""
     children, treedef = jax.tree_util.tree_flatten_with_path(
         target, is_leaf=lambda x: x is not target
     )
@@ -60,7 +65,7 @@ def _from_state_dict(target: Any, state: dict[str, Any]) -> Any:
     return jax.tree.unflatten(treedef, values)
 
 
-for _cls in (DynamicLossScale, StaticLossScale, NoOpLossScale):
+for _cls in (DynamicLossScale, StaticLossScale, NoOpLossScale, QuantizedArray):
     flax.serialization.register_serialization_state(
         _cls, _to_state_dict, _from_state_dict, override=True
     )

@@ -62,12 +62,18 @@ LAYERS = (
         "optim.loss_scaling_readers",
         "optim.master_weights",
         "optim.rounding",
+        "optim.quantization",  # blockwise 8- and 4-bit codes: the formats, maps and layout
         "doctor.range_stats",
         "casting.fp8_sites",  # the delayed fp8 scaling state of an engine run, by matmul site
     },
     # Optimizer transformations that read the loss-scaling state, and the memory report
     # that names their parts.
-    {"optim.state_precision", "optim.low_precision_params", "optim.memory"},
+    {
+        "optim.state_precision",
+        "optim.quantized_state",
+        "optim.low_precision_params",
+        "optim.memory",
+    },
     {"casting.trace_context"},  # what the engine is tracing now, and what traced code may ask
     {"casting.engine"},  # the casting engine: every integration, autocast and the reports use it
     {"autocast", "inspection.report", "doctor.monitor"},

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from mpjax.optim.gradient_checks import is_box
+from mpjax.optim.quantization import QuantizedArray
 from mpjax.policy import is_floating, short_dtype_name
 from mpjax.table import format_table, human_bytes
 
@@ -31,8 +32,10 @@ class MemoryRow:
       part: ``"params"``, or the optimizer-state field the leaves sit under (the last
         attribute name on their path: ``"mu"``, ``"nu"``, ``"master"``, ``"compensation"``,
         ``"acc_grads"``, ``"count"``, ``"key"``...); ``"state"`` for a leaf under none.
-      dtype: the leaves' dtype name.
-      bytes: their size in bytes (the global size of sharded arrays).
+      dtype: the leaves' dtype name; for quantized leaves (:class:`mpjax.QuantizedArray`),
+        their format's name (``"dynamic8"``).
+      bytes: their size in bytes (the global size of sharded arrays); for quantized leaves,
+        codes and absmaxes together.
     """
 
     part: str
@@ -116,6 +119,8 @@ class MemoryReport:
 
 
 def _nbytes(leaf: Any) -> int:
+    if isinstance(leaf, QuantizedArray):
+        return leaf.nbytes
     return int(np.prod(np.shape(leaf), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
 
 
@@ -123,9 +128,15 @@ def _leaves_with_paths(tree: Any) -> list[tuple[tuple, Any]]:
     """The leaves of ``tree`` with their paths, a box's value (:func:`is_box`: an NNX
     ``Variable``, such as the ``OptArray`` in which ``nnx.Optimizer`` keeps each array of its
     state) at the path of the box, so that it counts under the field holding it (``mu``), not
-    the box's own ``value``."""
-    boxes_as_leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]
-    return [(path, leaf) for path, node in boxes_as_leaves for leaf in jax.tree.leaves(node)]
+    the box's own ``value``. A :class:`QuantizedArray` is one leaf, at its own path."""
+    boxes_as_leaves = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: is_box(x) or isinstance(x, QuantizedArray)
+    )[0]
+    return [
+        (path, leaf)
+        for path, node in boxes_as_leaves
+        for leaf in jax.tree.leaves(node, is_leaf=lambda x: isinstance(x, QuantizedArray))
+    ]
 
 
 def _part(path: tuple) -> str:
@@ -137,7 +148,10 @@ def _rows(pairs: list[tuple[str, Any]]) -> list[MemoryRow]:
     """Sums of bytes by (part, dtype), in order of first appearance."""
     totals: dict[tuple[str, str], int] = {}
     for part, leaf in pairs:
-        key = (part, short_dtype_name(leaf.dtype))
+        if isinstance(leaf, QuantizedArray):
+            key = (part, leaf.format.name)
+        else:
+            key = (part, short_dtype_name(leaf.dtype))
         totals[key] = totals.get(key, 0) + _nbytes(leaf)
     return [MemoryRow(part, dtype, n) for (part, dtype), n in totals.items()]
 
@@ -149,7 +163,9 @@ def memory_report(params: Any, opt_state: Any) -> MemoryReport:
     bytes of a model too large to build are ``memory_report(*jax.eval_shape(init, ...))``. Each
     optimizer-state leaf counts under the last attribute name on its path, which names what it
     is in optax's and mpjax's states (``ScaleByAdamState.mu``, ``MasterWeightsState.master``,
-    ``LowPrecisionParamsState.compensation``). Sizes are global: a sharded array counts
+    ``LowPrecisionParamsState.compensation``); a quantized moment (:func:`mpjax.quantized_state`)
+    counts its codes and absmaxes together under its field, with its format's name for a dtype.
+    Sizes are global: a sharded array counts
     whole, whatever each device holds. Gradients and activations are not counted.
 
     Args:
@@ -188,6 +204,9 @@ def memory_report(params: Any, opt_state: Any) -> MemoryReport:
     pairs = []
     for tree, what in ((params, "params"), (opt_state, "opt_state")):
         for path, leaf in _leaves_with_paths(tree):
+            if what == "opt_state" and isinstance(leaf, QuantizedArray):
+                pairs.append((_part(path), leaf))
+                continue
             if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
                 raise TypeError(
                     f"memory_report: {what}{jax.tree_util.keystr(path)} is {leaf!r} of type "

@@ -1,0 +1,481 @@
+"""Blockwise quantization of optimizer-state arrays: 8-bit and 4-bit codes with a float32 absmax
+per block, as bitsandbytes' 8-bit optimizers and torchao's low-bit optimizers keep their moments.
+
+An array is cut into blocks of ``block_size`` consecutive elements along its **last axis**
+(which must be a multiple of the block). Each block keeps its largest magnitude, ``absmax``, in
+float32, and each element a code: the index of the nearest entry of a *map* (a sorted table of
+values in [-1, 1]) to the element divided by its block's absmax. Dequantizing is a table lookup
+times the absmax. The codes have the array's shape (4-bit codes two to a byte, so the last axis
+halves) and the absmaxes its leading shape, ``shape[:-1] + (shape[-1] // block_size,)``: an
+array sharded along any axis but the last keeps whole blocks on each device, and its absmax can
+be sharded like it.
+
+The formats (:data:`QUANT_FORMATS`, or a :class:`QuantFormat` of your own):
+
+* ``"dynamic8"``: bitsandbytes' dynamic map (:func:`create_dynamic_map`): a sign, a run of
+  leading zero bits that sets the decade (1e-6 to 1), and a linear fraction in the bits left.
+  Signed for first moments, unsigned (twice as fine, no sign bit) for second moments. 256
+  entries; a uint8 code and 4 / 256 bytes of absmax per element with the default block of 256.
+* ``"e4m3"``: float8_e4m3fn codes (stored as their uint8 bit patterns) of the element divided by
+  ``absmax / 448``, so the block's largest magnitude lands on e4m3's largest, 448 (torchao's
+  ``AdamWFp8``). Relative precision 2**-4 at every magnitude above e4m3's subnormals.
+* ``"dynamic4"``: 4-bit codes, two per byte, the first element of a pair in the high nibble,
+  with the maps of torchao's ``AdamW4bit``: the signed dynamic map with 3 exponent bits
+  (``create_dynamic_map(True, 3, 4)``: 0, ±0.0055, ±0.0325, ±0.0775, ±0.2125 ... ±0.8875 and 1)
+  for first moments, and for second moments the linear map 1/16, 2/16 ... 1, which has no zero,
+  so that a small second moment never becomes a zero denominator. Block of 128 by default.
+
+Rounding is to the nearest entry (a tie goes up), or stochastic: to one of the two entries
+around the value, the upper one with probability proportional to the distance from the lower,
+so the expected stored value is the value itself wherever it lies within the map.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "QUANT_FORMATS",
+    "QuantFormat",
+    "QuantizedArray",
+    "create_dynamic_map",
+    "dequantize_blockwise",
+    "quantize_blockwise",
+]
+
+_E4M3_MAX = 448.0
+
+
+def create_dynamic_map(
+    signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8
+) -> np.ndarray:
+    """bitsandbytes' dynamic quantization map: ``2 ** total_bits`` sorted float32 values.
+
+    The construction of bitsandbytes' ``create_dynamic_map``: for each exponent ``i`` below
+    ``max_exponent_bits``, the midpoints of an even grid of ``2 ** (i + total_bits - 1 -
+    max_exponent_bits) + 1`` points on [0.1, 1] (twice as many points when unsigned: the sign
+    bit becomes a fraction bit), scaled by ``10 ** (i - max_exponent_bits + 1)``, and their
+    negatives when signed; then 0 and 1. So ``(True, 7, 8)`` spans the decades 1e-6 to 1 with
+    1, 2, 4 ... 64 values each, from 5.5e-7 to 0.99296875 and 1 (and down to -0.99296875: the
+    signed map has no -1). It is computed in float64 and rounded once to float32; bitsandbytes
+    evaluates it with float32 ``torch.linspace``, whose entries differ from these by at most two
+    float32 units in the last place, depending on PyTorch's kernels.
+
+    Args:
+      signed: with negative values (first moments) or without (second moments).
+      max_exponent_bits: how many decades below 1 the map reaches.
+      total_bits: 8 (a 256-entry map) or 4 (16 entries).
+
+    Returns:
+      A float32 array of ``2 ** total_bits`` strictly increasing values, the last one 1.
+
+    Raises:
+      ValueError: for ``total_bits`` other than 4 or 8, or ``max_exponent_bits`` outside 1 to
+        ``total_bits - 1``.
+
+    >>> m = create_dynamic_map()
+    >>> m.size, float(m[0]), float(m[127]), float(m[128]), float(m[-1])
+    (256, -0.992968738079071, 0.0, 5.499999815583578e-07, 1.0)
+    """
+    if total_bits not in (4, 8):
+        raise ValueError(f"create_dynamic_map: total_bits must be 4 or 8, got {total_bits!r}.")
+    if not isinstance(max_exponent_bits, int) or not 1 <= max_exponent_bits <= total_bits - 1:
+        raise ValueError(
+            f"create_dynamic_map: max_exponent_bits must be an integer from 1 to "
+            f"{total_bits - 1}, got {max_exponent_bits!r}."
+        )
+    non_sign_bits = total_bits - 1  # bitsandbytes counts one sign bit even when unsigned
+    values: list[float] = [0.0, 1.0]
+    scale = 1.0
+    for i in range(max_exponent_bits):
+        items = 2 ** (i + non_sign_bits - max_exponent_bits + (0 if signed else 1)) + 1
+        boundaries = np.linspace(0.1, 1.0, items)
+        means = (boundaries[:-1] + boundaries[1:]) / 2.0
+        scale = 10.0 ** (i - max_exponent_bits + 1)
+        values += list(scale * means) + (list(-scale * means) if signed else [])
+    extra = 2 ** (non_sign_bits - max_exponent_bits) - 1  # fraction bits no exponent needs
+    if extra > 0:
+        boundaries = np.linspace(0.1, 1.0, extra + 1)
+        means = (boundaries[:-1] + boundaries[1:]) / 2.0
+        values += list(scale * means) + (list(-scale * means) if signed else [])
+    return np.sort(np.asarray(values, np.float64)).astype(np.float32)
+
+
+def check_block_size(value: Any, what: str = "block_size") -> int:
+    """Returns ``value`` if it is a positive power of two (an int), else raises a ``ValueError``
+    (a ``TypeError`` for a non-integer) naming ``what``.
+
+    >>> check_block_size(96)
+    Traceback (most recent call last):
+    ...
+    ValueError: block_size must be a positive power of two (64, 128, 256...), got 96.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(
+            f"{what} must be a positive power of two (an int such as 256), got {value!r} of "
+            f"type {type(value).__name__}."
+        )
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"{what} must be a positive power of two (64, 128, 256...), got {value}.")
+    return int(value)
+
+
+def _check_map(values: Any, what: str) -> tuple[float, ...]:
+    """A user map as a tuple of float32 values: 16 or 256 of them, finite, in [-1, 1] and
+    strictly increasing, else a ValueError naming ``what``."""
+    try:
+        arr = np.asarray(values, np.float64)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"QuantFormat: {what} must be a sequence of numbers: {error}") from None
+    if arr.ndim != 1 or arr.size not in (16, 256):
+        raise ValueError(
+            f"QuantFormat: {what} must hold 256 values (8-bit codes) or 16 (4-bit codes), got "
+            f"shape {arr.shape}."
+        )
+    arr = arr.astype(np.float32)
+    if not np.all(np.isfinite(arr)) or np.max(np.abs(arr)) > 1.0:
+        raise ValueError(
+            f"QuantFormat: {what} must lie in [-1, 1], got {arr.min()} to {arr.max()}."
+        )
+    steps = np.diff(arr)
+    if np.any(steps <= 0):
+        i = int(np.argmax(steps <= 0))
+        raise ValueError(
+            f"QuantFormat: {what} must be strictly increasing (a code is the index of the "
+            f"nearest entry), but entry {i + 1} ({arr[i + 1]}) is not above entry {i} ({arr[i]})."
+        )
+    return tuple(float(v) for v in arr)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantFormat:
+    """A blockwise quantized storage format: a map for signed and one for unsigned values.
+
+    Build one for a map of your own (``QuantFormat("mine", signed_map=..., unsigned_map=...)``)
+    or take a named one from :data:`QUANT_FORMATS`. The maps are checked when the format is
+    made: 256 values (8-bit codes) or 16 (4-bit), in [-1, 1], strictly increasing, both of the
+    same size.
+
+    Attributes:
+      name: what reports call the format (``"dynamic8"``).
+      signed_map: the values a code stands for, relative to its block's absmax, for leaves that
+        take both signs (first moments).
+      unsigned_map: the same for leaves that are never negative (second moments); the signed
+        map when not given. A negative value stored with it rounds to its first entry.
+      block_size: the block size when the caller gives none: a positive power of two.
+      float8: codes are the float8_e4m3fn bit patterns of ``value / (absmax / 448)`` rather
+        than indices into a map (the ``"e4m3"`` format); the maps then list e4m3's values
+        divided by 448.
+    """
+
+    name: str
+    signed_map: tuple[float, ...]
+    unsigned_map: tuple[float, ...] | None = None
+    block_size: int = 256
+    float8: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"QuantFormat: name must be a non-empty string, got {self.name!r}.")
+        if self.float8:
+            # The grid of e4m3 values, relative to 448: what its codes can stand for.
+            grid = tuple(float(v) for v in _e4m3_values() / _E4M3_MAX)
+            signed, unsigned = grid, grid
+        else:
+            signed = _check_map(self.signed_map, "signed_map")
+            unsigned = (
+                signed
+                if self.unsigned_map is None
+                else _check_map(self.unsigned_map, "unsigned_map")
+            )
+            if len(unsigned) != len(signed):
+                raise ValueError(
+                    f"QuantFormat: signed_map has {len(signed)} values and unsigned_map "
+                    f"{len(unsigned)}; both maps of a format have the same number of codes."
+                )
+        object.__setattr__(self, "signed_map", signed)
+        object.__setattr__(self, "unsigned_map", unsigned)
+        object.__setattr__(
+            self, "block_size", check_block_size(self.block_size, "QuantFormat block_size")
+        )
+
+    @property
+    def bits(self) -> int:
+        """Bits per code: 8 or 4."""
+        return 8 if self.float8 or len(self.signed_map) == 256 else 4
+
+    def map(self, signed: bool) -> np.ndarray:
+        """The signed or unsigned map, as float32."""
+        return np.asarray(self.signed_map if signed else self.unsigned_map, np.float32)
+
+    def __repr__(self) -> str:
+        return f"QuantFormat({self.name!r}, {self.bits}-bit, block_size={self.block_size})"
+
+
+def _e4m3_values() -> np.ndarray:
+    """Every finite float8_e4m3fn value once (a single zero), sorted, as float32."""
+    values = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
+    return np.unique(values[np.isfinite(values)])
+
+
+#: The named formats: ``"dynamic8"``, ``"e4m3"`` and ``"dynamic4"`` (see the module's text).
+QUANT_FORMATS: dict[str, QuantFormat] = {
+    "dynamic8": QuantFormat(
+        "dynamic8",
+        tuple(create_dynamic_map(True)),
+        tuple(create_dynamic_map(False)),
+        block_size=256,
+    ),
+    "e4m3": QuantFormat("e4m3", (), block_size=256, float8=True),
+    "dynamic4": QuantFormat(
+        "dynamic4",
+        tuple(create_dynamic_map(True, 3, 4)),
+        tuple(np.arange(1, 17, dtype=np.float64) / 16),
+        block_size=128,
+    ),
+}
+
+
+def quant_format(value: Any, what: str = "format") -> QuantFormat:
+    """The :class:`QuantFormat` ``value`` names (a key of :data:`QUANT_FORMATS`) or is.
+
+    Raises:
+      ValueError: for an unknown name, listing the valid ones.
+      TypeError: for anything else.
+
+    >>> quant_format("dynamic8").bits, quant_format("dynamic4").block_size
+    (8, 128)
+    """
+    if isinstance(value, QuantFormat):
+        return value
+    if isinstance(value, str):
+        if value in QUANT_FORMATS:
+            return QUANT_FORMATS[value]
+        raise ValueError(
+            f"{what} must be one of {tuple(QUANT_FORMATS)} or a QuantFormat, got {value!r}."
+        )
+    raise TypeError(
+        f"{what} must be a format name {tuple(QUANT_FORMATS)} or a QuantFormat, got {value!r} of "
+        f"type {type(value).__name__}."
+    )
+
+
+def unquantizable_reason(shape: Sequence[int], fmt: QuantFormat, block_size: int) -> str | None:
+    """Why an array of ``shape`` cannot be stored blockwise in ``fmt`` with ``block_size``, or
+    None if it can: blocks run along the last axis, which must be a multiple of the block (and
+    of two, for 4-bit codes, which share a byte)."""
+    if len(shape) == 0:
+        return "a scalar has no axis to cut into blocks"
+    if shape[-1] % block_size:
+        return f"its last axis, {shape[-1]}, is not a multiple of block_size {block_size}"
+    if fmt.bits == 4 and shape[-1] % 2:
+        return f"its last axis, {shape[-1]}, is odd, and 4-bit codes are stored two to a byte"
+    return None
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class QuantizedArray:
+    """A float32 array stored blockwise quantized: what :func:`quantize_blockwise` returns and
+    :func:`mpjax.quantized_state` keeps in place of a moment.
+
+    A pytree whose children are the two arrays; the format, the map's sign and the block size
+    are static (part of the tree structure, as a dtype is part of an array's type).
+
+    Attributes:
+      codes: uint8, the array's shape (4-bit codes: the last axis halved, two codes a byte, the
+        first in the high nibble; e4m3: the float8_e4m3fn bit patterns).
+      absmax: float32, the largest magnitude of each block: ``shape[:-1] + (shape[-1] //
+        block_size,)``.
+      format: the :class:`QuantFormat`.
+      signed: whether the codes index the signed map or the unsigned one.
+      block_size: the elements in a block, along the last axis.
+    """
+
+    __slots__ = ("absmax", "block_size", "codes", "format", "signed")
+
+    def __init__(
+        self, codes: Any, absmax: Any, format: QuantFormat, signed: bool, block_size: int
+    ) -> None:
+        self.codes = codes
+        self.absmax = absmax
+        self.format = format
+        self.signed = signed
+        self.block_size = block_size
+
+    def tree_flatten(self) -> tuple[tuple[Any, Any], tuple[QuantFormat, bool, int]]:
+        return (self.codes, self.absmax), (self.format, self.signed, self.block_size)
+
+    def tree_flatten_with_keys(self) -> tuple[tuple[Any, ...], tuple[QuantFormat, bool, int]]:
+        keys = (jax.tree_util.GetAttrKey("codes"), jax.tree_util.GetAttrKey("absmax"))
+        return tuple(zip(keys, (self.codes, self.absmax))), (
+            self.format,
+            self.signed,
+            self.block_size,
+        )
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple[QuantFormat, bool, int], children: Any) -> QuantizedArray:
+        return cls(*children, *aux)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the array the codes stand for."""
+        shape = tuple(np.shape(self.codes))
+        return shape[:-1] + (shape[-1] * 2,) if self.format.bits == 4 else shape
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of codes and absmaxes together."""
+        return sum(
+            int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+            for x in (self.codes, self.absmax)
+        )
+
+    def dequantize(self) -> jax.Array:
+        """The float32 array the codes stand for (:func:`dequantize_blockwise`)."""
+        return dequantize_blockwise(self)
+
+    def __repr__(self) -> str:
+        sign = "signed" if self.signed else "unsigned"
+        return (
+            f"QuantizedArray({self.format.name}, {sign}, shape={self.shape}, "
+            f"block_size={self.block_size})"
+        )
+
+
+def _typed_key(key: Any) -> jax.Array:
+    if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key
+    if isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32 and key.ndim == 1:
+        return jax.random.wrap_key_data(jnp.asarray(key))
+    raise TypeError(
+        "quantize_blockwise: stochastic rounding needs key, a PRNG key (jax.random.key(0)) or "
+        f"raw key data (jax.random.PRNGKey(0)), got {key!r}."
+    )
+
+
+def quantize_blockwise(
+    x: Any,
+    format: str | QuantFormat = "dynamic8",
+    *,
+    signed: bool = True,
+    block_size: int | None = None,
+    rounding: str = "nearest",
+    key: Any = None,
+) -> QuantizedArray:
+    """Quantizes ``x`` blockwise along its last axis (bitsandbytes' ``quantize_blockwise``).
+
+    Each block of ``block_size`` consecutive elements along the last axis is divided by its
+    largest magnitude (its absmax; e4m3: by ``absmax / 448``) and each element stored as the
+    code of the nearest map entry (a tie goes to the upper one), or with ``rounding=
+    "stochastic"`` of one of the two entries around it, the upper one with probability
+    ``(v - lower) / (upper - lower)``. A block of zeros keeps absmax 0 and decodes to zeros.
+    Values beyond the map's ends (``-1`` with bitsandbytes' signed map, whose lowest entry is
+    -0.99296875; a negative value with an unsigned map) go to the end entry. Non-finite values
+    have no code.
+
+    Args:
+      x: a floating-point array, its last axis a multiple of ``block_size``; computed in
+        float32.
+      format: a name in :data:`QUANT_FORMATS` or a :class:`QuantFormat`.
+      signed: the signed map (first moments) or the unsigned one (second moments).
+      block_size: elements per block, a positive power of two; the format's own by default.
+      rounding: ``"nearest"`` or ``"stochastic"``.
+      key: a PRNG key (typed or raw key data), for stochastic rounding.
+
+    Returns:
+      A :class:`QuantizedArray`.
+
+    Raises:
+      ValueError: for an unknown format or rounding, a block size that is not a power of two,
+        an array whose last axis is not a multiple of it, or stochastic rounding without a key.
+      TypeError: for a non-floating ``x``.
+
+    >>> x = jnp.linspace(-1.0, 1.0, 256)
+    >>> q = quantize_blockwise(x, "dynamic8")
+    >>> q.codes.dtype, q.absmax
+    (dtype('uint8'), Array([1.], dtype=float32))
+    >>> float(jnp.max(jnp.abs(q.dequantize() - x)))  # doctest: +ELLIPSIS
+    0.00703...
+    """
+    fmt = quant_format(format)
+    block = fmt.block_size if block_size is None else check_block_size(block_size)
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(
+            f"quantize_blockwise: rounding must be one of ('nearest', 'stochastic'), got "
+            f"{rounding!r}."
+        )
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        raise TypeError(
+            f"quantize_blockwise: x must be a floating-point array, got {jnp.result_type(x)}."
+        )
+    x = jnp.asarray(x, jnp.float32)
+    reason = unquantizable_reason(x.shape, fmt, block)
+    if reason is not None:
+        raise ValueError(f"quantize_blockwise: x of shape {x.shape} cannot be quantized: {reason}.")
+    if rounding == "stochastic" and key is None:
+        raise ValueError("quantize_blockwise: stochastic rounding needs a PRNG key, got key=None.")
+    lead, n = x.shape[:-1], x.shape[-1]
+    blocks = x.reshape(*lead, n // block, block)
+    absmax = jnp.max(jnp.abs(blocks), axis=-1)
+    scale = absmax / _E4M3_MAX if fmt.float8 else absmax
+    y = blocks / jnp.where(scale > 0, scale, 1.0)[..., None]
+    grid = _e4m3_values() if fmt.float8 else fmt.map(signed)
+    table = jnp.asarray(grid)
+    if fmt.float8:
+        y = jnp.clip(y, -_E4M3_MAX, _E4M3_MAX)
+    if rounding == "nearest" and fmt.float8:
+        values = y.astype(jnp.float8_e4m3fn)  # round to nearest even, e4m3's own
+    elif rounding == "nearest":
+        midpoints = jnp.asarray((grid[:-1] + grid[1:]) / np.float32(2))
+        index = jnp.searchsorted(midpoints, y, side="right")
+    else:
+        lower = jnp.clip(jnp.searchsorted(table, y, side="right") - 1, 0, grid.size - 2)
+        low, high = table[lower], table[lower + 1]
+        p_upper = jnp.clip((y - low) / (high - low), 0.0, 1.0)
+        u = jax.random.uniform(_typed_key(key), y.shape, jnp.float32)
+        index = lower + (u < p_upper)
+        values = table[index].astype(jnp.float8_e4m3fn) if fmt.float8 else None
+    if fmt.float8:
+        codes = jax.lax.bitcast_convert_type(values, jnp.uint8)
+    else:
+        codes = index.astype(jnp.uint8)
+    codes = codes.reshape(*lead, n)
+    if fmt.bits == 4:
+        codes = (codes[..., 0::2] << 4) | codes[..., 1::2]
+    return QuantizedArray(codes, absmax, fmt, bool(signed), block)
+
+
+def dequantize_blockwise(q: QuantizedArray) -> jax.Array:
+    """The float32 array ``q``'s codes stand for: each code's map entry (e4m3: its value) times
+    its block's absmax (e4m3: ``absmax / 448``).
+
+    Raises:
+      TypeError: if ``q`` is not a :class:`QuantizedArray`.
+
+    >>> q = quantize_blockwise(jnp.array([[0.5, -2.0] * 64]), "dynamic4")
+    >>> dequantize_blockwise(q)[0, :2]
+    Array([ 0.425, -1.775], dtype=float32)
+    """
+    if not isinstance(q, QuantizedArray):
+        raise TypeError(
+            f"dequantize_blockwise: q must be a QuantizedArray, got {type(q).__name__}."
+        )
+    codes = q.codes
+    if q.format.bits == 4:
+        codes = jnp.stack([codes >> 4, codes & 0xF], axis=-1).reshape(*codes.shape[:-1], -1)
+    if q.format.float8:
+        values = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
+        scale = q.absmax / _E4M3_MAX
+    else:
+        values = jnp.asarray(q.format.map(q.signed))[codes.astype(jnp.int32)]
+        scale = q.absmax
+    lead, n = codes.shape[:-1], codes.shape[-1]
+    blocks = values.reshape(*lead, n // q.block_size, q.block_size) * scale[..., None]
+    return blocks.reshape(*lead, n)
