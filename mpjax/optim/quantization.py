@@ -377,8 +377,11 @@ def quantize_blockwise(
     "stochastic"`` of one of the two entries around it, the upper one with probability
     ``(v - lower) / (upper - lower)``. A block of zeros keeps absmax 0 and decodes to zeros.
     Values beyond the map's ends (``-1`` with bitsandbytes' signed map, whose lowest entry is
-    -0.99296875; a negative value with an unsigned map) go to the end entry. Non-finite values
-    have no code.
+    -0.99296875; a negative value with an unsigned map) go to the end entry. With the unsigned
+    map a positive value never becomes 0, however small: it takes the smallest positive entry
+    instead (a second moment of 0 under a first moment that is not would turn Adam's update
+    into the first moment over epsilon; torchao's 4-bit unsigned map has no 0 for the same
+    reason). Non-finite values have no code.
 
     Args:
       x: a floating-point array, its last axis a multiple of ``block_size``; computed in
@@ -431,7 +434,7 @@ def quantize_blockwise(
     if fmt.float8:
         y = jnp.clip(y, -_E4M3_MAX, _E4M3_MAX)
     if rounding == "nearest" and fmt.float8:
-        values = y.astype(jnp.float8_e4m3fn)  # round to nearest even, e4m3's own
+        index = None  # e4m3's own rounding: to nearest even
     elif rounding == "nearest":
         midpoints = jnp.asarray((grid[:-1] + grid[1:]) / np.float32(2))
         index = jnp.searchsorted(midpoints, y, side="right")
@@ -440,11 +443,20 @@ def quantize_blockwise(
         low, high = table[lower], table[lower + 1]
         p_upper = jnp.clip((y - low) / (high - low), 0.0, 1.0)
         u = jax.random.uniform(_typed_key(key), y.shape, jnp.float32)
-        index = lower + (u < p_upper)
-        values = table[index].astype(jnp.float8_e4m3fn) if fmt.float8 else None
+        index = lower + (u < p_upper).astype(lower.dtype)
+    # With the unsigned map a positive value never becomes 0: a second moment of 0 under a
+    # first moment that is not would make the update its first moment over epsilon.
+    smallest = int(np.argmax(grid > 0))
     if fmt.float8:
-        codes = jax.lax.bitcast_convert_type(values, jnp.uint8)
+        values = y.astype(jnp.float8_e4m3fn) if index is None else table[index]
+        if not signed:
+            values = jnp.where(
+                (y > 0) & (values == 0), jnp.asarray(grid[smallest], values.dtype), values
+            )
+        codes = jax.lax.bitcast_convert_type(values.astype(jnp.float8_e4m3fn), jnp.uint8)
     else:
+        if not signed:
+            index = jnp.where((y > 0) & (index < smallest), smallest, index)
         codes = index.astype(jnp.uint8)
     codes = codes.reshape(*lead, n)
     if fmt.bits == 4:
