@@ -1,5 +1,5 @@
 """memory_report: bytes per parameter of float32 Adam, master weights, low-precision params with
-a narrow state and gradient accumulation, counted from arrays or from jax.eval_shape, its part
+a narrow or quantized state and gradient accumulation, counted from arrays or from jax.eval_shape, its part
 names, table and JSON form, sharded arrays, and bad input."""
 
 import json
@@ -19,6 +19,7 @@ from mpjax import (
     low_precision_params,
     master_weights,
     memory_report,
+    quantized_state,
     state_precision,
 )
 
@@ -89,6 +90,32 @@ def test_parts_of_composed_states():
     assert {"applied", "skipped_steps", "mini_step", "gradient_step"} <= {
         r.part for r in report.rows
     }
+
+
+@pytest.mark.parametrize(
+    "name, bits, block", [("dynamic8", 8, 256), ("e4m3", 8, 256), ("dynamic4", 4, 128)]
+)
+def test_bf16_params_and_quantized_moments_are_about_4_or_3_bytes_per_param(name, bits, block):
+    # bf16 params with stochastic rounding (2 bytes) and two moments of bits / 8 bytes plus a
+    # float32 absmax per block: 4 + 8 / 256 with 8-bit moments, 3 + 8 / 128 with 4-bit ones.
+    params = {"w": jnp.zeros((256, 256), BF16)}
+    n = 256 * 256
+    tx = low_precision_params(quantized_state(optax.adam(1e-3), name), "stochastic")
+    report = memory_report(params, tx.init(params))
+    moment = n * bits // 8 + 4 * n // block
+    assert [(r.part, r.dtype, r.bytes) for r in report.rows] == [
+        ("params", "bf16", 2 * n),
+        ("count", "int32", 4),
+        ("mu", name, moment),
+        ("nu", name, moment),
+        ("key", "uint32", 8),
+    ]
+    expected = 2 + 2 * (bits / 8 + 4 / block)
+    assert (report.total_bytes - 12) / n == expected  # 4.03125 or 3.0625
+    assert report.table().splitlines()[-1].split()[-1] == f"{expected:.2f}"
+    # Counted alike from jax.eval_shape, without building the state.
+    abstract = jax.eval_shape(lambda: params)
+    assert memory_report(abstract, jax.eval_shape(tx.init, abstract)) == report
 
 
 def test_eval_shape_gives_the_same_report_as_arrays():
