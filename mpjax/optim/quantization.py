@@ -10,7 +10,8 @@ halves) and the absmaxes its leading shape, ``shape[:-1] + (shape[-1] // block_s
 array sharded along any axis but the last keeps whole blocks on each device, and its absmax can
 be sharded like it.
 
-The formats (:data:`QUANT_FORMATS`, or a :class:`QuantFormat` of your own):
+The formats (:data:`~mpjax.optim.quantization.QUANT_FORMATS`, or a :class:`QuantFormat` of
+your own):
 
 * ``"dynamic8"``: bitsandbytes' dynamic map (:func:`create_dynamic_map`): a sign, a run of
   leading zero bits that sets the decade (1e-6 to 1), and a linear fraction in the bits left.
@@ -158,9 +159,9 @@ class QuantFormat:
     """A blockwise quantized storage format: a map for signed and one for unsigned values.
 
     Build one for a map of your own (``QuantFormat("mine", signed_map=..., unsigned_map=...)``)
-    or take a named one from :data:`QUANT_FORMATS`. The maps are checked when the format is
-    made: 256 values (8-bit codes) or 16 (4-bit), in [-1, 1], strictly increasing, both of the
-    same size.
+    or take a named one from :data:`~mpjax.optim.quantization.QUANT_FORMATS`. The maps are
+    checked when the format is made: 256 values (8-bit codes) or 16 (4-bit), in [-1, 1],
+    strictly increasing, both of the same size.
 
     Attributes:
       name: what reports call the format (``"dynamic8"``).
@@ -207,7 +208,7 @@ class QuantFormat:
 
     @property
     def bits(self) -> int:
-        """Bits per code: 8 or 4."""
+        """The bits of a code, 8 or 4."""
         return 8 if self.float8 or len(self.signed_map) == 256 else 4
 
     def map(self, signed: bool) -> np.ndarray:
@@ -224,7 +225,8 @@ def _e4m3_values() -> np.ndarray:
     return np.unique(values[np.isfinite(values)])
 
 
-#: The named formats: ``"dynamic8"``, ``"e4m3"`` and ``"dynamic4"`` (see the module's text).
+#: The named formats, ``"dynamic8"``, ``"e4m3"`` and ``"dynamic4"`` (the module's text says
+#: what each is).
 QUANT_FORMATS: dict[str, QuantFormat] = {
     "dynamic8": QuantFormat(
         "dynamic8",
@@ -243,7 +245,8 @@ QUANT_FORMATS: dict[str, QuantFormat] = {
 
 
 def quant_format(value: Any, what: str = "format") -> QuantFormat:
-    """The :class:`QuantFormat` ``value`` names (a key of :data:`QUANT_FORMATS`) or is.
+    """The :class:`QuantFormat` ``value`` names (a key of
+    :data:`~mpjax.optim.quantization.QUANT_FORMATS`) or is.
 
     Raises:
       ValueError: for an unknown name, listing the valid ones.
@@ -321,7 +324,9 @@ class QuantizedArray:
 
     @classmethod
     def tree_unflatten(cls, aux: tuple[QuantFormat, bool, int], children: Any) -> QuantizedArray:
-        return cls(*children, *aux)
+        codes, absmax = children
+        fmt, signed, block_size = aux
+        return cls(codes, absmax, fmt, signed, block_size)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -386,7 +391,7 @@ def quantize_blockwise(
     Args:
       x: a floating-point array, its last axis a multiple of ``block_size``; computed in
         float32.
-      format: a name in :data:`QUANT_FORMATS` or a :class:`QuantFormat`.
+      format: a name in :data:`~mpjax.optim.quantization.QUANT_FORMATS` or a :class:`QuantFormat`.
       signed: the signed map (first moments) or the unsigned one (second moments).
       block_size: elements per block, a positive power of two; the format's own by default.
       rounding: ``"nearest"`` or ``"stochastic"``.
@@ -433,8 +438,14 @@ def quantize_blockwise(
     table = jnp.asarray(grid)
     if fmt.float8:
         y = jnp.clip(y, -_E4M3_MAX, _E4M3_MAX)
+    # With the unsigned map a positive value never becomes 0: a second moment of 0 under a
+    # first moment that is not would make the update its first moment over epsilon.
+    smallest = int(np.argmax(grid > 0))
     if rounding == "nearest" and fmt.float8:
-        index = None  # e4m3's own rounding: to nearest even
+        values = y.astype(jnp.float8_e4m3fn).astype(jnp.float32)  # e4m3's own nearest even
+        if not signed:
+            values = jnp.where((y > 0) & (values == 0), grid[smallest], values)
+        index = None
     elif rounding == "nearest":
         midpoints = jnp.asarray((grid[:-1] + grid[1:]) / np.float32(2))
         index = jnp.searchsorted(midpoints, y, side="right")
@@ -444,20 +455,14 @@ def quantize_blockwise(
         p_upper = jnp.clip((y - low) / (high - low), 0.0, 1.0)
         u = jax.random.uniform(_typed_key(key), y.shape, jnp.float32)
         index = lower + (u < p_upper).astype(lower.dtype)
-    # With the unsigned map a positive value never becomes 0: a second moment of 0 under a
-    # first moment that is not would make the update its first moment over epsilon.
-    smallest = int(np.argmax(grid > 0))
-    if fmt.float8:
-        values = y.astype(jnp.float8_e4m3fn) if index is None else table[index]
-        if not signed:
-            values = jnp.where(
-                (y > 0) & (values == 0), jnp.asarray(grid[smallest], values.dtype), values
-            )
-        codes = jax.lax.bitcast_convert_type(values.astype(jnp.float8_e4m3fn), jnp.uint8)
-    else:
+    if index is not None:
         if not signed:
             index = jnp.where((y > 0) & (index < smallest), smallest, index)
-        codes = index.astype(jnp.uint8)
+        values = table[index]
+    if fmt.float8:
+        codes = jax.lax.bitcast_convert_type(values.astype(jnp.float8_e4m3fn), jnp.uint8)
+    else:
+        codes = index.astype(jnp.uint8) if index is not None else values
     codes = codes.reshape(*lead, n)
     if fmt.bits == 4:
         codes = (codes[..., 0::2] << 4) | codes[..., 1::2]

@@ -47,8 +47,8 @@ __all__ = [
 #: ``min_8bit_size`` and torchao's rule).
 DEFAULT_MIN_SIZE = 4096
 
-#: The state fields that are never negative, stored with a format's unsigned map: Adam's and
-#: RMSProp's ``nu``, Adagrad's ``sum_of_squares``, Adafactor's ``v_row``, ``v_col`` and ``v``.
+#: The state fields that are never negative, which take a format's unsigned map (Adam's and
+#: RMSProp's ``nu``, Adagrad's ``sum_of_squares``, Adafactor's ``v_row``, ``v_col`` and ``v``).
 #: Every other field (``mu``, ``trace``, a field of your own) takes the signed map.
 UNSIGNED_FIELDS = ("nu", "sum_of_squares", "v_row", "v_col", "v")
 
@@ -173,7 +173,7 @@ def _mask_by_path(config: _Config, params: Any, where: str) -> dict[tuple, bool]
     if config.mask is None:
         return {}
     mask = config.mask(params) if callable(config.mask) else config.mask
-    if jax.tree.structure(mask) != jax.tree.structure(params):
+    if jax.tree.structure(mask) != jax.tree.structure(params):  # type: ignore[operator]
         raise ValueError(
             f"{where}: the mask tree does not match the params tree.\n"
             f"  mask:   {jax.tree.structure(mask)}\n  params: {jax.tree.structure(params)}"
@@ -212,7 +212,7 @@ def _decide(
     """
     mask = _mask_by_path(config, params, where)
     param_paths = {tuple(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)}
-    decisions = []
+    decisions: list[tuple[QuantizationChoice, tuple[QuantFormat, bool, int] | None]] = []
     seen_fields: set[str] = set()
     for path, leaf in jax.tree_util.tree_leaves_with_path(inner_state):
         if not is_floating(leaf):
@@ -238,7 +238,7 @@ def _decide(
             continue
         explicit = mask.get(param_path) if param_path is not None else None
         if explicit is False:
-            keep(f"mask is False for params{jax.tree_util.keystr(param_path)}")
+            keep(f"mask is False for params{jax.tree_util.keystr(param_path or ())}")
             continue
         if "master" in fields:
             raise ValueError(
@@ -254,7 +254,7 @@ def _decide(
         if explicit and reason is not None:
             raise ValueError(
                 f"{where}: the mask asks to quantize {at} of shape {shape} in {fmt.name}, but "
-                f"{reason}. Set the mask False for params{jax.tree_util.keystr(param_path)} "
+                f"{reason}. Set the mask False for params{jax.tree_util.keystr(param_path or ())} "
                 "to keep it wide, or pick a block_size that divides its last axis."
             )
         size = int(np.prod(shape, dtype=np.int64))
