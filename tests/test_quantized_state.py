@@ -207,7 +207,6 @@ def test_stochastic_rounds_with_the_carried_key_stream():
     with standard_promotion():
         state = tx.init(params)
         assert_trees_bitwise_equal(state.key, rounding_key(3))
-        nearest_tx = quantized_state(optax.adam(1e-2))
         for i in range(3):
             grads = grads_at(i, params)
             # The float32 step is the nearest one's; only the requantization differs.
@@ -228,7 +227,6 @@ def test_stochastic_rounds_with_the_carried_key_stream():
                 assert_trees_bitwise_equal((q.codes, q.absmax), (ref.codes, ref.absmax))
             state = new_state
             params = optax.apply_updates(params, updates)
-        del nearest_tx
     # Not a nearest rounding: some codes went to the farther neighbour.
     nearest = quantize_blockwise(expected.mu["w"])
     assert not np.array_equal(np.asarray(nearest.codes), np.asarray(adam_of(state).mu["w"].codes))
