@@ -77,6 +77,8 @@ PARAM_ROUNDING = "nearest"  # without master weights: nearest, stochastic or kah
 MU_DTYPE = None  # Adam's first moment stored in this dtype (bf16, f32...); None: Adam's own
 NU_DTYPE = None  # Adam's second moment likewise
 STATE_ROUNDING = "nearest"  # how a narrower --mu-dtype/--nu-dtype is rounded: or stochastic
+STATE_FORMAT = "none"  # Adam's moments blockwise quantized: none, dynamic8, e4m3 or dynamic4
+STATE_BLOCK_SIZE = None  # elements per block of --state-format; None means the format's own
 STEPS = 800  # optimizer steps
 BATCH_SIZE = 16  # sequences per micro-batch (split over the devices)
 GRAD_ACCUM = 1  # micro-batches per optimizer step, accumulated inside the jitted step
@@ -102,6 +104,7 @@ TEMPERATURE = 0.8
 # -----------------------------------------------------------------------------
 
 MODEL_MODES = ("mpjax", "hand", "autocast")
+STATE_FORMATS = ("none", *mpjax.QUANT_FORMATS)
 # mixed_bfloat16_fp8 with delayed scaling (amax history of 1024 steps): --policy takes it.
 FP8_DELAYED = "p=f32,c=bf16,o=f32,fp8=delayed"
 FP8_COLLECTION = mpjax.linen.FP8_COLLECTION  # where the fp8 state sits among a model's variables
@@ -130,6 +133,8 @@ class TrainConfig:
     mu_dtype: str | None = MU_DTYPE
     nu_dtype: str | None = NU_DTYPE
     state_rounding: str = STATE_ROUNDING
+    state_format: str = STATE_FORMAT
+    state_block_size: int | None = STATE_BLOCK_SIZE
     steps: int = STEPS
     batch_size: int = BATCH_SIZE
     grad_accum: int = GRAD_ACCUM
@@ -248,6 +253,8 @@ _TRAJECTORY_FIELDS = (
     "mu_dtype",
     "nu_dtype",
     "state_rounding",
+    "state_format",
+    "state_block_size",
     "schedule_steps",
     "batch_size",
     "grad_accum",
@@ -521,8 +528,9 @@ def make_optimizer(cfg: TrainConfig, policy: mpjax.Policy) -> optax.GradientTran
     --no-master-weights): the optimizer then updates an f32 copy, with f32 Adam moments.
     Without them, --param-rounding stochastic or kahan lands the f32 updates on the bf16/f16
     params through ``mpjax.low_precision_params`` (nearest is plain ``optax.apply_updates``).
-    --mu-dtype/--nu-dtype store Adam's moments through ``mpjax.state_precision``, rounded as
-    --state-rounding says. The two rounding keys come from --seed, each its own stream.
+    --mu-dtype/--nu-dtype store Adam's moments through ``mpjax.state_precision``, or
+    --state-format blockwise quantized through ``mpjax.quantized_state`` (8 or 4 bits a value,
+    the update computed in f32), rounded as --state-rounding says. The two rounding keys come from --seed, each its own stream.
     Weight decay applies to matrices (kernels, embeddings) only, as in GPT-2 and nanoGPT:
     chosen by name, since scanned layers stack biases and norm scales into matrices too.
     """
@@ -537,6 +545,14 @@ def make_optimizer(cfg: TrainConfig, policy: mpjax.Policy) -> optax.GradientTran
     if moments:
         adamw = mpjax.state_precision(
             adamw, moments, rounding=cfg.state_rounding, seed=_rounding_seed(cfg, 1)
+        )
+    if cfg.state_format != "none":
+        adamw = mpjax.quantized_state(
+            adamw,
+            cfg.state_format,
+            block_size=cfg.state_block_size,
+            rounding=cfg.state_rounding,
+            seed=_rounding_seed(cfg, 1),
         )
     clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
     tx = optax.chain(clip, adamw)
@@ -599,6 +615,9 @@ def describe_optimizer(cfg: TrainConfig, policy: mpjax.Policy) -> str:
         f", {name} {mpjax.policy.short_dtype_name(mpjax.policy.storage_dtype(dtype, name))}"
         for name, dtype in state_dtypes(cfg).items()
     )
+    if cfg.state_format != "none":
+        block = cfg.state_block_size or mpjax.QUANT_FORMATS[cfg.state_format].block_size
+        moments = f", moments {cfg.state_format} in blocks of {block}"
     if moments and cfg.state_rounding == "stochastic":
         moments += " (stochastic rounding)"
     return f"AdamW, {scaling}, {params}{moments}"
@@ -1200,6 +1219,23 @@ def validate(cfg: TrainConfig) -> None:
         value = getattr(cfg, name)
         if value is not None:
             mpjax.policy.storage_dtype(value, f"--{name.replace('_', '-')}")
+    if cfg.state_format not in STATE_FORMATS:
+        raise ValueError(
+            f"--state-format must be one of {', '.join(STATE_FORMATS)}, got {cfg.state_format!r}."
+        )
+    if cfg.state_format != "none" and state_dtypes(cfg):
+        given = " and ".join(f"--{name}-dtype" for name in state_dtypes(cfg))
+        raise ValueError(
+            f"--state-format {cfg.state_format} stores Adam's moments quantized and {given} "
+            "stores them in a dtype: pass one of them."
+        )
+    if cfg.state_block_size is not None:
+        if cfg.state_format == "none":
+            raise ValueError(
+                f"--state-block-size {cfg.state_block_size} sizes the blocks of --state-format, "
+                "which is none: add --state-format dynamic8, e4m3 or dynamic4."
+            )
+        mpjax.optim.quantization.check_block_size(cfg.state_block_size, "--state-block-size")
     if cfg.resume and cfg.overwrite:
         raise ValueError(
             "--resume continues the run in --out and --overwrite deletes it: pass one of them."
@@ -1794,7 +1830,21 @@ def make_parser() -> argparse.ArgumentParser:
         "--state-rounding",
         choices=("nearest", "stochastic"),
         default=STATE_ROUNDING,
-        help="how --mu-dtype/--nu-dtype are rounded",
+        help="how --mu-dtype/--nu-dtype or --state-format are rounded",
+    )
+    g.add_argument(
+        "--state-format",
+        choices=STATE_FORMATS,
+        default=STATE_FORMAT,
+        help="store Adam's moments blockwise quantized (mpjax.quantized_state): dynamic8 "
+        "(bitsandbytes' 8-bit maps), e4m3 (float8 codes) or dynamic4 (torchao's 4-bit maps)",
+    )
+    g.add_argument(
+        "--state-block-size",
+        type=_positive_int,
+        default=STATE_BLOCK_SIZE,
+        help="elements per block of --state-format along a moment's last axis, a power of two "
+        "(default: the format's, 256 or 128 for dynamic4)",
     )
     g.add_argument(
         "--max-consecutive-skips",

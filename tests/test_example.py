@@ -302,6 +302,91 @@ def test_optimizer_precision_flags_compose_with_master_weights_and_loss_scaling(
     assert "mu bf16, nu f32" in tt.describe_optimizer(cfg, policy)
 
 
+@pytest.mark.parametrize(
+    "fmt, bits, block, state_bytes",
+    # Bytes of Adam's two moments a param: codes, plus an f32 absmax per block of each.
+    [("dynamic8", 8, 32, 2 + 8 / 32), ("e4m3", 8, 32, 2 + 8 / 32), ("dynamic4", 4, 16, 1 + 8 / 16)],
+)
+def test_state_format_flag_stores_adam_moments_quantized_inside_loss_scaling(
+    fmt, bits, block, state_bytes
+):
+    argv = ["--policy", "bfloat16", "--no-master-weights", "--param-rounding", "stochastic"]
+    argv += ["--state-format", fmt, "--state-block-size", str(block), "--loss-scale", "dynamic"]
+    cfg = tt.parse_args([*argv, "--state-rounding", "stochastic"])
+    policy = mpjax.get_policy(cfg.policy)
+    # Wide enough that the matrices reach quantized_state's min_size of 4096 elements.
+    config = dataclasses.replace(SMALL, d_model=128, n_head=2)
+    params = jax.eval_shape(
+        lambda: tt.build_model(config, policy, "hand").init(
+            jax.random.key(0), jnp.zeros((1, config.block_size), jnp.int32)
+        )["params"]
+    )
+    opt_state = jax.eval_shape(tt.make_optimizer(cfg, policy).init, params)
+    (lpp,) = _states(opt_state, mpjax.LowPrecisionParamsState)
+    (scaling,) = _states(lpp.inner_state, mpjax.LossScalingState)
+    (quantized,) = _states(scaling, mpjax.QuantizedState)  # inside loss scaling
+    assert isinstance(quantized.key, jax.ShapeDtypeStruct)  # stochastic: a key in the state
+    (adam,) = _states(quantized.inner_state, optax.ScaleByAdamState)
+    large = [a for a in jax.tree.leaves(params) if a.size >= 4096]
+    for field, signed in (("mu", True), ("nu", False)):
+        tree = getattr(adam, field)
+        stored = _states(tree, mpjax.QuantizedArray)
+        # Every param of 4096 elements or more (the matrices); the biases and norms stay f32.
+        assert len(stored) == len(large) > 0
+        assert {(q.format.name, q.format.bits, q.block_size, q.signed) for q in stored} == {
+            (fmt, bits, block, signed)
+        }
+    quantized_params = sum(np.prod(q.shape) for q in _states(adam.mu, mpjax.QuantizedArray))
+    stored_bytes = sum(q.nbytes for q in _states(adam, mpjax.QuantizedArray))
+    assert stored_bytes / quantized_params == pytest.approx(state_bytes)
+    report = mpjax.memory_report(params, opt_state)
+    assert report.param_bytes / report.param_count == 2.0
+    assert report.state_bytes < 4 * report.param_count  # less than bf16 moments
+    assert f"moments {fmt} in blocks of {block} (stochastic rounding)" in tt.describe_optimizer(
+        cfg, policy
+    )
+
+
+def test_state_format_refuses_moment_dtypes_and_blocks_without_a_format(capsys):
+    for argv, message in [
+        (["--state-format", "dynamic8", "--mu-dtype", "bf16"], "pass one of them"),
+        (["--state-format", "e4m3", "--nu-dtype", "bf16"], "--nu-dtype"),
+        (["--state-block-size", "64"], "--state-format"),
+        (["--state-format", "dynamic4", "--state-block-size", "96"], "--state-block-size"),
+        (["--state-format", "int8"], "--state-format"),
+    ]:
+        with pytest.raises(SystemExit):
+            tt.parse_args(argv)
+        assert message in capsys.readouterr().err, argv
+
+
+@pytest.mark.slow
+def test_quantized_state_run_resumes_bit_identically(text_file, tmp_path):
+    # The codes, absmaxes and rounding key are orbax arrays like any other state.
+    cfg = _cfg(
+        text_file,
+        tmp_path,
+        steps=4,
+        ckpt_interval=2,
+        d_model=64,
+        policy="bfloat16",
+        mode="hand",
+        attention="naive",
+        master_weights=False,
+        param_rounding="stochastic",
+        state_format="dynamic4",
+        state_block_size=32,
+        state_rounding="stochastic",
+    )
+    straight = tt.train(cfg)
+    assert _states(straight["state"].opt_state, mpjax.QuantizedArray)
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "4")
+    resumed = tt.train(dataclasses.replace(cfg, resume=True))
+    for a, b in zip(jax.tree.leaves(straight["state"]), jax.tree.leaves(resumed["state"])):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.slow
 def test_stochastic_rounding_run_resumes_bit_identically(text_file, tmp_path):
     # The rounding keys live in the optimizer state: a resumed run draws what the straight
