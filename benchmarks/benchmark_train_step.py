@@ -36,7 +36,8 @@ compiled for an H100 without one (``--plan h100``, or ``--plan-only`` for the pl
 
 Besides the activation-precision rows, the optimizer rows keep bfloat16 params and differ in
 how the optimizer updates them (f32 master weights, rounding to nearest, stochastic rounding,
-Kahan compensation) and in the dtype of Adam's moments: 14 down to 6 bytes per parameter.
+Kahan compensation) and in how Adam's moments are stored (f32, bf16, or blockwise quantized
+to 8 or 4 bits by ``mpjax.quantized_state``): 14 down to about 3 bytes per parameter.
 
 Each variant runs in a fresh subprocess, so peak memory is its own and no variant warms a cache
 for the next. Results go to benchmarks/results/<platform>_<preset>.json and .md.
@@ -90,9 +91,10 @@ class Variant:
         default (TF32 for f32 matmuls on Ampere and Hopper GPUs, full f32 on CPU).
       attention: ``fused`` or ``naive`` (JAX); ``sdpa`` or ``naive`` (PyTorch).
       framework: ``jax`` or ``torch``.
-      master_weights, param_rounding, mu_dtype, nu_dtype, state_rounding: the training
-        script's optimizer settings (``--master-weights``, ``--param-rounding``,
-        ``--mu-dtype``, ``--nu-dtype``, ``--state-rounding``), JAX rows only.
+      master_weights, param_rounding, mu_dtype, nu_dtype, state_rounding, state_format: the
+        training script's optimizer settings (``--master-weights``, ``--param-rounding``,
+        ``--mu-dtype``, ``--nu-dtype``, ``--state-rounding``, ``--state-format``), JAX rows
+        only.
     """
 
     key: str
@@ -108,6 +110,7 @@ class Variant:
     mu_dtype: str | None = None
     nu_dtype: str | None = None
     state_rounding: str = "nearest"
+    state_format: str = "none"
 
 
 # mixed_bfloat16_fp8 with delayed scaling: train_transformer.FP8_DELAYED (this module imports
@@ -211,6 +214,21 @@ VARIANTS = [
         nu_dtype="bfloat16",
         state_rounding="stochastic",
     ),
+    # Adam's moments blockwise quantized (mpjax.quantized_state), dequantized to f32 for the
+    # update and quantized again, stochastically: about 4 bytes a parameter with 8-bit moments.
+    *(
+        Variant(
+            f"bf16_sr_state_{fmt}",
+            f"bfloat16 params, stochastic rounding, {fmt} Adam (stochastic)",
+            "bfloat16",
+            mode="mpjax",
+            master_weights=False,
+            param_rounding="stochastic",
+            state_format=fmt,
+            state_rounding="stochastic",
+        )
+        for fmt in ("dynamic8", "e4m3", "dynamic4")
+    ),
     Variant(
         "bf16_master_state_bf16",
         "bfloat16 params + f32 master weights, bf16 Adam (stochastic)",
@@ -260,6 +278,15 @@ OPTIMIZER_KEYS = (
     "bf16_kahan",
     "bf16_sr_state_bf16",
     "bf16_master_state_bf16",
+)
+# The rows with quantized Adam moments and the bf16-moment row they compare with (on the
+# `small` preset or larger: the tiny one's width, 128, is not a multiple of the 8-bit formats'
+# blocks of 256, so those rows would keep most moments in f32 there).
+QUANTIZED_STATE_KEYS = (
+    "bf16_sr_state_bf16",
+    "bf16_sr_state_dynamic8",
+    "bf16_sr_state_e4m3",
+    "bf16_sr_state_dynamic4",
 )
 
 # The fp8 rows and the bf16 rows they race: `--variants bf16_mpjax fp8_mpjax ...`.
@@ -348,6 +375,7 @@ class Setup:
             mu_dtype=variant.mu_dtype,
             nu_dtype=variant.nu_dtype,
             state_rounding=variant.state_rounding,
+            state_format=variant.state_format,
         )
 
 

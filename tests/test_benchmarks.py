@@ -258,6 +258,37 @@ def test_optimizer_rows_hold_the_bytes_their_setup_implies(key, bf16_counts, opt
     assert fields["memory_parts"] == report.to_dict()["rows"]
 
 
+@pytest.mark.parametrize(
+    "key, fmt, state_bytes",
+    [
+        ("bf16_sr_state_dynamic8", "dynamic8", 2 + 8 / 256),
+        ("bf16_sr_state_e4m3", "e4m3", 2 + 8 / 256),
+        ("bf16_sr_state_dynamic4", "dynamic4", 1 + 8 / 128),
+    ],
+)
+def test_quantized_state_rows_store_the_small_presets_matrices_quantized(key, fmt, state_bytes):
+    assert key in bench.QUANTIZED_STATE_KEYS
+    variant = next(v for v in bench.VARIANTS if v.key == key)
+    setup = bench.Setup("small", 16, None, steps=1, warmup=0, scan_layers=False, remat="none")
+    cfg, policy, _, _, state = bench.build_jax_variant(variant, setup, abstract=True)
+    assert cfg.state_format == fmt and cfg.state_rounding == "stochastic"
+    quantized = [
+        x
+        for x in jax.tree.leaves(
+            state.opt_state, is_leaf=lambda y: isinstance(y, mpjax.QuantizedArray)
+        )
+        if isinstance(x, mpjax.QuantizedArray)
+    ]
+    # Two moments of every matrix (d_model 768 is three blocks of 256, six of 128).
+    matrices = [a for a in jax.tree.leaves(state.params) if a.ndim == 2]
+    assert len(quantized) == 2 * len(matrices) and {q.format.name for q in quantized} == {fmt}
+    report = mpjax.memory_report(state.params, state.opt_state)
+    # The norms' and biases' f32 params and moments add about a thousandth of a byte.
+    assert report.state_bytes / report.param_count == pytest.approx(state_bytes, abs=0.01)
+    assert report.bytes_per_param <= 4.1
+    assert f"moments {fmt}" in tt.describe_optimizer(cfg, policy)
+
+
 @pytest.mark.slow
 def test_optimizer_rows_order_by_bytes(optimizer_memory):
     per_param = {k: r.bytes_per_param for k, r in optimizer_memory.items()}
