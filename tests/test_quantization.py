@@ -256,6 +256,21 @@ def test_sharded_along_the_leading_axis_quantizes_bit_for_bit_alike(name):
     np.testing.assert_array_equal(np.asarray(dequantize(q)), np.asarray(dequantize(expected)))
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("name", ["dynamic8", "e4m3", "dynamic4"])
+def test_finding_the_code_runs_no_loop(name, rounding):
+    # A loop hides its work from XLA's TPU cost model (which then estimates no step time for
+    # a train step that quantizes its state) and runs its iterations one after another. The
+    # random draws of stochastic rounding may lower to loops of their own on a CPU.
+    x, key = scaled_blocks((8, 512), seed=6), jax.random.key(7)
+
+    def loops(fn):
+        return jax.jit(fn).lower(x, key).as_text().count("stablehlo.while")
+
+    draws = loops(lambda x, key: jax.random.uniform(key, x.shape)) if rounding != "nearest" else 0
+    assert loops(lambda x, key: quantize_blockwise(x, name, rounding=rounding, key=key)) == draws
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input
 

@@ -448,9 +448,10 @@ def quantize_blockwise(
         index = None
     elif rounding == "nearest":
         midpoints = jnp.asarray((grid[:-1] + grid[1:]) / np.float32(2))
-        index = jnp.searchsorted(midpoints, y, side="right")
+        index = jnp.searchsorted(midpoints, y, side="right", method="scan_unrolled")
     else:
-        lower = jnp.clip(jnp.searchsorted(table, y, side="right") - 1, 0, grid.size - 2)
+        lower = jnp.searchsorted(table, y, side="right", method="scan_unrolled") - 1
+        lower = jnp.clip(lower, 0, grid.size - 2)
         low, high = table[lower], table[lower + 1]
         p_upper = jnp.clip((y - low) / (high - low), 0.0, 1.0)
         u = jax.random.uniform(_typed_key(key), y.shape, jnp.float32)
