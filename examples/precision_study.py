@@ -17,7 +17,7 @@ Writes the table into docs/precision_study.md (between the table markers), every
 of every run into docs/precision_study.json, and three plots into docs/:
 precision_study_loss.png, precision_study_unmoved.png, precision_study_gradients.png.
 
-    python examples/precision_study.py                     # 11 setups x 3 seeds, ~35 min on 2 CPU cores
+    python examples/precision_study.py                     # 17 setups x 3 seeds, ~55 min on 2 CPU cores
     python examples/precision_study.py --seeds 0 --setups f32 bf16_nearest bf16_sr --steps 300
     python examples/precision_study.py --add --setups mixed_bf16_fp8 mixed_bf16_fp8_head
     python examples/precision_study.py --render-only   # the table and plots from the JSON
@@ -71,11 +71,50 @@ class Setup:
     mu_dtype: str | None = None
     nu_dtype: str | None = None
     state_rounding: str = "nearest"
+    state_format: str = "none"
+    state_block_size: int | None = None
     fp8_head: bool = False
     # How the dtypes reach the model. bf16-param setups write them into the model ("hand"),
     # so every param is bf16, norms included (module rules would keep norms f32); the others
     # go through module rules, which give the same arithmetic for f32 params.
     mode: str = "mpjax"
+
+
+# Quantized moments (mpjax.quantized_state) in blocks of 64, d_model: the formats' own blocks
+# (256, 128 for dynamic4) do not divide most of this small model's matrices, which would then
+# keep f32 moments.
+QUANTIZED_BLOCK = 64
+QUANTIZED_LABELS = {"dynamic8": "8-bit dynamic", "e4m3": "e4m3", "dynamic4": "4-bit dynamic"}
+
+
+def _quantized_setups() -> list[Setup]:
+    """Each quantized format with f32 params, and with bf16 params and stochastic rounding of
+    params and moments."""
+    setups = []
+    for fmt, name in QUANTIZED_LABELS.items():
+        setups.append(
+            Setup(
+                f"f32_state_{fmt}",
+                f"f32 params, {name} Adam moments",
+                "float32",
+                state_format=fmt,
+                state_block_size=QUANTIZED_BLOCK,
+            )
+        )
+        setups.append(
+            Setup(
+                f"bf16_sr_state_{fmt}",
+                f"bf16 params and {name} Adam moments, all stochastic rounding",
+                "bfloat16",
+                master_weights=False,
+                param_rounding="stochastic",
+                state_format=fmt,
+                state_block_size=QUANTIZED_BLOCK,
+                state_rounding="stochastic",
+                mode="hand",
+            )
+        )
+    return setups
 
 
 SETUPS = [
@@ -116,6 +155,7 @@ SETUPS = [
         state_rounding="stochastic",
         mode="hand",
     ),
+    *_quantized_setups(),
     Setup(
         "mixed_bf16_fp8",
         "mixed bf16 + fp8 matmuls (current scaling), head in bf16",
