@@ -857,6 +857,38 @@ ENTRY %main (p0: f32[8], p1: f32[8], p2: f32[8], p3: f32[8]) -> (bf16[32], bf16[
     assert many.modules_text == "h0, h1, h2 and 2 more"
 
 
+def test_an_async_combined_collective_counts_every_value_by_dtype():
+    """A GPU's combined collectives are async: ``((operands...), (results...))``. Each value
+    counts, and one collective of two dtypes is two rows (the table of bytes by dtype)."""
+    from mpjax.inspection.plan_collectives import read_collectives
+
+    region = "mpjax[p=f32,c=bf16,o=f32]"
+    text = f"""HloModule m, entry_computation_layout={{}}
+
+ENTRY %main (p0: f32[2], p1: s32[2], p2: f32[64,8], p3: f32[32]) -> f32[8,8] {{
+  %p0 = f32[2] parameter(0)
+  %p1 = s32[2] parameter(1)
+  %g = ((f32[2], s32[2]), (f32[16], s32[16])) all-gather-start(%p0, %p1), replica_groups={{{{0,1,2,3,4,5,6,7}}}}, dimensions={{0}}, metadata={{op_name="jit(f)/{region}ln/all_gather"}}
+  %gd = (f32[16], s32[16]) all-gather-done(%g)
+  %p2 = f32[64,8] parameter(2)
+  %w = f32[64,8] add(%p2, %p2), metadata={{op_name="jit(f)/transpose(jvp({region}))/{region}h0/fc/dot_general"}}
+  %p3 = f32[32] parameter(3)
+  %v = f32[32] add(%p3, %p3), metadata={{op_name="jit(f)/transpose(jvp({region}))/{region}h1/fc/dot_general"}}
+  %r = ((f32[64,8], f32[32]), (f32[8,8], f32[4])) reduce-scatter-start(%w, %v), replica_groups={{{{0,1,2,3,4,5,6,7}}}}, dimensions={{0}}, to_apply=%add, metadata={{op_name="jit(f)/transpose(jvp({region}))/{region}h0/fc/dot_general"}}
+  ROOT %rd = (f32[8,8], f32[4]) reduce-scatter-done(%r)
+}}
+"""
+    rows = [
+        (c.name, c.kind, c.dtype.name, c.bytes, c.modules)
+        for c in read_collectives(parse_module(text))
+    ]
+    assert rows == [
+        ("g", "all-gather", "float32", 16 * 4, ()),
+        ("g", "all-gather", "int32", 16 * 4, ()),
+        ("r", "reduce-scatter", "float32", (64 * 8 + 32) * 4, ("h0/fc", "h1/fc")),
+    ]
+
+
 @needs_libtpu
 def test_a_slice_libtpu_cannot_make_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match=r"'v5p:3x5x7' is not a TPU slice: .*INVALID_ARGUMENT"):
