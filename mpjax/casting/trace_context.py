@@ -39,6 +39,10 @@ __all__ = [
     "TraceCache",
     "Traced",
     "abstractly",
+    "forward_only",
+    "in_forward_only",
+    "in_per_device",
+    "per_device",
     "ModelsRun",
     "Observer",
     "model_rules",
@@ -65,6 +69,8 @@ class _Tracing(threading.local):
         # while unobserved() is open.
         self.observers: list[Observer] = []
         self.unobserved = 0
+        self.forward_only = 0  # see forward_only()
+        self.per_device = 0  # see per_device()
         # The running_models() records open on this thread, innermost last.
         self.models: list[ModelsRun] = []
 
@@ -151,6 +157,39 @@ def unobserved():
         yield
     finally:
         _tracing.unobserved -= 1
+
+
+@contextlib.contextmanager
+def forward_only():
+    """While open, the engine runs traced on this thread bind no custom VJPs (see
+    :mod:`mpjax.casting.gradient_reduction`): for what only forward mode differentiates or
+    what JAX transposes as it is, a while loop's body and a custom JVP rule's tangents."""
+    _tracing.forward_only += 1
+    try:
+        yield
+    finally:
+        _tracing.forward_only -= 1
+
+
+def in_forward_only() -> bool:
+    """Whether :func:`forward_only` is open on this thread."""
+    return _tracing.forward_only > 0
+
+
+@contextlib.contextmanager
+def per_device():
+    """While open, the engine runs traced on this thread are tracing a ``jax.shard_map`` body,
+    where custom VJPs get no symbolic zeros."""
+    _tracing.per_device += 1
+    try:
+        yield
+    finally:
+        _tracing.per_device -= 1
+
+
+def in_per_device() -> bool:
+    """Whether :func:`per_device` is open on this thread."""
+    return _tracing.per_device > 0
 
 
 @dataclasses.dataclass
