@@ -27,15 +27,9 @@ import json
 import pathlib
 import sys
 
-import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
-import sharding  # noqa: E402
 import train_transformer  # noqa: E402
 
 import mpjax  # noqa: E402
@@ -51,32 +45,13 @@ BATCH = 16
 
 def plan_step(target: str, policy: str, batch: int = BATCH) -> mpjax.Plan:
     """The plan of the example's train step for ``MODEL`` under ``policy`` on ``target``,
-    every large param sliced over all of its devices."""
-    devices = mpjax.plan_mesh(target).devices.flatten().tolist()
+    every large param sliced over all of its devices (the example's own ``--plan``)."""
+    devices = mpjax.plan_mesh(target).devices.size
     cfg = train_transformer.parse_args(
-        ["--policy", policy, "--batch-size", str(batch), "--fsdp", str(len(devices))]
+        ["--policy", policy, "--batch-size", str(batch), "--fsdp", str(devices), "--plan", target]
     )
-    mesh = sharding.make_mesh(devices, len(devices))
-    model_config = dataclasses.replace(
-        cfg.model_config(), **MODEL, block_input_sharding=sharding.activation_sharding(mesh)
-    )
-    mp_policy = mpjax.get_policy(policy)
-    model = train_transformer.build_model(model_config, mp_policy, cfg.mode, fp8_head=False)
-    tx = train_transformer.make_optimizer(cfg, mp_policy)
-    abstract = jax.eval_shape(
-        lambda: train_transformer.init_state(model, tx, cfg.seed, model_config.block_size)
-    )
-    shardings = sharding.state_shardings(abstract, mesh)
-    replicated = NamedSharding(mesh, P())
-    shardings = shardings._replace(fp8=jax.tree.map(lambda _: replicated, abstract.fp8))
-    state = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-    )
-    tokens = jax.ShapeDtypeStruct(
-        (1, batch, model_config.block_size), jnp.int32, sharding=sharding.batch_sharding(mesh)
-    )
-    step = train_transformer.make_train_step(model, tx)
-    return mpjax.plan(step, target)(state, tokens, tokens)
+    model_config = dataclasses.replace(cfg.model_config(), **MODEL)
+    return train_transformer.plan_step(cfg, model_config)
 
 
 def summarize(plan: mpjax.Plan) -> dict:

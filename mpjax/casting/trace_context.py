@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import jax
@@ -147,28 +147,28 @@ def observers() -> list[Observer]:
 
 
 @contextlib.contextmanager
-def unobserved():
+def _opened(flag: str) -> Iterator[None]:
+    """Counts ``flag`` of this thread's tracing state up while open (they nest)."""
+    setattr(_tracing, flag, getattr(_tracing, flag) + 1)
+    try:
+        yield
+    finally:
+        setattr(_tracing, flag, getattr(_tracing, flag) - 1)
+
+
+def unobserved() -> contextlib.AbstractContextManager[None]:
     """While open, the engine runs traced on this thread are not observed: for the rules of
     custom derivatives, whose values are tangents and cotangents (which an observer's
     reductions and taps must not touch: JAX transposes what a JVP rule computes from its
     tangents), not values the model computes."""
-    _tracing.unobserved += 1
-    try:
-        yield
-    finally:
-        _tracing.unobserved -= 1
+    return _opened("unobserved")
 
 
-@contextlib.contextmanager
-def forward_only():
+def forward_only() -> contextlib.AbstractContextManager[None]:
     """While open, the engine runs traced on this thread bind no custom VJPs (see
     :mod:`mpjax.casting.gradient_reduction`): for what only forward mode differentiates or
     what JAX transposes as it is, a while loop's body and a custom JVP rule's tangents."""
-    _tracing.forward_only += 1
-    try:
-        yield
-    finally:
-        _tracing.forward_only -= 1
+    return _opened("forward_only")
 
 
 def in_forward_only() -> bool:
@@ -176,15 +176,10 @@ def in_forward_only() -> bool:
     return _tracing.forward_only > 0
 
 
-@contextlib.contextmanager
-def per_device():
+def per_device() -> contextlib.AbstractContextManager[None]:
     """While open, the engine runs traced on this thread are tracing a ``jax.shard_map`` body,
     where custom VJPs get no symbolic zeros."""
-    _tracing.per_device += 1
-    try:
-        yield
-    finally:
-        _tracing.per_device -= 1
+    return _opened("per_device")
 
 
 def in_per_device() -> bool:
