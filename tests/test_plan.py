@@ -889,6 +889,29 @@ ENTRY %main (p0: f32[2], p1: s32[2], p2: f32[64,8], p3: f32[32]) -> f32[8,8] {{
     ]
 
 
+def test_a_collective_sends_its_ring_share_and_its_time_is_bounded_by_the_interconnect():
+    from mpjax.inspection.plan_collectives import PlanCollective, seconds_bound, table_rows
+
+    mib = 2**20
+    gather = PlanCollective("g", "main", "all-gather", BF16, 8 * mib, devices=8, executions=2)
+    reduce = dataclasses.replace(gather, name="r", kind="all-reduce", executions=1)
+    permute = dataclasses.replace(gather, name="p", kind="collective-permute", devices=2)
+    # A ring of 8: each device sends 7/8 of a gather, twice that of an all-reduce; a permute
+    # sends it all.
+    assert (gather.wire_bytes, reduce.wire_bytes, permute.wire_bytes) == (
+        2 * 7 * mib,
+        2 * 7 * mib,
+        2 * 8 * mib,
+    )
+    assert seconds_bound([gather, reduce, permute], 600e9) == 44 * mib / 600e9
+    header, rows = table_rows([gather], 600e9, estimate=0.01)
+    assert header[-2:] == ("time bound", "of the estimate")
+    assert rows[0][-2:] == (f"{14 * mib / 600e9 * 1e3:.3g} ms", f"{14 * mib / 600e9 / 0.01:.1%}")
+    header, rows = table_rows([gather], 0.0, estimate=None)  # a GPU: no bandwidth to bound by
+    assert header[-1] == "runs" and len(rows[0]) == len(header)
+    assert mpjax.inspection.targets.CHIPS["h100"].interconnect_bandwidth == 0.0
+
+
 @needs_libtpu
 def test_a_slice_libtpu_cannot_make_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match=r"'v5p:3x5x7' is not a TPU slice: .*INVALID_ARGUMENT"):

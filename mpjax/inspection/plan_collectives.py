@@ -17,15 +17,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from mpjax.casting import regions
 from mpjax.inspection.hlo_text import HloComputation, HloInstruction, HloModule, HloShape
-from mpjax.inspection.plan_rows import kernel_computations, np_dtype, op_name_of
+from mpjax.inspection.plan_rows import bytes_text, kernel_computations, np_dtype, op_name_of
 
-__all__ = ["COLLECTIVE_KINDS", "PlanCollective", "read_collectives"]
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "PlanCollective",
+    "bytes_by_kind",
+    "read_collectives",
+    "seconds_bound",
+    "table_rows",
+]
 
 COLLECTIVE_KINDS = (
     "all-gather",
@@ -106,6 +113,63 @@ class PlanCollective:
     def total_bytes(self) -> int:
         """``bytes`` times ``executions``: per device and call."""
         return self.bytes * self.executions
+
+    @property
+    def wire_bytes(self) -> int:
+        """What each device sends for it per call, on a ring over its group of ``n``: ``(n -
+        1) / n`` of ``total_bytes`` for a gather, a scatter or an all-to-all, twice that for an
+        all-reduce (a reduce-scatter, then a gather), all of it for a permute."""
+        if self.kind == "collective-permute":
+            return self.total_bytes
+        share = (self.devices - 1) / self.devices if self.devices > 1 else 0.0
+        return round(self.total_bytes * share * (2 if self.kind == "all-reduce" else 1))
+
+
+def bytes_by_kind(collectives: Sequence[PlanCollective]) -> dict[str, int]:
+    """``total_bytes`` summed by kind and dtype (``"all-gather bfloat16"``), in the order of
+    :data:`COLLECTIVE_KINDS`."""
+    totals: dict[str, int] = {}
+    for c in sorted(collectives, key=lambda c: COLLECTIVE_KINDS.index(c.kind)):
+        key = f"{c.kind} {c.dtype.name}"
+        totals[key] = totals.get(key, 0) + c.total_bytes
+    return totals
+
+
+def seconds_bound(collectives: Sequence[PlanCollective], bandwidth: float) -> float:
+    """A lower bound on the time ``collectives`` take: what each device sends
+    (:attr:`PlanCollective.wire_bytes`) at its chip's whole interconnect ``bandwidth``, none of
+    it overlapped. A bound computed from the plan, not a measurement."""
+    return sum(c.wire_bytes for c in collectives) / bandwidth
+
+
+def table_rows(
+    collectives: Sequence[PlanCollective], bandwidth: float, estimate: float | None
+) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """The header and rows of a plan's table of collectives; with an interconnect
+    ``bandwidth`` each row's time bound (:func:`seconds_bound`), and with an ``estimate`` of
+    the step's time, the bound's share of it."""
+    header: tuple[str, ...] = ("collective", "kind", "dtype", "bytes", "devices", "module")
+    header += ("pass", "runs")
+    timed = bandwidth > 0
+    if timed:
+        header += ("time bound",) + (("of the estimate",) if estimate else ())
+    rows = []
+    for c in collectives:
+        row: tuple[str, ...] = (
+            c.name,
+            c.kind,
+            c.dtype.name,
+            bytes_text(c.bytes),
+            str(c.devices),
+            c.modules_text,
+            "backward" if c.backward else "forward",
+            str(c.executions),
+        )
+        if timed:
+            bound = seconds_bound([c], bandwidth)
+            row += (f"{bound * 1e3:.3g} ms",) + ((f"{bound / estimate:.1%}",) if estimate else ())
+        rows.append(row)
+    return header, rows
 
 
 def _array_bytes(shape: HloShape) -> int:
