@@ -1376,11 +1376,12 @@ def diagnose(cfg: TrainConfig) -> mpjax.DiagnosisReport:
     return mpjax.diagnose(loss, policy=rules)(variables["params"], x, y)
 
 
-def plan_step(cfg: TrainConfig) -> mpjax.Plan:
+def plan_step(cfg: TrainConfig, model_config: GPTConfig | None = None) -> mpjax.Plan:
     """``mpjax.plan`` of the train step ``cfg`` gives, for the target ``--plan`` names,
     compiled without it: the step ``train`` would compile, with its state sharded as it would
     train over the target's devices (``--fsdp`` of them slicing each large param, the batch
-    split over all), and nothing run. The report ``--plan`` prints."""
+    split over all), and nothing run. The report ``--plan`` prints. ``model_config`` replaces
+    the model ``cfg`` names (a shape no flag gives, such as another vocabulary)."""
     mesh_devices = mpjax.plan_mesh(cfg.plan).devices.flatten().tolist()
     if cfg.batch_size % len(mesh_devices):
         raise ValueError(
@@ -1390,7 +1391,7 @@ def plan_step(cfg: TrainConfig) -> mpjax.Plan:
     mesh = sharding.make_mesh(mesh_devices, cfg.fsdp)
     policy = mpjax.get_policy(cfg.policy)
     mcfg = dataclasses.replace(
-        cfg.model_config(), block_input_sharding=sharding.activation_sharding(mesh)
+        model_config or cfg.model_config(), block_input_sharding=sharding.activation_sharding(mesh)
     )
     model = build_model(mcfg, policy, cfg.mode, fp8_head=cfg.fp8_head)
     tx = make_optimizer(cfg, policy)

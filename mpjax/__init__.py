@@ -11,6 +11,7 @@ from typing import Any
 
 from mpjax.attention import dot_product_attention
 from mpjax.autocast import AutocastReport, AutocastRow, autocast, fp8_state, with_fp8_state
+from mpjax.casting.collectives import all_gather_params, psum_gradients
 from mpjax.casting.op_categories import DEFAULT_OP_CATEGORIES
 from mpjax.casting.regions import FULL_PRECISION_SCOPE, full_precision
 from mpjax.casting.trace_context import AutocastWarning
@@ -183,6 +184,7 @@ __all__ = [
     "Rules",
     "StatePrecisionState",
     "StaticLossScale",
+    "all_gather_params",
     "as_rules",
     "autocast",
     "cast_floating",
@@ -195,6 +197,7 @@ __all__ = [
     "dot_product_attention",
     "fp8_state",
     "full_precision",
+    "psum_gradients",
     "embedding_policy",
     "get_policy",
     "plan",

@@ -63,13 +63,20 @@ _KEYS: dict[str, str] = {
     "compute": "compute_dtype",
     "o": "output_dtype",
     "output": "output_dtype",
+    "r": "reduce_dtype",
+    "reduce": "reduce_dtype",
 }
 _FP8_KEY = "fp8"
 _F32_MATMUL_KEY = "f32_matmul"
 #: The precision of the f32 matmuls of a policy that names none: true float32 on every platform.
 DEFAULT_F32_MATMUL_PRECISION = "highest"
 
-_FIELD_TO_KEY = {"param_dtype": "params", "compute_dtype": "compute", "output_dtype": "output"}
+_FIELD_TO_KEY = {
+    "param_dtype": "params",
+    "compute_dtype": "compute",
+    "output_dtype": "output",
+    "reduce_dtype": "reduce",
+}
 
 # A storage dtype needs enough mantissa for optimizer updates to land; 8-bit (and narrower)
 # floats need per-tensor scaling, which a plain cast cannot provide.
@@ -248,6 +255,16 @@ class Policy:
 
         A precision the code writes (``precision=`` of ``jnp.dot``, ``lax.dot_general``, a
         Flax layer) is kept, except ``lax.Precision.DEFAULT``, which is the default.
+      reduce_dtype: the dtype the gradients of the values this policy casts down to the
+        compute dtype (params stored wider than it) are computed and summed in: a
+        weight-gradient matmul writes it, a bias's or an embedding table's gradient sums the
+        cotangents over the batch in it. Data parallelism sums those gradients over devices
+        where they are computed, so this is also the dtype they cross the network in, as
+        ``reduce_dtype`` of PyTorch FSDP2's ``MixedPrecisionPolicy``. None (the default) means
+        the param dtype: float32 under ``"mixed_bfloat16"``, no rounding of a gradient to the
+        compute dtype on its way to its float32 param. ``bfloat16`` halves the bytes a
+        gradient reduction sends, each sum then rounding to 8 bits of mantissa. At least 16
+        bits wide: XLA neither writes matmul results nor sums over devices in 8 bits.
     Dtypes may be given as numpy/jax dtypes or scalar types, or as names (``"bf16"``,
     ``"float32"``...); they are stored as ``numpy.dtype``.
 
@@ -273,6 +290,7 @@ class Policy:
     output_dtype: np.dtype
     fp8: Fp8Recipe | None = None
     f32_matmul_precision: str = DEFAULT_F32_MATMUL_PRECISION
+    reduce_dtype: np.dtype = None  # type: ignore[assignment]  # None: the param dtype
 
     if TYPE_CHECKING:  # the generated __init__ takes any dtype spelling; __post_init__ converts
 
@@ -283,6 +301,7 @@ class Policy:
             output_dtype: DTypeLike,
             fp8: Fp8Recipe | str | None = None,
             f32_matmul_precision: str = DEFAULT_F32_MATMUL_PRECISION,
+            reduce_dtype: DTypeLike | None = None,
         ) -> None: ...
 
     def __post_init__(self):
@@ -299,6 +318,20 @@ class Policy:
             except ValueError as error:
                 raise ValueError(f"Policy(fp8=...): {error}") from None
         check_f32_matmul_precision(self.f32_matmul_precision, "Policy(f32_matmul_precision=...)")
+        if self.reduce_dtype is None:
+            object.__setattr__(self, "reduce_dtype", self.param_dtype)
+        else:
+            reduce = _to_dtype(self.reduce_dtype, "reduce_dtype")
+            _check_floating(reduce, "reduce_dtype")
+            if jnp.finfo(reduce).bits < _MIN_PARAM_BITS:
+                raise ValueError(
+                    f"Policy(reduce_dtype={reduce.name}): gradients cannot be reduced in 8 "
+                    "bits. XLA writes a matmul's result and sums it over devices in at least "
+                    "16 (its CPU backend sums float8 in float16), and an 8-bit sum of a "
+                    "thousand cotangents keeps three significant bits at best. Use bfloat16 "
+                    "(half the bytes of float32) or float32."
+                )
+            object.__setattr__(self, "reduce_dtype", reduce)
 
     @property
     def needs_loss_scaling(self) -> bool:
@@ -328,8 +361,10 @@ class Policy:
         return cast_floating(tree, self.output_dtype)
 
     def with_param_dtype(self, dtype: Any) -> Policy:
-        """Returns a copy of this policy with ``param_dtype`` replaced."""
-        return dataclasses.replace(self, param_dtype=dtype)
+        """Returns a copy of this policy with ``param_dtype`` replaced (and ``reduce_dtype``
+        with it where it was the param dtype)."""
+        reduce: Any = None if self.reduce_dtype == self.param_dtype else self.reduce_dtype
+        return dataclasses.replace(self, param_dtype=dtype, reduce_dtype=reduce)
 
     def with_compute_dtype(self, dtype: Any) -> Policy:
         """Returns a copy of this policy with ``compute_dtype`` replaced."""
@@ -338,6 +373,15 @@ class Policy:
     def with_output_dtype(self, dtype: Any) -> Policy:
         """Returns a copy of this policy with ``output_dtype`` replaced."""
         return dataclasses.replace(self, output_dtype=dtype)
+
+    def with_reduce_dtype(self, dtype: Any) -> Policy:
+        """Returns a copy of this policy whose gradients are reduced in ``dtype`` (see
+        ``reduce_dtype`` above; None: the param dtype).
+
+        >>> str(get_policy("mixed_bfloat16").with_reduce_dtype("bf16"))
+        'p=f32,c=bf16,o=f32,r=bf16'
+        """
+        return dataclasses.replace(self, reduce_dtype=dtype)
 
     def with_fp8(self, fp8: Fp8Recipe | str | None) -> Policy:
         """Returns a copy of this policy with ``fp8`` replaced (None: no fp8 matmuls)."""
@@ -356,6 +400,8 @@ class Policy:
     def __str__(self) -> str:
         names = (short_dtype_name(d) for d in self._dtypes())
         text = "p={},c={},o={}".format(*names)
+        if self.reduce_dtype != self.param_dtype:
+            text += f",r={short_dtype_name(self.reduce_dtype)}"
         if self.fp8 is not None:
             text += f",{_FP8_KEY}={self.fp8}"
         if self.f32_matmul_precision != DEFAULT_F32_MATMUL_PRECISION:
@@ -364,7 +410,8 @@ class Policy:
 
     def __repr__(self) -> str:
         p, c, o = (d.name for d in self._dtypes())
-        fp8 = "" if self.fp8 is None else f", fp8={str(self.fp8)!r}"
+        fp8 = "" if self.reduce_dtype == self.param_dtype else f", reduce_dtype={self.reduce_dtype}"
+        fp8 += "" if self.fp8 is None else f", fp8={str(self.fp8)!r}"
         if self.f32_matmul_precision != DEFAULT_F32_MATMUL_PRECISION:
             fp8 += f", f32_matmul_precision={self.f32_matmul_precision!r}"
         return f"Policy(param_dtype={p}, compute_dtype={c}, output_dtype={o}{fp8})"
@@ -407,8 +454,16 @@ class Policy:
 
         Raises:
           ImportError: if jmp is not installed (``pip install "mpjax[jmp]"``).
-          ValueError: for a policy with fp8 matmuls, which jmp cannot express.
+          ValueError: for a policy with fp8 matmuls or a reduce dtype other than its param
+            dtype, which jmp cannot express.
         """
+        if self.reduce_dtype != self.param_dtype:
+            raise ValueError(
+                f"Policy {self} reduces gradients in {self.reduce_dtype.name}, which a "
+                "jmp.Policy cannot express (code run under jmp computes them in the compute "
+                "dtype); convert the policy without it: "
+                "policy.with_reduce_dtype(None).to_jmp()."
+            )
         if self.fp8 is not None:
             raise ValueError(
                 f"Policy {self} runs matmuls in fp8, which a jmp.Policy cannot express; "
@@ -552,7 +607,14 @@ def _parse(spec: str) -> Policy:
     param = fields.get("param_dtype", np.dtype(jnp.float32))
     compute = fields.get("compute_dtype", param)
     output = fields.get("output_dtype", compute)
-    return Policy(param, compute, output, fp8, precision or DEFAULT_F32_MATMUL_PRECISION)
+    return Policy(
+        param,
+        compute,
+        output,
+        fp8,
+        precision or DEFAULT_F32_MATMUL_PRECISION,
+        fields.get("reduce_dtype"),
+    )
 
 
 PURE_FLOAT16_NOTE = (
@@ -586,7 +648,8 @@ def get_policy(spec: PolicyLike) -> Policy:
           Spaces around commas and ``=`` are allowed. An ``fp8=<recipe>`` entry
           (``"p=f32,c=bf16,o=f32,fp8=current"``) adds fp8 matmuls (:class:`mpjax.Fp8Recipe`),
           an ``f32_matmul=<precision>`` entry (``"p=f32,f32_matmul=tf32"``) sets
-          ``Policy.f32_matmul_precision``;
+          ``Policy.f32_matmul_precision``, an ``r=<dtype>`` (``reduce=``) entry
+          (``"p=f32,c=bf16,o=f32,r=bf16"``) sets ``Policy.reduce_dtype``;
         - a dtype object (``jnp.bfloat16``, ``np.dtype("float32")``) for all three dtypes.
 
     Raises:

@@ -65,6 +65,9 @@ LAYERS = (
         "optim.quantization",  # blockwise 8- and 4-bit codes: the formats, maps and layout
         "doctor.range_stats",
         "casting.fp8_sites",  # the delayed fp8 scaling state of an engine run, by matmul site
+        "casting.gradient_reduction",  # the ops the engine binds for the policy's reduce dtype
+        "casting.custom_rules",  # the user's custom derivative rules, traced for the engine
+        "casting.collectives",  # lax collectives in a policy's dtypes, for code in shard_map
     },
     # Optimizer transformations that read the loss-scaling state, and the memory report
     # that names their parts.
@@ -94,6 +97,9 @@ LAYER = {module: i for i, layer in enumerate(LAYERS) for module in layer}
 FLAX_FREE = (
     "fp8",
     "policy",
+    "casting.collectives",
+    "casting.gradient_reduction",
+    "casting.custom_rules",
     "rules",
     "casting.regions",
     "casting.op_categories",

@@ -501,3 +501,44 @@ def test_the_diagnose_benchmark_records_both_costs_side_by_side(tmp_path):
     assert monitor["every"] == 2 and set(monitor["step_s"]) == {"plain", "between", "check"}
     # Every module's forward values and gradients: two rows per module.
     assert monitor["modules_measured"] > 2 * gpt.PRESETS["tiny"].n_layer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["v5p:2x2x2", "h100:8"])
+def test_the_comm_precision_benchmark_shows_each_reduce_dtype_on_the_wire(target, monkeypatch):
+    """The FSDP step of a small GPT on 8 chips, planned under each reduce dtype: parameters are
+    gathered in bf16 (f32 only for the norms, which a rule keeps in f32), and the blocks'
+    weight gradients cross the network in the reduce dtype."""
+    reason = mpjax.plan_unavailable(target)
+    if reason is not None:
+        pytest.skip(f"the plan cannot compile: {reason}")
+    import benchmark_comm_precision as comm
+
+    monkeypatch.setattr(
+        comm,
+        "MODEL",
+        {"vocab_size": 512, "n_layer": 2, "n_head": 4, "d_model": 256, "block_size": 128},
+    )
+    for name, reduced in (("f32 reduce (the default)", "float32"), ("bf16 reduce", "bfloat16")):
+        summary = comm.summarize(comm.plan_step(target, comm.SETTINGS[name], batch=8))
+        rows = summary["collectives"]
+        # The reductions of the blocks' matmul weights (the norms' are f32 under any setting).
+        matmul = ("qkv", "proj", "fc")
+        weight_grads = [
+            r
+            for r in rows
+            if r["backward"]
+            and r["kind"] != "all-gather"
+            and any(m.startswith("h") and m.endswith(matmul) for m in r["modules"])
+        ]
+        assert weight_grads and {r["dtype"] for r in weight_grads} >= {reduced}, rows
+        if reduced == "bfloat16":
+            assert not [r for r in weight_grads if r["dtype"] == "float32"], rows
+        f32_gathers = [
+            r
+            for r in rows
+            if r["kind"] == "all-gather" and r["dtype"] == "float32" and not r["backward"]
+        ]
+        # What is gathered in f32 is tiny: the norms' scales and biases (2 * 2 * 256 a block).
+        assert sum(r["bytes"] for r in f32_gathers) <= 8 * 2 * 2 * 256 * 4 + 2 * 256 * 4, rows
+    assert "| all-gather bfloat16 forward |" in comm.markdown({"targets": {target: {"x": summary}}})

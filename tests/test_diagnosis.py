@@ -21,6 +21,11 @@ import mpjax
 from mpjax.doctor import range_stats, side_by_side
 from mpjax.doctor.range_stats import DTYPES, RangeStats
 
+# mixed_float16 with its gradients reduced in float16, as JAX computes them: the weight
+# gradients of these tests, sums over a batch, overflow or flush float16 there (reduced in
+# mixed_float16's own reduce dtype, float32, they do not).
+F16_GRADIENTS = "p=f32,c=f16,o=f32,r=f16"
+
 
 def _numpy_shares(values: np.ndarray, dtype: str, scale: float = 1.0) -> tuple[float, ...]:
     """Overflow, subnormal and flush-to-zero shares of the finite ``values`` (times ``scale``)
@@ -515,7 +520,7 @@ def test_the_loss_scale_range_keeps_float16_gradients_in_range():
     # The gradients of sum(v @ w), in float16: with respect to w, v's values c, from 2**-30 to
     # 2**4; with respect to v, w's ones; and the loss's cotangent, 1, cast to float16.
     c = np.exp2(np.linspace(-30, 4, 35)).astype(np.float32)
-    report = mpjax.diagnose(lambda v, w: jnp.sum(v @ w), policy="mixed_float16")(
+    report = mpjax.diagnose(lambda v, w: jnp.sum(v @ w), policy=F16_GRADIENTS)(
         c[None], np.ones((c.size, 1), np.float32)
     )
     values = np.concatenate([c, np.ones(c.size + 1, np.float32)])
@@ -583,7 +588,7 @@ def _small_norm(x, w):
 def test_the_loss_scale_comes_from_the_gradients_that_run_in_float16():
     x = jax.random.normal(jax.random.key(0), (8, 16))
     w = jax.random.normal(jax.random.key(1), (16, 32)) * 1e-3
-    rules = mpjax.Rules({"norm": "float32"}, default="mixed_float16")
+    rules = mpjax.Rules({"norm": "float32"}, default=F16_GRADIENTS)
     report = mpjax.diagnose(_small_norm, policy=rules)(x, w)
     # The float16 gradients: the norm's input gradient, cast to float16, and the matmul's two.
     h = x @ w
@@ -703,7 +708,7 @@ def _batch(shape=(2, 3, 8)):
 @pytest.mark.slow
 def test_a_batched_loss_of_an_equinox_model_is_diagnosed_by_the_models_paths():
     model, (x, y) = _EqxNet(jax.random.key(0)), _batch()
-    report = mpjax.diagnose(_batched_loss, policy="mixed_float16")(model, x, y)
+    report = mpjax.diagnose(_batched_loss, policy=F16_GRADIENTS)(model, x, y)
     assert {"blocks[0].attn.query_proj", "blocks[1].mlp"} <= {r.where for r in report.modules}
     assert report.birth.module.startswith("blocks[") and report.birth.dtype == "float16"
     assert report.loss_scale is not None  # the backward pass was diagnosed too
@@ -713,7 +718,7 @@ def test_a_batched_loss_of_an_equinox_model_is_diagnosed_by_the_models_paths():
     assert own.policy.default == mpjax.get_policy("mixed_bfloat16") and own.birth is None
     assert "blocks[1].attn.output_proj" in {r.where for r in own.modules}
     # policy= diagnoses the wrapped model under that policy instead.
-    other = mpjax.diagnose(_batched_loss, policy="mixed_float16")(wrapped, x, y)
+    other = mpjax.diagnose(_batched_loss, policy=F16_GRADIENTS)(wrapped, x, y)
     assert other.birth.module.startswith("blocks[") and other.birth.dtype == "float16"
 
 
@@ -738,7 +743,7 @@ class _NnxNet(nnx.Module):
 
 def test_a_batched_loss_of_an_nnx_model_is_diagnosed_by_the_models_paths():
     model, (x, y) = _NnxNet(), _batch((2, 8))
-    report = mpjax.diagnose(_batched_loss, policy="mixed_float16")(model, x, y)
+    report = mpjax.diagnose(_batched_loss, policy=F16_GRADIENTS)(model, x, y)
     assert {"blocks/0/proj", "blocks/1/proj"} <= {r.where for r in report.modules}
     assert report.birth.module.startswith("blocks/") and report.birth.dtype == "float16"
     assert type(model.blocks[0]) is _NnxBlock  # the model is left as it was
@@ -746,7 +751,7 @@ def test_a_batched_loss_of_an_nnx_model_is_diagnosed_by_the_models_paths():
     own = mpjax.diagnose(_batched_loss)(model, x, y)
     assert own.policy.default == mpjax.get_policy("mixed_bfloat16") and own.birth is None
     assert "blocks/1/proj" in {r.where for r in own.modules}
-    other = mpjax.diagnose(_batched_loss, policy="mixed_float16")(model, x, y)
+    other = mpjax.diagnose(_batched_loss, policy=F16_GRADIENTS)(model, x, y)
     assert other.birth.module.startswith("blocks/") and other.birth.dtype == "float16"
     # Closed over, an NNX model cannot be run under other rules than its own: said, not ignored.
     closing = mpjax.diagnose(lambda x, y: _batched_loss(model, x, y), policy="mixed_float16")

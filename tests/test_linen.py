@@ -225,21 +225,22 @@ def test_layer_runs_in_bf16_keeps_f32_params_and_grads(layer, x):
     assert _dtypes(grads) == {F32}
 
 
-def test_embed_lookup_gathers_rows_of_the_f32_table_and_attend_runs_in_bf16():
+def test_embed_lookup_gathers_bf16_rows_and_attend_runs_in_bf16():
     model = mpl.apply_policy(nn.Embed(VOCAB, DIM), "mixed_bfloat16")
     ids = jnp.arange(3)
     variables = _init(model, ids)
     assert variables["params"]["embedding"].dtype == F32
-    # No cast of the whole table: its gradient (a scatter-add) then accumulates in f32. The
-    # rows read are cast: the built-in embedding rule returns them in the compute dtype.
+    # The built-in embedding rule returns the rows in the compute dtype, read from the table
+    # in it (what a sharded table sends); the table's gradient, a scatter-add, accumulates in
+    # the reduce dtype, f32 (tests/test_lookups.py).
     gathers = _equations(lambda v: model.apply(v, ids), variables, primitive="gather")
     converts = [
         (eqn.invars[0].aval.shape, np.dtype(eqn.outvars[0].aval.dtype))
         for eqn, _ in iter_equations(lambda v: model.apply(v, ids), variables)
         if eqn.primitive.name == "convert_element_type"
     ]
-    assert [d for d, _ in gathers] == [{F32, np.dtype(jnp.int32)}]
-    assert converts == [((3, DIM), BF16)], converts
+    assert [d for d, _ in gathers] == [{BF16, np.dtype(jnp.int32)}]
+    assert converts == [((VOCAB, DIM), BF16)], converts
     assert jax.eval_shape(model.apply, variables, ids).dtype == BF16
     query = jnp.ones((2, DIM))
     for method in ("attend", nn.Embed.attend):  # by name or as Flax's own function

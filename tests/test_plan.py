@@ -857,6 +857,61 @@ ENTRY %main (p0: f32[8], p1: f32[8], p2: f32[8], p3: f32[8]) -> (bf16[32], bf16[
     assert many.modules_text == "h0, h1, h2 and 2 more"
 
 
+def test_an_async_combined_collective_counts_every_value_by_dtype():
+    """A GPU's combined collectives are async: ``((operands...), (results...))``. Each value
+    counts, and one collective of two dtypes is two rows (the table of bytes by dtype)."""
+    from mpjax.inspection.plan_collectives import read_collectives
+
+    region = "mpjax[p=f32,c=bf16,o=f32]"
+    text = f"""HloModule m, entry_computation_layout={{}}
+
+ENTRY %main (p0: f32[2], p1: s32[2], p2: f32[64,8], p3: f32[32]) -> f32[8,8] {{
+  %p0 = f32[2] parameter(0)
+  %p1 = s32[2] parameter(1)
+  %g = ((f32[2], s32[2]), (f32[16], s32[16])) all-gather-start(%p0, %p1), replica_groups={{{{0,1,2,3,4,5,6,7}}}}, dimensions={{0}}, metadata={{op_name="jit(f)/{region}ln/all_gather"}}
+  %gd = (f32[16], s32[16]) all-gather-done(%g)
+  %p2 = f32[64,8] parameter(2)
+  %w = f32[64,8] add(%p2, %p2), metadata={{op_name="jit(f)/transpose(jvp({region}))/{region}h0/fc/dot_general"}}
+  %p3 = f32[32] parameter(3)
+  %v = f32[32] add(%p3, %p3), metadata={{op_name="jit(f)/transpose(jvp({region}))/{region}h1/fc/dot_general"}}
+  %r = ((f32[64,8], f32[32]), (f32[8,8], f32[4])) reduce-scatter-start(%w, %v), replica_groups={{{{0,1,2,3,4,5,6,7}}}}, dimensions={{0}}, to_apply=%add, metadata={{op_name="jit(f)/transpose(jvp({region}))/{region}h0/fc/dot_general"}}
+  ROOT %rd = (f32[8,8], f32[4]) reduce-scatter-done(%r)
+}}
+"""
+    rows = [
+        (c.name, c.kind, c.dtype.name, c.bytes, c.modules)
+        for c in read_collectives(parse_module(text))
+    ]
+    assert rows == [
+        ("g", "all-gather", "float32", 16 * 4, ()),
+        ("g", "all-gather", "int32", 16 * 4, ()),
+        ("r", "reduce-scatter", "float32", (64 * 8 + 32) * 4, ("h0/fc", "h1/fc")),
+    ]
+
+
+def test_a_collective_sends_its_ring_share_and_its_time_is_bounded_by_the_interconnect():
+    from mpjax.inspection.plan_collectives import PlanCollective, seconds_bound, table_rows
+
+    mib = 2**20
+    gather = PlanCollective("g", "main", "all-gather", BF16, 8 * mib, devices=8, executions=2)
+    reduce = dataclasses.replace(gather, name="r", kind="all-reduce", executions=1)
+    permute = dataclasses.replace(gather, name="p", kind="collective-permute", devices=2)
+    # A ring of 8: each device sends 7/8 of a gather, twice that of an all-reduce; a permute
+    # sends it all.
+    assert (gather.wire_bytes, reduce.wire_bytes, permute.wire_bytes) == (
+        2 * 7 * mib,
+        2 * 7 * mib,
+        2 * 8 * mib,
+    )
+    assert seconds_bound([gather, reduce, permute], 600e9) == 44 * mib / 600e9
+    header, rows = table_rows([gather], 600e9, estimate=0.01)
+    assert header[-2:] == ("time bound", "of the estimate")
+    assert rows[0][-2:] == (f"{14 * mib / 600e9 * 1e3:.3g} ms", f"{14 * mib / 600e9 / 0.01:.1%}")
+    header, rows = table_rows([gather], 0.0, estimate=None)  # a GPU: no bandwidth to bound by
+    assert header[-1] == "runs" and len(rows[0]) == len(header)
+    assert mpjax.inspection.targets.CHIPS["h100"].interconnect_bandwidth == 0.0
+
+
 @needs_libtpu
 def test_a_slice_libtpu_cannot_make_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match=r"'v5p:3x5x7' is not a TPU slice: .*INVALID_ARGUMENT"):

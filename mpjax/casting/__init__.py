@@ -13,6 +13,12 @@ under a policy.
   ask of it (``tracing``, ``traced_compute_dtype``, ``observing``).
 - :mod:`mpjax.casting.fp8_sites`: the delayed fp8 scaling state a run threads through its
   matmuls.
+- :mod:`mpjax.casting.custom_rules`: the user's custom derivative rules, traced for the engine
+  to run.
+- :mod:`mpjax.casting.collectives`: ``all_gather_params`` and ``psum_gradients``, the
+  collectives of code that writes its own (``jax.shard_map``) in a policy's dtypes.
+- :mod:`mpjax.casting.gradient_reduction`: the matmuls, bias adds and lookups the engine binds
+  so that the gradients of what a policy casts down are computed in its reduce dtype.
 
 It sits above the core vocabulary (:mod:`mpjax.policy`, :mod:`mpjax.rules`, :mod:`mpjax.fp8`,
 :mod:`mpjax.jax_compat`) and below everything that casts.

@@ -39,6 +39,8 @@ from jax import lax
 
 from mpjax import fp8
 from mpjax import jax_compat as compat
+from mpjax.casting import custom_rules
+from mpjax.casting import gradient_reduction as reduction
 from mpjax.casting.fp8_sites import DelayedScaling
 from mpjax.casting.op_categories import (
     F32,
@@ -51,7 +53,17 @@ from mpjax.casting.op_categories import (
     merge_categories,
 )
 from mpjax.casting.regions import boundary_dtype
-from mpjax.casting.trace_context import Settings, abstractly, observers, trace, unobserved
+from mpjax.casting.trace_context import (
+    Settings,
+    abstractly,
+    forward_only,
+    in_forward_only,
+    in_per_device,
+    observers,
+    per_device,
+    trace,
+    unobserved,
+)
 from mpjax.policy import DEFAULT_F32_MATMUL_PRECISION, Policy, is_floating, short_dtype_name
 
 __all__ = [
@@ -84,10 +96,6 @@ def _cast_to(x: Any, dtype: Any) -> Any:
     if is_floating(aval.dtype) and is_floating(dtype) and aval.dtype != dtype:
         return lax.convert_element_type(x, dtype)
     return x
-
-
-def _float0_zeros(aval: Any) -> np.ndarray:
-    return np.zeros(aval.shape, dtype=jax.dtypes.float0)
 
 
 def _dtype_names(avals: Sequence[Any]) -> tuple[str, ...]:
@@ -166,6 +174,7 @@ class Interpreter:
         paths = [path + compat.scope_names(eqn) for eqn in jaxpr.eqns]
         widened = self._widened(jaxpr, paths)
         bias = bias_adds(jaxpr)
+        stored = reduction.stored_values(jaxpr)
         observed: dict[str, list] = collections.defaultdict(list)
         for i, eqn in enumerate(jaxpr.eqns):
             invals = [read(a) for a in eqn.invars]
@@ -175,7 +184,12 @@ class Interpreter:
                 stack.enter_context(compat.traced_at(eqn))
                 for name in paths[i][len(path) :]:
                     stack.enter_context(jax.named_scope(name))
-                outs = self.equation(eqn, invals, avals, paths[i], casts, i in widened, bias.get(i))
+                reads = frozenset(
+                    k for k, a in enumerate(eqn.invars) if not compat.is_literal(a) and a in stored
+                )
+                outs = self.equation(
+                    eqn, invals, avals, paths[i], casts, i in widened, bias.get(i), reads
+                )
             primitive = eqn.primitive.name
             if observers() and (primitive not in self.handlers or primitive in _OBSERVED_WHOLE):
                 floats = [k for k, x in enumerate(outs) if is_floating(jax.typeof(x).dtype)]
@@ -243,6 +257,7 @@ class Interpreter:
         casts: dict,
         widen: bool = False,
         bias_of: int | None = None,
+        stored: frozenset[int] = frozenset(),
     ) -> list:
         name = eqn.primitive.name
         handler = self.handlers.get(name)
@@ -279,10 +294,15 @@ class Interpreter:
             # in f32, it would widen the activation that every op after it keeps for the
             # backward pass, a copy in each width of the same value.
             category = label = LOWER
-        # Observed (the precision monitor), a cast is a value the region computes: its
-        # gradient (a weight's, in the compute dtype) is measured there.
+        # Observed (the precision monitor), each cast is tapped: its gradient is measured there.
         tap = functools.partial(observers()[-1].tap, region.path) if observers() else None
-        invals, params, ran = self._cast_inputs(eqn, invals, avals, category, compute, casts, tap)
+        lowered = category == LOWER and all(a.dtype in _ELIGIBLE for a in avals)
+        policy = None if in_forward_only() else region.policy
+        route = reduction.route(eqn, avals, lowered, policy, bias_of, stored, in_per_device())
+        wide = route.wide if route is not None else frozenset()
+        invals, params, ran = self._cast_inputs(
+            eqn, invals, avals, category, compute, casts, tap, wide
+        )
         params = _f32_precision(eqn, params, ran, region.policy)
         dot = self._fp8_dot(eqn, region, category, compute, ran, path)
         if dot is not None:
@@ -294,7 +314,7 @@ class Interpreter:
             self.record[key] += 1
         if dot is not None:
             return [dot(*invals)]
-        return compat.bind_equation(eqn, invals, params)
+        return route.bind(invals, params) if route else compat.bind_equation(eqn, invals, params)
 
     def _fp8_dot(self, eqn, region, category, compute, ran, path) -> Callable[..., Any] | None:
         """The fp8 matmul that replaces ``eqn``, if its region's policy runs matmuls in fp8:
@@ -327,35 +347,12 @@ class Interpreter:
         if delayed.opaque is not None:
             self.settings.warn_delayed("/".join(path), delayed.opaque)
             return current
-        site = delayed.site(region.path)
-        if delayed.metas is None:  # discovering: the function is only traced
-            delayed.found[site] = (recipe.history, delayed.shape)
-            return current
-        meta = delayed.metas.get(site)
-        meta = None if meta is None else fp8.as_meta(meta)
-        expected = ((*delayed.shape, 3), (*delayed.shape, recipe.history, 3))
-        if meta is None or (meta.scale.shape, meta.amax_history.shape) != expected:
-            found = (
-                "no state"
-                if meta is None
-                else f"state of shapes {(meta.scale.shape, meta.amax_history.shape)}"
-            )
-            raise ValueError(
-                f"The fp8 state has {found} for the matmul {site!r}, which needs an Fp8Meta of "
-                f"shapes {expected} (scale, amax_history; history {recipe.history}). Make the "
-                "state for this model and policy: it lists the matmuls it was made for."
-            )
-        return functools.partial(
-            fp8.delayed_dot_general,
-            dimension_numbers=p.dimension_numbers,
-            meta=meta,
-            margin=recipe.margin,
-            precision=p.precision,
-        )
+        return delayed.dot(region.path, recipe, current, p.dimension_numbers, p.precision)
 
-    def _cast_inputs(self, eqn, invals, avals, category, compute, casts, tap=None):
+    def _cast_inputs(self, eqn, invals, avals, category, compute, casts, tap=None, wide=()):
         """Casts the floating inputs of a first-order equation by its category, each cast
-        through ``tap`` (a function of a list of values, returning them) if given.
+        through ``tap`` (a function of a list of values, returning them) if given; those in
+        ``wide`` are tapped uncast, for a ``gradient_reduction.Route`` to cast.
 
         Returns the new inputs, the params to bind with, and the avals they run in.
         """
@@ -379,7 +376,13 @@ class Interpreter:
             if target is not None:
                 targets = {i: target for i in floats}
         new = list(invals)
+        for i in wide:
+            targets[i] = np.dtype(compute)
+            if tap is not None:
+                new[i] = tap([invals[i]])[0]
         for i, dtype in targets.items():
+            if i in wide:
+                continue
             if avals[i].dtype != dtype or avals[i].weak_type:
                 atom = eqn.invars[i]
                 if compat.is_literal(atom):
@@ -515,7 +518,8 @@ class Interpreter:
         def body(carry):
             return fix(self.run(p.body_jaxpr, [*body_consts, *carry], path))
 
-        return list(lax.while_loop(cond, body, fix(init)))
+        with forward_only():
+            return list(lax.while_loop(cond, body, fix(init)))
 
     def _cond(self, eqn, invals, path):
         """Branches run autocast; each output takes the widest dtype the branches give it."""
@@ -557,7 +561,8 @@ class Interpreter:
     def _shard_map(self, eqn, invals, path):
         p = compat.shard_map_params(eqn)
         fn = jax.shard_map(lambda *args: tuple(self.run(p.jaxpr, args, path)), **p.kwargs)
-        return list(fn(*invals))
+        with per_device():
+            return list(fn(*invals))
 
     def _custom_call(self, eqn, invals, path):
         """What both custom-derivative rebuilds start from: the autocast primal, the traced
@@ -592,12 +597,14 @@ class Interpreter:
                 compat.retyped(t, in_avals[i]) for t, i in zip(tangents, fidx)
             ]
             rule_jaxpr = self._cached(
-                ("jvp", id(eqn), tuple(avals)), eqn, lambda: _trace_jvp_rule(eqn, avals, fidx, oidx)
+                ("jvp", id(eqn), tuple(avals)),
+                eqn,
+                lambda: custom_rules.trace_jvp_rule(eqn, avals, fidx, oidx),
             )
-            with unobserved():  # see _OBSERVED_WHOLE
+            with unobserved(), forward_only():  # see _OBSERVED_WHOLE; JAX transposes it
                 outs = self.run(rule_jaxpr, [*primals, *tangents], path)
             primals_out = [_cast_to(x, s.dtype) for x, s in zip(outs[:n_out], out_shapes)]
-            tangents_out = [_float0_zeros(s) for s in out_shapes]
+            tangents_out = [custom_rules.float0_zeros(s) for s in out_shapes]
             for i, t in zip(oidx, outs[n_out:]):
                 tangents_out[i] = _cast_to(t, out_shapes[i].dtype)
             return primals_out, tangents_out
@@ -621,7 +628,9 @@ class Interpreter:
         def fwd(*args):
             avals = tuple(compat.retyped(x, a) for x, a in zip(args, in_avals))
             fwd_jaxpr, tree = self._cached(
-                ("vjp_fwd", id(eqn), avals), eqn, lambda: _trace_vjp_fwd(eqn, avals, fidx)
+                ("vjp_fwd", id(eqn), avals),
+                eqn,
+                lambda: custom_rules.trace_vjp_fwd(eqn, avals, fidx),
             )
             traced_fwd.append((fwd_jaxpr, tree))
             with unobserved():  # see _OBSERVED_WHOLE
@@ -638,7 +647,7 @@ class Interpreter:
             bwd_jaxpr = self._cached(
                 ("vjp_bwd", id(eqn), avals),
                 eqn,
-                lambda: _trace_vjp_bwd(tree, avals, out_avals, oidx),
+                lambda: custom_rules.trace_vjp_bwd(tree, avals, out_avals, oidx),
             )
             with unobserved():  # see _OBSERVED_WHOLE
                 cts_in = self.run(bwd_jaxpr, [*residuals, *cts], path)
@@ -674,58 +683,6 @@ def _f32_precision(eqn: Any, params: dict | None, ran: list, policy: Policy | No
         return params
     name = DEFAULT_F32_MATMUL_PRECISION if policy is None else policy.f32_matmul_precision
     return compat.with_precision(eqn, params, name)
-
-
-def _original(eqn: Any, args: Sequence[Any], fidx: Sequence[int], fargs: Sequence[Any]) -> list:
-    """Evaluates ``eqn`` unchanged with the floating inputs at ``fidx`` replaced by ``fargs``."""
-    args = list(args)
-    for i, x in zip(fidx, fargs):
-        args[i] = x
-    return compat.bind_equation(eqn, args)
-
-
-def _trace_jvp_rule(eqn, avals, fidx, oidx):
-    """Jaxpr of ``(primals, float tangents) -> (primals out, float tangents out)`` at the traced
-    dtypes, built by ``jax.jvp`` of the equation, which calls its custom rule."""
-    n_in = len(eqn.invars)
-
-    def rule(*xs):
-        primals, tangents = xs[:n_in], xs[n_in:]
-        outs, touts = jax.jvp(
-            lambda *f: _original(eqn, primals, fidx, f), [primals[i] for i in fidx], list(tangents)
-        )
-        return [*outs, *(touts[i] for i in oidx)]
-
-    return compat.trace_at(rule, avals)
-
-
-def _trace_vjp_fwd(eqn, avals, fidx):
-    """Jaxpr of the custom fwd, ``primals -> (outs, residuals)``, and the residuals' treedef."""
-    tree = []
-
-    def fwd(*primals):
-        outs, vjp_fn = jax.vjp(
-            lambda *f: _original(eqn, primals, fidx, f), *(primals[i] for i in fidx)
-        )
-        residuals, treedef = jax.tree.flatten(vjp_fn)
-        tree.append(treedef)
-        return [*outs, *residuals]
-
-    fwd_jaxpr = compat.trace_at(fwd, avals)
-    return fwd_jaxpr, tree[0]
-
-
-def _trace_vjp_bwd(tree, avals, out_avals, oidx):
-    """Jaxpr of the custom bwd, ``(residuals, float cts) -> float input cts``."""
-    n_res = len(avals) - len(oidx)
-
-    def bwd(*xs):
-        vjp_fn = jax.tree.unflatten(tree, xs[:n_res])
-        cts = iter(xs[n_res:])
-        full = [next(cts) if i in oidx else _float0_zeros(a) for i, a in enumerate(out_avals)]
-        return list(vjp_fn(full))
-
-    return compat.trace_at(bwd, avals)
 
 
 def to_output(x: Any, traced_aval: Any, policy: Policy) -> Any:

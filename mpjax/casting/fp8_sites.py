@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from mpjax import fp8
@@ -70,6 +71,47 @@ class DelayedScaling:
             yield
         finally:
             self.opaque = saved
+
+    def dot(
+        self,
+        where: str,
+        recipe: fp8.Fp8Recipe,
+        current: Callable[..., Any],
+        dimension_numbers: Any,
+        precision: Any,
+    ) -> Callable[..., Any]:
+        """The fp8 matmul of the next site at ``where``: with delayed scaling from the site's
+        state, or ``current`` (current scaling) while discovering the sites.
+
+        Raises:
+          ValueError: if the state has no :class:`mpjax.fp8.Fp8Meta` of the right shapes for
+            the site.
+        """
+        site = self.site(where)
+        if self.metas is None:  # discovering: the function is only traced
+            self.found[site] = (recipe.history, self.shape)
+            return current
+        meta = self.metas.get(site)
+        meta = None if meta is None else fp8.as_meta(meta)
+        expected = ((*self.shape, 3), (*self.shape, recipe.history, 3))
+        if meta is None or (meta.scale.shape, meta.amax_history.shape) != expected:
+            found = (
+                "no state"
+                if meta is None
+                else f"state of shapes {(meta.scale.shape, meta.amax_history.shape)}"
+            )
+            raise ValueError(
+                f"The fp8 state has {found} for the matmul {site!r}, which needs an Fp8Meta of "
+                f"shapes {expected} (scale, amax_history; history {recipe.history}). Make the "
+                "state for this model and policy: it lists the matmuls it was made for."
+            )
+        return functools.partial(
+            fp8.delayed_dot_general,
+            dimension_numbers=dimension_numbers,
+            meta=meta,
+            margin=recipe.margin,
+            precision=precision,
+        )
 
     def initial_state(self) -> dict[str, fp8.Fp8Meta]:
         return {

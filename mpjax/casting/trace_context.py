@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import jax
@@ -39,6 +39,10 @@ __all__ = [
     "TraceCache",
     "Traced",
     "abstractly",
+    "forward_only",
+    "in_forward_only",
+    "in_per_device",
+    "per_device",
     "ModelsRun",
     "Observer",
     "model_rules",
@@ -65,6 +69,8 @@ class _Tracing(threading.local):
         # while unobserved() is open.
         self.observers: list[Observer] = []
         self.unobserved = 0
+        self.forward_only = 0  # see forward_only()
+        self.per_device = 0  # see per_device()
         # The running_models() records open on this thread, innermost last.
         self.models: list[ModelsRun] = []
 
@@ -141,16 +147,44 @@ def observers() -> list[Observer]:
 
 
 @contextlib.contextmanager
-def unobserved():
+def _opened(flag: str) -> Iterator[None]:
+    """Counts ``flag`` of this thread's tracing state up while open (they nest)."""
+    setattr(_tracing, flag, getattr(_tracing, flag) + 1)
+    try:
+        yield
+    finally:
+        setattr(_tracing, flag, getattr(_tracing, flag) - 1)
+
+
+def unobserved() -> contextlib.AbstractContextManager[None]:
     """While open, the engine runs traced on this thread are not observed: for the rules of
     custom derivatives, whose values are tangents and cotangents (which an observer's
     reductions and taps must not touch: JAX transposes what a JVP rule computes from its
     tangents), not values the model computes."""
-    _tracing.unobserved += 1
-    try:
-        yield
-    finally:
-        _tracing.unobserved -= 1
+    return _opened("unobserved")
+
+
+def forward_only() -> contextlib.AbstractContextManager[None]:
+    """While open, the engine runs traced on this thread bind no custom VJPs (see
+    :mod:`mpjax.casting.gradient_reduction`): for what only forward mode differentiates or
+    what JAX transposes as it is, a while loop's body and a custom JVP rule's tangents."""
+    return _opened("forward_only")
+
+
+def in_forward_only() -> bool:
+    """Whether :func:`forward_only` is open on this thread."""
+    return _tracing.forward_only > 0
+
+
+def per_device() -> contextlib.AbstractContextManager[None]:
+    """While open, the engine runs traced on this thread are tracing a ``jax.shard_map`` body,
+    where custom VJPs get no symbolic zeros."""
+    return _opened("per_device")
+
+
+def in_per_device() -> bool:
+    """Whether :func:`per_device` is open on this thread."""
+    return _tracing.per_device > 0
 
 
 @dataclasses.dataclass

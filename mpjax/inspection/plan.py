@@ -40,9 +40,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mpjax import jax_compat
+from mpjax.inspection import plan_collectives
 from mpjax.inspection.hlo_text import parse_module
 from mpjax.inspection.matmuls import check_function
-from mpjax.inspection.plan_collectives import COLLECTIVE_KINDS, PlanCollective, read_collectives
+from mpjax.inspection.plan_collectives import PlanCollective
 from mpjax.inspection.plan_rows import (
     PlanAttention,
     PlanGemm,
@@ -54,7 +55,7 @@ from mpjax.inspection.plan_rows import (
     out_of_memory,
     read_module,
 )
-from mpjax.inspection.targets import CHIPS, Target, parse_target
+from mpjax.inspection.targets import CHIPS, known_target, parse_target
 from mpjax.optim.loss_scaling import without_host_warnings
 from mpjax.table import format_table
 
@@ -108,7 +109,10 @@ def _section(header: tuple[str, ...], rows: list[Any]) -> list[str]:
 def _read(hlo_text: str, platform: str) -> dict[str, Any]:
     """The fields of a :class:`Plan` read from an optimized HLO module's text."""
     module = parse_module(hlo_text)
-    loops = {"collectives": read_collectives(module), "loop_trips": loop_trip_counts(module)}
+    loops = {
+        "collectives": plan_collectives.read_collectives(module),
+        "loop_trips": loop_trip_counts(module),
+    }
     return {**read_module(module, platform), **loops}
 
 
@@ -290,7 +294,7 @@ class Plan:
         peak for its operand dtypes and float32 precision, summed; memory traffic and
         everything that is no matmul taken as free. None for a plan read from HLO text alone
         (no target figures). A bound computed from the plan, not a measurement."""
-        target = _known_target(self.target)
+        target = known_target(self.target)
         if target is None:
             return None
         share = self.peak_flops / target.chip.peak_flops["bf16"] if self.peak_flops else 1
@@ -328,12 +332,16 @@ class Plan:
         """Bytes per device and call that the collectives move, by kind and dtype
         (``"all-gather bfloat16"``; ``PlanCollective.bytes`` says what is counted), in the
         order of :data:`~mpjax.inspection.plan_collectives.COLLECTIVE_KINDS`."""
-        totals: dict[str, int] = {}
-        ordered = sorted(self.collectives, key=lambda c: COLLECTIVE_KINDS.index(c.kind))
-        for c in ordered:
-            key = f"{c.kind} {c.dtype.name}"
-            totals[key] = totals.get(key, 0) + c.total_bytes
-        return totals
+        return plan_collectives.bytes_by_kind(self.collectives)
+
+    def collective_seconds(self) -> float | None:
+        """A lower bound on the time the collectives take (TPU): what each device sends at its
+        chip's published interconnect bandwidth, none of it overlapped with compute (XLA
+        overlaps much of it). None where the target's bandwidth is not known (GPUs)."""
+        target = known_target(self.target)
+        if target is None or not target.chip.interconnect_bandwidth or not self.collectives:
+            return None
+        return plan_collectives.seconds_bound(self.collectives, target.chip.interconnect_bandwidth)
 
     def summary(self) -> str:
         """The verdict lines: memory against the device's, the estimated time and MFU, the
@@ -374,6 +382,13 @@ class Plan:
         if self.collectives:
             moved = ", ".join(f"{k} {bytes_text(v)}" for k, v in self.collective_bytes().items())
             lines.append(f"collectives per device and call: {moved}")
+        bound, estimate = self.collective_seconds(), self.estimated_seconds
+        if bound is not None:
+            share = f", {bound / estimate:.0%} of the estimated step" if estimate else ""
+            lines.append(
+                "collectives at the chips' published interconnect bandwidth, not overlapped: "
+                f"at least {_seconds_text(bound)}{share}"
+            )
         total = self.total_flops
         if total:
             shares = ", ".join(
@@ -431,23 +446,12 @@ class Plan:
         )
         parts += _section(("attention", "target", "pass", "dtype", "FLOPs", "runs"), attention)
         parts += _section(("scatter", "computation", "dtype", "runs"), scatters)
-        collectives = [
-            (
-                c.name,
-                c.kind,
-                c.dtype.name,
-                bytes_text(c.bytes),
-                str(c.devices),
-                c.modules_text,
-                "backward" if c.backward else "forward",
-                str(c.executions),
-            )
-            for c in self.collectives
-        ]
-        parts += _section(
-            ("collective", "kind", "dtype", "bytes", "devices", "module", "pass", "runs"),
-            collectives,
+        known = known_target(self.target)
+        bandwidth, estimate = (
+            known.chip.interconnect_bandwidth if known else 0.0,
+            self.estimated_seconds,
         )
+        parts += _section(*plan_collectives.table_rows(self.collectives, bandwidth, estimate))
         if self.compiled:
             fusions = f"{self.fusions} fusion{'s' * (self.fusions != 1)}"
             calls = f"{self.custom_calls} custom call{'s' * (self.custom_calls != 1)}"
@@ -515,14 +519,6 @@ class Plan:
             "autotuned": self.autotuned,
             "limits": self.limits,
         }
-
-
-def _known_target(name: str) -> Target | None:
-    """The target ``name`` names, or None for a name a plan read from HLO text was given."""
-    try:
-        return parse_target(name)
-    except ValueError:
-        return None
 
 
 # --- Compiling ------------------------------------------------------------------------------

@@ -17,15 +17,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from mpjax.casting import regions
 from mpjax.inspection.hlo_text import HloComputation, HloInstruction, HloModule, HloShape
-from mpjax.inspection.plan_rows import kernel_computations, np_dtype, op_name_of
+from mpjax.inspection.plan_rows import bytes_text, kernel_computations, np_dtype, op_name_of
 
-__all__ = ["COLLECTIVE_KINDS", "PlanCollective", "read_collectives"]
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "PlanCollective",
+    "bytes_by_kind",
+    "read_collectives",
+    "seconds_bound",
+    "table_rows",
+]
 
 COLLECTIVE_KINDS = (
     "all-gather",
@@ -44,6 +51,7 @@ _OPCODES = {
     "all-reduce": "all-reduce",
     "all-reduce-start": "all-reduce",
     "reduce-scatter": "reduce-scatter",
+    "reduce-scatter-start": "reduce-scatter",
     "all-to-all": "all-to-all",
     "ragged-all-to-all": "all-to-all",
     "collective-permute": "collective-permute",
@@ -106,6 +114,63 @@ class PlanCollective:
         """``bytes`` times ``executions``: per device and call."""
         return self.bytes * self.executions
 
+    @property
+    def wire_bytes(self) -> int:
+        """What each device sends for it per call, on a ring over its group of ``n``: ``(n -
+        1) / n`` of ``total_bytes`` for a gather, a scatter or an all-to-all, twice that for an
+        all-reduce (a reduce-scatter, then a gather), all of it for a permute."""
+        if self.kind == "collective-permute":
+            return self.total_bytes
+        share = (self.devices - 1) / self.devices if self.devices > 1 else 0.0
+        return round(self.total_bytes * share * (2 if self.kind == "all-reduce" else 1))
+
+
+def bytes_by_kind(collectives: Sequence[PlanCollective]) -> dict[str, int]:
+    """``total_bytes`` summed by kind and dtype (``"all-gather bfloat16"``), in the order of
+    :data:`COLLECTIVE_KINDS`."""
+    totals: dict[str, int] = {}
+    for c in sorted(collectives, key=lambda c: COLLECTIVE_KINDS.index(c.kind)):
+        key = f"{c.kind} {c.dtype.name}"
+        totals[key] = totals.get(key, 0) + c.total_bytes
+    return totals
+
+
+def seconds_bound(collectives: Sequence[PlanCollective], bandwidth: float) -> float:
+    """A lower bound on the time ``collectives`` take: what each device sends
+    (:attr:`PlanCollective.wire_bytes`) at its chip's whole interconnect ``bandwidth``, none of
+    it overlapped. A bound computed from the plan, not a measurement."""
+    return sum(c.wire_bytes for c in collectives) / bandwidth
+
+
+def table_rows(
+    collectives: Sequence[PlanCollective], bandwidth: float, estimate: float | None
+) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """The header and rows of a plan's table of collectives; with an interconnect
+    ``bandwidth`` each row's time bound (:func:`seconds_bound`), and with an ``estimate`` of
+    the step's time, the bound's share of it."""
+    header: tuple[str, ...] = ("collective", "kind", "dtype", "bytes", "devices", "module")
+    header += ("pass", "runs")
+    timed = bandwidth > 0
+    if timed:
+        header += ("time bound",) + (("of the estimate",) if estimate else ())
+    rows = []
+    for c in collectives:
+        row: tuple[str, ...] = (
+            c.name,
+            c.kind,
+            c.dtype.name,
+            bytes_text(c.bytes),
+            str(c.devices),
+            c.modules_text,
+            "backward" if c.backward else "forward",
+            str(c.executions),
+        )
+        if timed:
+            bound = seconds_bound([c], bandwidth)
+            row += (f"{bound * 1e3:.3g} ms",) + ((f"{bound / estimate:.1%}",) if estimate else ())
+        rows.append(row)
+    return header, rows
+
 
 def _array_bytes(shape: HloShape) -> int:
     return shape.size * np_dtype(shape.dtype).itemsize
@@ -140,31 +205,66 @@ def _row(
     where: str,
     executions: int,
     op_name: str,
-) -> PlanCollective | None:
-    operands = [computation.operand_shape(inst, i) for i in range(len(inst.operands))]
-    sent = [s for s in operands if s is not None]
+) -> list[PlanCollective]:
+    """The rows of one collective: one per dtype it moves (XLA combines the collectives of
+    several values into one, of several dtypes: an all-gather of f32 norms and int32
+    positions), each with the modules of the values of that dtype."""
+    n = len(inst.operands)
+    operands = [computation.operand_shape(inst, i) for i in range(n)]
     results = list(inst.shapes)
     if inst.opcode.endswith("-start") and results:
-        results = [max(results, key=_array_bytes)]  # (operand, result, ...) of an async start
-    arrays = sent + results
-    if not arrays:
-        return None
-    widest = max(arrays, key=_array_bytes)
-    modules = [regions.module_path_in_op_name(op_name)]
-    if len(inst.operands) > 1:  # combined: what each operand's producer belongs to
-        producers = [computation.get(name) for name in inst.operands]
-        modules = [regions.module_path_in_op_name(op_name_of(p)) for p in producers if p]
-    return PlanCollective(
-        name=name,
-        computation=where,
-        kind=kind,
-        dtype=np_dtype(widest.dtype),
-        bytes=max(sum(map(_array_bytes, sent)), sum(map(_array_bytes, results))),
-        devices=_group_size(inst),
-        executions=executions,
-        op_name=op_name,
-        modules=tuple(dict.fromkeys(m for m in modules if m)),
-    )
+        # An async start's shape is ((operands...), (results...), context...): the results
+        # follow the copies of the operands.
+        results = results[n : 2 * n] if len(results) >= 2 * n else [max(results, key=_array_bytes)]
+    producers = [computation.get(operand) for operand in inst.operands]
+    if n > 1 and len(results) == n and all(s is not None for s in operands):
+        # Combined: value i is operand i and result i, of the module that produced it.
+        values = [
+            ([s, r], regions.module_path_in_op_name(op_name_of(p)) if p else "")
+            for s, r, p in zip(operands, results, producers)
+            if s is not None
+        ]
+    else:
+        arrays = [s for s in operands if s is not None] + results
+        if not arrays:
+            return []
+        modules = [regions.module_path_in_op_name(op_name)]
+        if n > 1:
+            modules = [regions.module_path_in_op_name(op_name_of(p)) for p in producers if p]
+        sent = sum(_array_bytes(s) for s in operands if s is not None)
+        widest = max(arrays, key=_array_bytes)
+        row = PlanCollective(
+            name=name,
+            computation=where,
+            kind=kind,
+            dtype=np_dtype(widest.dtype),
+            bytes=max(sent, sum(map(_array_bytes, results))),
+            devices=_group_size(inst),
+            executions=executions,
+            op_name=op_name,
+            modules=tuple(dict.fromkeys(m for m in modules if m)),
+        )
+        return [row]
+    by_dtype: dict[np.dtype, tuple[int, list[str]]] = {}
+    for pair, module in values:
+        widest = max(pair, key=_array_bytes)
+        dtype = np_dtype(widest.dtype)
+        total, modules = by_dtype.get(dtype, (0, []))
+        by_dtype[dtype] = (total + _array_bytes(widest), [*modules, module])
+    return [
+        PlanCollective(
+            name=name,
+            computation=where,
+            kind=kind,
+            dtype=dtype,
+            bytes=total,
+            devices=_group_size(inst),
+            executions=executions,
+            op_name=op_name,
+            modules=tuple(dict.fromkeys(m for m in modules if m)),
+        )
+        for dtype, (total, modules) in by_dtype.items()
+    ]
 
 
 def _fused(module: HloModule, fusion: HloInstruction) -> Iterator[HloInstruction]:
@@ -182,7 +282,7 @@ def read_collectives(module: HloModule) -> tuple[PlanCollective, ...]:
         computation = module.computations[where]
         for inst in computation.instructions:
             if inst.opcode in _OPCODES:
-                row = _row(
+                found = _row(
                     inst,
                     computation,
                     _OPCODES[inst.opcode],
@@ -195,7 +295,7 @@ def read_collectives(module: HloModule) -> tuple[PlanCollective, ...]:
                 # A TPU fusion around a collective: what crosses devices is the fusion's input
                 # and output; a reduction whose output is smaller than its input scatters it.
                 kind = _OPCODES[inner.opcode]
-                row = _row(
+                found = _row(
                     inst,
                     computation,
                     kind,
@@ -204,15 +304,12 @@ def read_collectives(module: HloModule) -> tuple[PlanCollective, ...]:
                     executions=executions,
                     op_name=op_name_of(inst) or op_name_of(inner),
                 )
-                if row is not None:
-                    smaller = _smaller_output(inst, computation)
-                    if kind == "all-reduce" and smaller:
-                        row = dataclasses.replace(row, kind="reduce-scatter")
-                    row = dataclasses.replace(row, devices=_group_size(inner))
+                if kind == "all-reduce" and _smaller_output(inst, computation):
+                    found = [dataclasses.replace(row, kind="reduce-scatter") for row in found]
+                found = [dataclasses.replace(row, devices=_group_size(inner)) for row in found]
             else:
                 continue
-            if row is not None:
-                rows.append(row)
+            rows.extend(found)
     return tuple(rows)
 
 

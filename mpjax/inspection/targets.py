@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["CHIPS", "Chip", "Target", "parse_target"]
+__all__ = ["CHIPS", "Chip", "Target", "known_target", "parse_target"]
 
 _T = 1e12
 _GIB = 1 << 30
@@ -36,6 +36,9 @@ class Chip:
         tensor cores, on a GPU).
       spec: the GPU's description file in ``gpu_targets/`` (XLA's ``GpuTargetConfigProto``),
         for the CUDA plugin's compile; empty for a TPU.
+      interconnect_bandwidth: bytes per second a chip's links to the other chips carry, as
+        published (a TPU's inter-chip interconnect); 0 where the system decides it (a GPU's
+        NVLink and network).
     """
 
     name: str
@@ -45,6 +48,7 @@ class Chip:
     hbm_bandwidth: float
     peak_flops: Mapping[str, float]
     spec: str = ""
+    interconnect_bandwidth: float = 0.0
 
 
 CHIPS: dict[str, Chip] = {
@@ -77,10 +81,11 @@ CHIPS: dict[str, Chip] = {
             {"bf16": 312 * _T, "tf32": 156 * _T, "f32": 19.5 * _T},
             "a100_sxm_80.txtpb",
         ),
-        Chip("v4", "tpu", "TPU v4", 32 * _GIB, 1.2e12, {"bf16": 275 * _T}),
-        Chip("v5e", "tpu", "TPU v5e", 16 * _GIB, 0.819e12, {"bf16": 197 * _T}),
-        Chip("v5p", "tpu", "TPU v5p", 95 * _GIB, 2.765e12, {"bf16": 459 * _T}),
-        Chip("v6e", "tpu", "TPU v6e", 32 * _GIB, 1.64e12, {"bf16": 918 * _T}),
+        # Inter-chip interconnect, per chip: 2,400, 1,600, 4,800 and 3,584 Gbps.
+        Chip("v4", "tpu", "TPU v4", 32 * _GIB, 1.2e12, {"bf16": 275 * _T}, "", 300e9),
+        Chip("v5e", "tpu", "TPU v5e", 16 * _GIB, 0.819e12, {"bf16": 197 * _T}, "", 200e9),
+        Chip("v5p", "tpu", "TPU v5p", 95 * _GIB, 2.765e12, {"bf16": 459 * _T}, "", 600e9),
+        Chip("v6e", "tpu", "TPU v6e", 32 * _GIB, 1.64e12, {"bf16": 918 * _T}, "", 448e9),
     )
 }
 """The chips a plan knows, by short name."""
@@ -168,3 +173,11 @@ def parse_target(target: Any, *, caller: str = "plan") -> Target:
         "'v5p:2x2x1', 'v4:2x2x2', 'v5e:2x2', 'v6e:4x4', or GPUs on hosts as "
         "'gpu:HOSTSxGPUS' ('h100:2x8': 2 hosts of 8) or 'gpu:GPUS' ('h100:8', one host)."
     )
+
+
+def known_target(name: str) -> Target | None:
+    """The target ``name`` names, or None for a name a plan read from HLO text was given."""
+    try:
+        return parse_target(name)
+    except ValueError:
+        return None
