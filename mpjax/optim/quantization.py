@@ -34,6 +34,7 @@ so the expected stored value is the value itself wherever it lies within the map
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -435,7 +436,6 @@ def quantize_blockwise(
     scale = absmax / _E4M3_MAX if fmt.float8 else absmax
     y = blocks / jnp.where(scale > 0, scale, 1.0)[..., None]
     grid = _e4m3_values() if fmt.float8 else fmt.map(signed)
-    table = jnp.asarray(grid)
     if fmt.float8:
         y = jnp.clip(y, -_E4M3_MAX, _E4M3_MAX)
     # With the unsigned map a positive value never becomes 0: a second moment of 0 under a
@@ -447,19 +447,17 @@ def quantize_blockwise(
             values = jnp.where((y > 0) & (values == 0), grid[smallest], values)
         index = None
     elif rounding == "nearest":
-        midpoints = jnp.asarray((grid[:-1] + grid[1:]) / np.float32(2))
-        index = jnp.searchsorted(midpoints, y, side="right", method="scan_unrolled")
+        index = _search((grid[:-1] + grid[1:]) / np.float32(2), y)
     else:
-        lower = jnp.searchsorted(table, y, side="right", method="scan_unrolled") - 1
-        lower = jnp.clip(lower, 0, grid.size - 2)
-        low, high = table[lower], table[lower + 1]
+        lower = jnp.clip(_search(grid, y) - 1, 0, grid.size - 2)
+        low, high = _lookup(grid, lower), _lookup(grid, lower + 1)
         p_upper = jnp.clip((y - low) / (high - low), 0.0, 1.0)
         u = jax.random.uniform(_typed_key(key), y.shape, jnp.float32)
         index = lower + (u < p_upper).astype(lower.dtype)
     if index is not None:
         if not signed:
             index = jnp.where((y > 0) & (index < smallest), smallest, index)
-        values = table[index]
+        values = _lookup(grid, index)
     if fmt.float8:
         codes = jax.lax.bitcast_convert_type(values.astype(jnp.float8_e4m3fn), jnp.uint8)
     else:
@@ -468,6 +466,49 @@ def quantize_blockwise(
     if fmt.bits == 4:
         codes = (codes[..., 0::2] << 4) | codes[..., 1::2]
     return QuantizedArray(codes, absmax, fmt, bool(signed), block)
+
+
+def _search_by_comparison(entries: np.ndarray, y: jax.Array) -> jax.Array:
+    return jnp.sum(y[..., None] >= jnp.asarray(entries), axis=-1, dtype=jnp.int32)
+
+
+def _search_by_bisection(entries: np.ndarray, y: jax.Array) -> jax.Array:
+    index = jnp.searchsorted(jnp.asarray(entries), y, side="right", method="scan_unrolled")
+    return index.astype(jnp.int32)
+
+
+def _search(entries: np.ndarray, y: jax.Array) -> jax.Array:
+    """How many of the sorted ``entries`` are at most ``y`` (``searchsorted``, side right),
+    as int32. On a TPU by comparing ``y`` with every entry: a bisection reads the table once
+    a step per element, a gather each, which the TPU runs (and XLA's cost model prices) at the
+    whole table's bytes, some 800 times a comparison with all 256 entries of an 8-bit map.
+    Elsewhere by an unrolled bisection. The same integers either way."""
+    return jax.lax.platform_dependent(
+        y,
+        tpu=functools.partial(_search_by_comparison, entries),
+        default=functools.partial(_search_by_bisection, entries),
+    )
+
+
+def _lookup_by_selection(entries: np.ndarray, index: jax.Array) -> jax.Array:
+    table = jnp.asarray(entries)
+    chosen = index[..., None] == jnp.arange(table.size, dtype=index.dtype)
+    return jnp.sum(jnp.where(chosen, table, np.float32(0)), axis=-1)
+
+
+def _lookup_by_gather(entries: np.ndarray, index: jax.Array) -> jax.Array:
+    return jnp.asarray(entries)[index]
+
+
+def _lookup(entries: np.ndarray, index: jax.Array) -> jax.Array:
+    """``entries[index]`` in float32: on a TPU by selecting among all the entries (a gather per
+    element costs a TPU the table's bytes, see :func:`_search`), elsewhere by a gather. The
+    same values either way: one entry is selected, the others add zeros."""
+    return jax.lax.platform_dependent(
+        index,
+        tpu=functools.partial(_lookup_by_selection, entries),
+        default=functools.partial(_lookup_by_gather, entries),
+    )
 
 
 def dequantize_blockwise(q: QuantizedArray) -> jax.Array:
@@ -492,7 +533,7 @@ def dequantize_blockwise(q: QuantizedArray) -> jax.Array:
         values = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
         scale = q.absmax / _E4M3_MAX
     else:
-        values = jnp.asarray(q.format.map(q.signed))[codes.astype(jnp.int32)]
+        values = _lookup(q.format.map(q.signed), codes.astype(jnp.int32))
         scale = q.absmax
     lead, n = codes.shape[:-1], codes.shape[-1]
     blocks = values.reshape(*lead, n // q.block_size, q.block_size) * scale[..., None]
