@@ -1,37 +1,27 @@
 """Every use of JAX internals in mpjax, in one place.
 
 Autocast and inspection read jaxprs: equation params, name stacks, the binding convention of
-primitives. None of this is covered by JAX's compatibility promise, and it does change: the
-peer project ``jaxamp`` broke when ``Primitive.get_bind_params`` changed from returning
-``(subfuns, params)`` to returning params only, and jax 0.11 replaced the scan params
-``num_consts``/``num_carry`` by flat trees. Everything version dependent is here, behind small
-functions with stable signatures, so a JAX upgrade touches this file only; the rest of mpjax
-re-expresses higher-order primitives with public APIs (``jax.jit``, ``lax.scan``,
-``lax.while_loop``, ``lax.switch``, ``jax.checkpoint``, ``jax.custom_jvp``,
-``jax.custom_vjp``, ``jax.shard_map``) from the values these functions return.
+primitives, none of it covered by JAX's compatibility promise. Everything version dependent is
+here, behind small functions with stable signatures, so a JAX upgrade touches this file only;
+the rest of mpjax re-expresses higher-order primitives with public APIs from what they return.
 
 Supported: jax 0.8.1 to 0.12 (``tests/test_jax_compat.py`` pins what each function returns;
 CI runs it on the oldest and the newest). The differences handled here:
 
-* jax 0.11 made ``ClosedJaxpr`` an alias of ``Jaxpr`` (a jaxpr carries its consts), described
-  the scan's operands by flat trees ``ft_in``/``ft_out`` instead of counts, made the jit
-  param ``inline`` a ``jax.Inline`` instead of a bool, and renamed ``closed_call`` and
-  ``call`` to ``eval_jaxpr``.
-* jax 0.10 moved ``DropVar`` and ``jaxprs_in_params`` from ``jax.core`` (removed there in 0.11)
-  to ``jax.extend.core``, and 0.10.2 renamed the shard_map param ``manual_axes`` to
-  ``newly_manual_axes``.
-* jax 0.9.2 changed ``Primitive.get_bind_params`` to return params only.
-* XLA's Triton GEMMs take dots on two different float8 types from jax 0.10.2 on, not in
-  jax 0.8 (:func:`mixed_fp8_dots`).
-* Pallas's TPU flash attention (:func:`pallas_flash_attention`) has the same signature in
-  jax 0.8.1 and 0.12 (``jax.experimental.pallas.ops.tpu.flash_attention``: ``[batch, heads,
-  length, head_dim]`` operands, ``causal``, ``sm_scale``, ``block_sizes``), and so has
-  ``jax.experimental.pallas.tpu.force_tpu_interpret_mode`` (:func:`pallas_tpu_interpreted`).
+* jax 0.11 made ``ClosedJaxpr`` an alias of ``Jaxpr``, described the scan's operands by flat
+  trees ``ft_in``/``ft_out`` instead of counts, made the jit param ``inline`` a ``jax.Inline``
+  and renamed ``closed_call`` and ``call`` to ``eval_jaxpr``.
+* jax 0.10 moved ``DropVar`` and ``jaxprs_in_params`` to ``jax.extend.core``, and 0.10.2
+  renamed the shard_map param ``manual_axes`` to ``newly_manual_axes``; 0.9.2 made
+  ``Primitive.get_bind_params`` return params only.
+* XLA's Triton GEMMs take dots on two float8 types from jax 0.10.2 on (:func:`mixed_fp8_dots`);
+  XLA's CPU runtime lacks some bf16 x bf16 -> f32 dots (:func:`widen_narrow_dots_on_cpu`).
+* Pallas's TPU flash attention (:func:`pallas_flash_attention`) and
+  ``force_tpu_interpret_mode`` (:func:`pallas_tpu_interpreted`) are the same in 0.8.1 and 0.12.
 * Compiling for a GPU without one (:func:`cuda_topology`, :func:`deviceless_compile`): the
   CUDA plugin of jax 0.8 needs ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` to start without a GPU,
   knows fewer fields of the GPU description, autotunes Triton GEMMs and cannot print a
-  deviceless executable's HLO. A deviceless GPU compile's
-  ``cost_analysis()`` is None (a TPU compile fills it in, XLA's estimated time included).
+  deviceless executable's HLO; a deviceless GPU compile's ``cost_analysis()`` is None.
 
 A param that is missing raises :class:`UnsupportedJaxError` naming it: an unknown JAX is never
 read by guesswork.
@@ -57,6 +47,7 @@ from jax._src import (
     source_info_util,  # the name stack of the trace in progress
     xla_bridge,  # the platform name lowering uses ("cuda" for "gpu")
 )
+from jax._src.interpreters import mlir as _mlir  # the CPU lowering of bf16 -> f32 dots
 from jax.experimental import topologies
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
@@ -84,6 +75,29 @@ def mixed_fp8_dots() -> bool:
     them. Versions in between were not checked, and are treated like 0.8.
     """
     return _JAX_VERSION >= (0, 10, 2)
+
+
+def widen_narrow_dots_on_cpu() -> None:
+    """Lowers a CPU ``dot_general`` of two bf16 (or f16) operands with an f32 result (the
+    reduce dtype's weight gradients) on operands widened to f32: XLA's CPU runtime lacks that
+    dot ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32", jax 0.8.1 and
+    0.12, in some fusions), and the products of two bf16 values are exact in f32."""
+    entry = _mlir._platform_specific_lowerings["cpu"][lax.dot_general_p]
+    rule: Any = getattr(entry, "rule", entry)
+    if getattr(rule, "_mpjax_widens", False):
+        return
+
+    def lower(ctx: Any, lhs: Any, rhs: Any, **params: Any) -> Any:
+        avals, (out,) = list(ctx.avals_in), ctx.avals_out
+        narrow = {np.dtype(jax.numpy.bfloat16), np.dtype(np.float16)}
+        if {np.dtype(a.dtype) for a in avals} <= narrow and out.dtype == np.float32:
+            wide = [a.update(dtype=np.dtype(np.float32)) for a in avals]
+            lhs, rhs = (_mlir.convert_hlo(ctx, x, a, w) for x, a, w in zip((lhs, rhs), avals, wide))
+            ctx = ctx.replace(avals_in=wide)
+        return rule(ctx, lhs, rhs, **params)
+
+    lower._mpjax_widens = True  # type: ignore[attr-defined]
+    _mlir.register_lowering(lax.dot_general_p, lower, platform="cpu")
 
 
 class UnsupportedJaxError(RuntimeError):
@@ -552,17 +566,10 @@ _deviceless: dict[str, bool] = {}
 
 
 def _skip_cuda_checks_off_cuda(platforms: str) -> None:
-    """The jax 0.8 CUDA plugin checks the local CUDA installation when JAX starts its
-    backends, and without a GPU that check fails and leaves the plugin unregistered, even when
-    ``JAX_PLATFORMS`` names no CUDA platform; later plugins skip the check then. Doing the same
-    here (it must happen before JAX starts its backends, so at import) keeps the plugin usable
-    for compile-only targets wherever the user asked for no CUDA runtime. Elsewhere nothing
-    changes: on a GPU machine, or with ``JAX_PLATFORMS`` unset, the check runs.
-
-    Args:
-      platforms: the value of JAX's ``jax_platforms`` option (``"cpu"``, ``"cuda,cpu"``, or
-        empty for JAX's default).
-    """
+    """Skips the jax 0.8 CUDA plugin's check of the local CUDA installation where
+    ``platforms`` (JAX's ``jax_platforms``, ``"cpu"``, or empty for its default) names no CUDA:
+    without a GPU the check fails and leaves the plugin unregistered for compile-only targets,
+    as later plugins no longer do. At import, before JAX starts its backends."""
     names = {p.strip() for p in platforms.split(",") if p.strip()}
     if names and not names & {"cuda", "gpu"}:
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
@@ -572,14 +579,8 @@ _skip_cuda_checks_off_cuda(getattr(jax.config, "jax_platforms", None) or "")
 
 
 def _share_libtpu_off_tpu(platforms: str) -> None:
-    """libtpu lets one process at a time load it (a lock file), which a compile-only use
-    does not need: with a TPU-free ``JAX_PLATFORMS``, several processes (a benchmark's
-    workers, parallel test runs) may each compile for TPU targets. With ``JAX_PLATFORMS``
-    unset or naming a TPU, nothing changes.
-
-    Args:
-      platforms: the value of JAX's ``jax_platforms`` option.
-    """
+    """Lets several processes load libtpu (which locks it to one) where ``platforms`` names
+    no TPU: compile-only, each may compile for TPU targets (a benchmark's workers)."""
     names = {p.strip() for p in platforms.split(",") if p.strip()}
     if names and "tpu" not in names:
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

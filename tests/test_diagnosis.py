@@ -640,11 +640,11 @@ def test_nnx_and_autocast_targets_are_diagnosed_by_module():
             return jnp.sum(self.proj(x) ** 2)
 
     model = Block()
-    mpjax.nnx.set_policy(model, "mixed_float16")
+    mpjax.nnx.set_policy(model, F16_GRADIENTS)
     report = mpjax.diagnose(model)(jnp.full((2, 8), 300.0))
     assert {r.where for r in report.modules} >= {"proj"}
     assert report.birth is not None and report.birth.module == "proj"
-    assert report.policy.default == mpjax.get_policy("mixed_float16")
+    assert report.policy.default == mpjax.get_policy(F16_GRADIENTS)
     f = mpjax.autocast(_overflowing, "mixed_float16")
     assert mpjax.diagnose(f)(jnp.full((2, 8), 100.0)).birth.module == "gram"
 

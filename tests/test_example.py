@@ -779,10 +779,12 @@ def test_rules_by_path_reach_a_block_inside_the_scan():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", tt.MODEL_MODES)
-def test_token_rows_are_gathered_from_the_f32_table_and_positions_sliced(mode):
-    """The token lookup gathers rows of the f32 table and its gradient scatter-adds in f32 in
-    every mode (hand-set dtypes too: the example's Embed casts the rows, not the table); the
-    position table is sliced, not gathered, so there is one gather and one scatter-add."""
+def test_token_rows_are_gathered_and_their_gradient_scatter_adds_in_f32(mode):
+    """The token lookup's gradient scatter-adds in f32 in every mode. Its rows come from the
+    table cast to bf16 under mpjax's embedding rule (what a sliced table sends between
+    devices), from the f32 table by hand (the example's Embed casts the rows) and under
+    autocast (whose policy returns f32); the position table is sliced, not gathered, so
+    there is one gather and one scatter-add."""
     policy = mpjax.get_policy("mixed_bfloat16")
     model = tt.build_model(dataclasses.replace(SMALL, attention="naive"), policy, mode)
     params = model.init(jax.random.key(0), _tokens())["params"]
@@ -794,13 +796,12 @@ def test_token_rows_are_gathered_from_the_f32_table_and_positions_sliced(mode):
         e for e in eqns if e.primitive.name.startswith("scatter") and e.invars[0].aval.ndim == 2
     ]
     table = (SMALL.vocab_size, SMALL.d_model)
-    assert [(e.invars[0].aval.shape, e.invars[0].aval.dtype) for e in gathers] == [
-        (table, np.dtype(jnp.float32))
-    ]
+    read = np.dtype(jnp.bfloat16 if mode == "mpjax" else jnp.float32)
+    assert [(e.invars[0].aval.shape, e.invars[0].aval.dtype) for e in gathers] == [(table, read)]
     assert [(e.primitive.name, e.outvars[0].aval.dtype) for e in scatters] == [
         ("scatter-add", np.dtype(jnp.float32))
     ]
-    # The tied head reads the table in bf16, as a matmul operand; no gather reads it so.
+    # The tied head reads the table in bf16, as a matmul operand.
     converts = [e for e in eqns if e.primitive.name == "convert_element_type"]
     assert any(e.invars[0].aval.shape == table for e in converts)
 
@@ -1187,8 +1188,14 @@ def test_fp8_policy_runs_every_dense_matmul_in_fp8_but_the_head(policy_name, mod
     head = 3 if fp8_head else 0  # forward, input and table gradient of the tied head
     assert len([d for d in dots if d.fp8 and d.computation.startswith("main")]) == head
     # Direct fp8 GEMMs accumulate in f32 and are scaled before rounding to bf16; the rest
-    # (dequantized fp8 backward GEMMs where XLA cannot take two fp8 types) are bf16.
-    assert all(d.out_dtype == ("f32" if d.direct else "bf16") for d in dots), str(dots)
+    # (dequantized fp8 backward GEMMs where XLA cannot take two fp8 types) are bf16, but for
+    # a bf16 head's table gradient, written in f32, the reduce dtype (XLA's CPU runs it on
+    # operands widened to f32).
+    assert all(d.out_dtype == ("f32" if d.direct else "bf16") for d in dots if d.fp8), str(dots)
+    widened = [d for d in dots if not d.fp8 and d.out_dtype == "f32"]
+    assert len(widened) == (0 if fp8_head else 1), str(dots)
+    assert all(d.computation.startswith("main") for d in widened), str(dots)
+    assert all(d.out_dtype == "bf16" for d in dots if not d.fp8 and d not in widened), str(dots)
 
 
 @pytest.mark.slow

@@ -6,6 +6,8 @@ counts against flat trees, bool against jax.Inline, ``manual_axes`` against
 the rest of mpjax relies on.
 """
 
+import re
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+import mpjax
 from mpjax import jax_compat
 from mpjax.casting import regions
 
@@ -528,3 +531,43 @@ def test_tpu_topology_gives_one_chip_and_a_slice():
     assert len(devices) == 1 and devices[0].device_kind == "TPU v5"
     assert len(jax_compat.tpu_topology("v5e:1x1").devices) == 1
     assert len(jax_compat.tpu_topology("v5p:2x2x1").devices) == 4
+
+
+def test_a_bf16_dot_with_an_f32_result_runs_on_the_cpu_on_widened_operands():
+    """XLA's CPU runtime lacks some bf16 x bf16 -> f32 dots (a gradient the reduce dtype
+    writes in f32): the weight gradients of this Flax model failed with "Unsupported element
+    type for DotThunk::Execute: BF16 x BF16 = F32" on jax 0.8.1 and 0.12. Lowered for the CPU
+    with mpjax imported, such a dot takes f32 operands; the products of bf16 values are exact
+    in f32, so the result is the bf16 dot's."""
+    import flax.linen as nn
+    import optax
+
+    jax_compat.widen_narrow_dots_on_cpu()
+    jax_compat.widen_narrow_dots_on_cpu()  # once is enough: a second call changes nothing
+
+    def dot(a, b):
+        return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+
+    a, b = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 2), jnp.bfloat16)
+    text = jax.jit(dot).lower(a, b).as_text()
+    assert "stablehlo.convert" in text and "tensor<4x8xbf16>" in text
+    assert re.search(
+        r"stablehlo.dot_general %\S+, %\S+, .*: \(tensor<4x8xf32>, tensor<8x2xf32>\)", text
+    )
+
+    class Attention(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16)(x)
+
+    model = mpjax.linen.apply_policy(Attention(), "mixed_bfloat16")
+    x = jax.random.normal(jax.random.key(0), (2, 8, 16))
+    params = model.init(jax.random.key(1), x)
+    tx = optax.sgd(0.1)
+
+    @jax.jit
+    def step(params):
+        grads = jax.grad(lambda p: jnp.sum(model.apply(p, x) ** 2))(params)
+        return optax.apply_updates(params, tx.update(grads, tx.init(params))[0])
+
+    assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(step(params)))

@@ -43,6 +43,8 @@ from mpjax.policy import Policy, is_floating
 
 __all__ = ["Route", "broadcast_bias", "dot_general", "lookup", "route", "stored_values"]
 
+compat.widen_narrow_dots_on_cpu()  # this module's weight gradients are bf16 x bf16 -> f32 dots
+
 # Operations that move, reshape or cast a value without computing from it: a param read through
 # them is still the param.
 _STRUCTURAL = frozenset(
