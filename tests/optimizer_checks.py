@@ -83,6 +83,15 @@ def counting_step(tx):
     return step, traces
 
 
+def small_grads_at(i, params):
+    """Step ``i``'s gradients: small and of mixed size, in each param's dtype."""
+    key = jax.random.fold_in(jax.random.key(1), i)
+    return {
+        name: (1e-2 * jax.random.normal(jax.random.fold_in(key, j), p.shape)).astype(p.dtype)
+        for j, (name, p) in enumerate(sorted(params.items()))
+    }
+
+
 def run_steps(tx, params, steps, start=0, state=None, *, grads_at):
     """``steps`` jitted updates from step ``start`` (from ``tx.init`` without a ``state``),
     step ``i`` taking ``grads_at(i, params)``; returns ``(params, state)``."""

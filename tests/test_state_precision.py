@@ -21,6 +21,7 @@ from optimizer_checks import (
     quadratic_loss,
     run_sharded_steps,
     run_steps,
+    small_grads_at,
     standard_promotion,
 )
 
@@ -50,13 +51,7 @@ def make_params(dtype=F32):
     }
 
 
-def grads_at(i, params):
-    """Step ``i``'s gradients: small and of mixed size, in each param's dtype."""
-    key = jax.random.fold_in(jax.random.key(1), i)
-    return {
-        name: (1e-2 * jax.random.normal(jax.random.fold_in(key, j), p.shape)).astype(p.dtype)
-        for j, (name, p) in enumerate(sorted(params.items()))
-    }
+grads_at = small_grads_at
 
 
 run = functools.partial(run_steps, grads_at=grads_at)
