@@ -646,13 +646,12 @@ def test_bad_flags_are_rejected_naming_the_flag(capsys):
         pytest.param(
             "mpjax",
             marks=pytest.mark.xfail(
+                tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 12),
                 strict=True,
-                reason="with the embedding rows in bf16 (the built-in embedding rule), the "
-                "residual stream is bf16 as in the hand-written model, and XLA's CPU backend "
-                "upcasts each bf16 elementwise op: 244 converts against the hand-written "
-                "step's 222 in the CPU HLO (the jaxpr: 67 against 66, the naive attention's "
-                "probabilities cast a second time in the backward pass); compiled for a v5p "
-                "the two steps are the same program (tests/test_tpu_plan.py)",
+                reason="jax 0.8.1's XLA keeps more converts in the CPU HLO of the mpjax step "
+                "than of the hand-written one (848 against 820; jax 0.12's, 205 against "
+                "222); compiled for a v5p the two steps are the same program "
+                "(tests/test_tpu_plan.py)",
             ),
         ),
         "autocast",
