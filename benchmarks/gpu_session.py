@@ -7,6 +7,7 @@ took, and ``session.json`` what each part did:
 
     python benchmarks/gpu_session.py --issue clock --out $OUT   # the step against PyTorch AMP
     python benchmarks/gpu_session.py --issue fp8 --out $OUT     # fp8 against bf16, GPU tests
+    python benchmarks/gpu_session.py --issue quantized --out $OUT  # quantized Adam states
 
 The parts (``--parts`` picks others, in the order given):
 
@@ -17,6 +18,10 @@ The parts (``--parts`` picks others, in the order given):
   on the ``small`` preset, batch 16 x 1024: compile time, step time (median and min of 20),
   tokens/s, MFU, peak memory, and each JAX row's plan as XLA compiled it on this GPU.
 - ``medium``: ``bf16_mpjax`` and ``torch_bf16_sdpa`` on ``medium``, layers scanned, batch 8.
+- ``quantized_small``: ``bf16_sr`` (bf16 params with stochastic rounding, f32 Adam moments)
+  and the same with bf16 moments and with 8-bit (``dynamic8``, ``e4m3``) and 4-bit
+  (``dynamic4``) blockwise quantized moments, on ``small``, batch 16 x 1024: what
+  :func:`mpjax.quantized_state` costs a GPU step, and how many kernels its compiled plan has.
 - ``fp8_medium``: ``bf16_mpjax``, ``fp8_mpjax``, ``fp8_delayed_mpjax``, ``fp8_autocast`` and
   ``torch_bf16_sdpa`` on ``medium``, layers scanned, batch 8; the fp8 rows' MFU against both
   the bf16 and the fp8 peak.
@@ -84,10 +89,10 @@ ROWS = {
     "small": RowsPart(
         (
             "bf16_mpjax",
+            "torch_bf16_sdpa",  # second: the ratio the clock is for lands first
             "bf16_hand",
             "bf16_autocast",
             "f16_dynamic",
-            "torch_bf16_sdpa",
             "torch_f16_sdpa",
         ),
         "small",
@@ -96,6 +101,11 @@ ROWS = {
         row_s=90.0,
     ),
     "medium": RowsPart(("bf16_mpjax", "torch_bf16_sdpa"), "medium", 8, True),
+    # Adam's moments in f32, bf16 and blockwise quantized, all with bf16 params and stochastic
+    # rounding: the step-time cost of the quantized states on a GPU.
+    "quantized_small": RowsPart(
+        ("bf16_sr", *bench.QUANTIZED_STATE_KEYS), "small", 16, False, row_s=90.0
+    ),
     "fp8_medium": RowsPart(
         ("bf16_mpjax", "fp8_mpjax", "fp8_delayed_mpjax", "fp8_autocast", "torch_bf16_sdpa"),
         "medium",
@@ -110,6 +120,7 @@ PARTS = ("env", *ROWS, "plans", "gpu_tests", "diagnose")
 ISSUES = {
     "clock": ("env", "small", "plans", "medium"),
     "fp8": ("env", "fp8_medium", "plans", "gpu_tests", "diagnose"),
+    "quantized": ("env", "quantized_small", "plans", "small"),
 }
 # The rehearsal's model and timing: the tiny preset on short sequences, a few steps.
 # PyTorch rows run eagerly there: Inductor's C++ compile of even this model takes minutes on
@@ -482,7 +493,7 @@ class Session:
         done = [k for k, v in report["results"].items() if "skipped" not in v]
         return f"done: {len(done)} of {len(part.keys)} rows measured"
 
-    part_small = part_medium = part_fp8_medium = part_rows
+    part_small = part_medium = part_fp8_medium = part_quantized_small = part_rows
 
     def part_plans(self, name: str) -> str:
         """Each JAX row's real plan next to the committed one, from the row parts written so
@@ -653,7 +664,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         print("RESULT " + json.dumps(environment(), default=str))
         return None
     if (args.issue is None) == (args.parts is None):
-        p.error(f"give --issue ({' or '.join(ISSUES)}) or --parts, one of them")
+        p.error(f"give --issue ({', '.join(ISSUES)}) or --parts, one of them")
     if args.out is None:
         p.error("--out is required: the folder the results go to")
     if args.budget_s <= 0:

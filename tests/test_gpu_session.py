@@ -128,11 +128,15 @@ def test_fp8_rows_have_their_mfu_against_the_bf16_and_the_fp8_peak():
 def test_each_issue_runs_its_parts_in_the_order_it_asks_for():
     assert gpu_session.ISSUES["clock"] == ("env", "small", "plans", "medium")
     assert gpu_session.ISSUES["fp8"] == ("env", "fp8_medium", "plans", "gpu_tests", "diagnose")
+    assert gpu_session.ISSUES["quantized"] == ("env", "quantized_small", "plans", "small")
+    quantized = gpu_session.ROWS["quantized_small"]
+    assert quantized.keys == ("bf16_sr", *bench.QUANTIZED_STATE_KEYS)
+    assert quantized.preset == "small" and quantized.batch == 16
     small, fp8 = gpu_session.ROWS["small"], gpu_session.ROWS["fp8_medium"]
     assert small.preset == "small" and small.batch == 16 and not small.scan_layers
     assert {"torch_bf16_sdpa", "torch_f16_sdpa", "f16_dynamic"} <= set(small.keys)
     assert fp8.preset == "medium" and fp8.batch == 8 and fp8.scan_layers
-    assert set(small.keys + fp8.keys) <= {v.key for v in bench.VARIANTS}
+    assert set(small.keys + fp8.keys + quantized.keys) <= {v.key for v in bench.VARIANTS}
 
 
 def test_the_gpu_marker_is_registered_and_marks_every_test_the_part_runs():
@@ -147,7 +151,7 @@ def test_the_gpu_marker_is_registered_and_marks_every_test_the_part_runs():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--out", "x"], "give --issue (clock or fp8) or --parts, one of them"),
+        (["--out", "x"], "give --issue (clock, fp8, quantized) or --parts, one of them"),
         (["--issue", "clock", "--parts", "env", "--out", "x"], "one of them"),
         (["--issue", "clock"], "--out is required"),
         (["--parts", "env,gpu", "--out", "x"], "--parts takes a comma-separated list of env,"),
@@ -204,7 +208,7 @@ def _read(out, name):
     return json.loads((out / name).read_text())
 
 
-def _check_rows(out, part, keys):
+def _check_rows(out, part, keys, committed=True):
     report = _read(out, f"{part}.json")
     assert report["part"] == part and report["config"]["preset"] == "tiny"
     assert report["config"]["torch_compile"] is False  # eager PyTorch rows in a rehearsal
@@ -221,7 +225,11 @@ def _check_rows(out, part, keys):
         if row["framework"] == "jax":
             real = row["plan_vs_committed"]["real"]
             assert real.startswith(gpu_session.NOT_ON_DEVICE)
-            assert row["plan_vs_committed"]["committed"]["plan"]["source"] == "deviceless h100"
+            found = row["plan_vs_committed"]["committed"]
+            if committed:
+                assert found["plan"]["source"] == "deviceless h100"
+            else:
+                assert found == {"missing": f"no committed plan of {key} on small under h100_plan/"}
     assert (out / f"{part}.md").read_text().startswith("Train step of the `tiny` GPT")
     return report
 
@@ -278,6 +286,20 @@ def test_the_fp8_rehearsal_writes_every_part(tmp_path):
     diagnose = _read(tmp_path, "diagnose.json")
     assert diagnose["exit_code"] == 0
     assert set(diagnose["result"]["monitor"]["step_s"]) == {"plain", "between", "check"}
+
+
+@pytest.mark.slow
+def test_the_quantized_state_rehearsal_writes_every_part(tmp_path):
+    parts = ["env", "quantized_small", "plans"]
+    gpu_session.main(["--parts", ",".join(parts), "--rehearse", "--out", str(tmp_path)])
+    _check_session(tmp_path, parts)
+    keys = gpu_session.ROWS["quantized_small"].keys
+    report = _check_rows(tmp_path, "quantized_small", keys, committed=False)
+    for fmt, block in (("dynamic8", 256), ("e4m3", 256), ("dynamic4", 128)):
+        optimizer = report["results"][f"bf16_sr_state_{fmt}"]["optimizer"]
+        assert f"moments {fmt} in blocks of {block} (stochastic rounding)" in optimizer
+    plans = _read(tmp_path, "plans.json")
+    assert set(plans) == {f"quantized_small/{k}" for k in gpu_session.ROWS["quantized_small"].keys}
 
 
 @pytest.mark.slow
