@@ -4,8 +4,8 @@ per block, as bitsandbytes' 8-bit optimizers and torchao's low-bit optimizers ke
 An array is cut into blocks of ``block_size`` consecutive elements along its **last axis**
 (which must be a multiple of the block). Each block keeps its largest magnitude, ``absmax``, in
 float32, and each element a code: the index of the nearest entry of a *map* (a sorted table of
-values in [-1, 1]) to the element divided by its block's absmax. Dequantizing is a table lookup
-times the absmax. The codes have the array's shape (4-bit codes two to a byte, so the last axis
+values in [-1, 1]) to the element divided by its block's absmax. Dequantizing is the code's
+entry times the absmax. The codes have the array's shape (4-bit codes two to a byte, so the last axis
 halves) and the absmaxes its leading shape, ``shape[:-1] + (shape[-1] // block_size,)``: an
 array sharded along any axis but the last keeps whole blocks on each device, and its absmax can
 be sharded like it.
@@ -29,6 +29,15 @@ your own):
 Rounding is to the nearest entry (a tie goes up), or stochastic: to one of the two entries
 around the value, the upper one with probability proportional to the distance from the lower,
 so the expected stored value is the value itself wherever it lies within the map.
+
+How codes are found and read. The 8-bit formats compute them: an entry of a dynamic map is one
+float32 product of an integer and its decade's constant, so a code decodes in a few operations
+and a value's code follows from its decade and fraction, checked against the exact midpoints
+around it; e4m3 codes are float8 conversions, and its neighbours a step of the bit pattern.
+Other maps (the 4-bit ones, a map of one's own) are tables: searched by bisection and read by a
+gather, or on a TPU, where a gather per element costs the table's bytes, compared with every
+entry and selected among them. The codes and values are the same whichever way, on every
+platform.
 """
 
 from __future__ import annotations
@@ -65,9 +74,16 @@ def create_dynamic_map(
     bit becomes a fraction bit), scaled by ``10 ** (i - max_exponent_bits + 1)``, and their
     negatives when signed; then 0 and 1. So ``(True, 7, 8)`` spans the decades 1e-6 to 1 with
     1, 2, 4 ... 64 values each, from 5.5e-7 to 0.99296875 and 1 (and down to -0.99296875: the
-    signed map has no -1). It is computed in float64 and rounded once to float32; bitsandbytes
-    evaluates it with float32 ``torch.linspace``, whose entries differ from these by at most two
-    float32 units in the last place, depending on PyTorch's kernels.
+    signed map has no -1).
+
+    Each value is computed as one float32 product, ``N * C``: the midpoint ``k`` of a decade of
+    ``n`` is ``scale * (2n + 18k + 9) / (20n)``, so ``N = 2n + 18k + 9`` is an exact integer and
+    ``C = scale / (20n)`` the decade's constant, rounded once to float32. A code's value can
+    then be computed rather than looked up, giving the same float32 on every platform (what
+    :func:`quantize_blockwise` does for the 8-bit maps). The entries are within one float32 unit
+    in the last place (ulp) of the float64 construction rounded once; bitsandbytes evaluates it
+    with float32 ``torch.linspace``, whose entries differ from these by at most three ulps,
+    depending on PyTorch's kernels.
 
     Args:
       signed: with negative values (first moments) or without (second moments).
@@ -93,20 +109,27 @@ def create_dynamic_map(
             f"{total_bits - 1}, got {max_exponent_bits!r}."
         )
     non_sign_bits = total_bits - 1  # bitsandbytes counts one sign bit even when unsigned
-    values: list[float] = [0.0, 1.0]
-    scale = 1.0
-    for i in range(max_exponent_bits):
-        items = 2 ** (i + non_sign_bits - max_exponent_bits + (0 if signed else 1)) + 1
-        boundaries = np.linspace(0.1, 1.0, items)
-        means = (boundaries[:-1] + boundaries[1:]) / 2.0
-        scale = 10.0 ** (i - max_exponent_bits + 1)
-        values += list(scale * means) + (list(-scale * means) if signed else [])
+    # (count of midpoints, decade's scale): the midpoints of an even grid of count + 1 points
+    decades = [
+        (2 ** (i + non_sign_bits - max_exponent_bits + (0 if signed else 1)), 10.0 ** (i + 1))
+        for i in range(max_exponent_bits)
+    ]
     extra = 2 ** (non_sign_bits - max_exponent_bits) - 1  # fraction bits no exponent needs
     if extra > 0:
-        boundaries = np.linspace(0.1, 1.0, extra + 1)
-        means = (boundaries[:-1] + boundaries[1:]) / 2.0
-        values += list(scale * means) + (list(-scale * means) if signed else [])
-    return np.sort(np.asarray(values, np.float64)).astype(np.float32)
+        decades.append((extra, decades[-1][1]))
+    values = [np.zeros(1, np.float32), np.ones(1, np.float32)]
+    for n, scale in decades:
+        midpoints = _decade_values(n, scale / 10.0**max_exponent_bits)
+        values += [midpoints, -midpoints] if signed else [midpoints]
+    return np.sort(np.concatenate(values))
+
+
+def _decade_values(n: int, scale: float) -> np.ndarray:
+    """The midpoints of an even grid of ``n + 1`` points on ``[0.1 scale, scale]``, each the
+    float32 product of the exact integer ``2n + 18k + 9`` and the decade's constant
+    ``scale / (20n)`` rounded once (:func:`create_dynamic_map`)."""
+    numerators = (2 * n + 18 * np.arange(n) + 9).astype(np.float32)
+    return numerators * np.float32(scale / (20 * n))
 
 
 def check_block_size(value: Any, what: str = "block_size") -> int:
@@ -441,31 +464,84 @@ def quantize_blockwise(
     # With the unsigned map a positive value never becomes 0: a second moment of 0 under a
     # first moment that is not would make the update its first moment over epsilon.
     smallest = int(np.argmax(grid > 0))
-    if rounding == "nearest" and fmt.float8:
-        values = y.astype(jnp.float8_e4m3fn).astype(jnp.float32)  # e4m3's own nearest even
-        if not signed:
-            values = jnp.where((y > 0) & (values == 0), grid[smallest], values)
-        index = None
-    elif rounding == "nearest":
-        index = _search((grid[:-1] + grid[1:]) / np.float32(2), y)
-    else:
-        lower = jnp.clip(_search(grid, y) - 1, 0, grid.size - 2)
-        low, high = _lookup(grid, lower), _lookup(grid, lower + 1)
-        p_upper = jnp.clip((y - low) / (high - low), 0.0, 1.0)
+    u = None
+    if rounding == "stochastic":
         u = jax.random.uniform(_typed_key(key), y.shape, jnp.float32)
-        index = lower + (u < p_upper).astype(lower.dtype)
-    if index is not None:
-        if not signed:
-            index = jnp.where((y > 0) & (index < smallest), smallest, index)
-        values = _lookup(grid, index)
     if fmt.float8:
+        values = _round_e4m3(y, u)
+        if not signed:
+            values = jnp.where((y > 0) & (values <= 0), grid[smallest], values)
         codes = jax.lax.bitcast_convert_type(values.astype(jnp.float8_e4m3fn), jnp.uint8)
     else:
-        codes = index.astype(jnp.uint8) if index is not None else values
+        index = _round_to_map(grid, y, u)
+        if not signed:
+            index = jnp.where((y > 0) & (index < smallest), smallest, index)
+        codes = index.astype(jnp.uint8)
     codes = codes.reshape(*lead, n)
     if fmt.bits == 4:
         codes = (codes[..., 0::2] << 4) | codes[..., 1::2]
     return QuantizedArray(codes, absmax, fmt, bool(signed), block)
+
+
+def _between(y: jax.Array, low: jax.Array, high: jax.Array, u: jax.Array) -> jax.Array:
+    """Whether stochastic rounding takes ``high``: with probability ``(y - low) / (high -
+    low)``, from the uniform draw ``u``."""
+    return u < jnp.clip((y - low) / (high - low), 0.0, 1.0)
+
+
+def _round_to_map(grid: np.ndarray, y: jax.Array, u: jax.Array | None) -> jax.Array:
+    """The int32 codes of ``y`` in the map ``grid``: the nearest entry's (``u`` None; a tie
+    goes up) or, stochastically, the entry below or above (``u`` the uniform draws). The 8-bit
+    dynamic maps compute them (:class:`_DynamicMap`), other maps search the table."""
+    computed = _computed_map(grid)
+    if u is None:
+        if computed is not None:
+            return computed.nearest(y)
+        return _search((grid[:-1] + grid[1:]) / np.float32(2), y)
+    if computed is not None:
+        nearest = computed.nearest(y)
+        below = nearest - (y < computed.decode(nearest)).astype(jnp.int32)
+        lower = jnp.clip(below, 0, grid.size - 2)
+        low, high = computed.decode(lower), computed.decode(lower + 1)
+    else:
+        lower = jnp.clip(_search(grid, y) - 1, 0, grid.size - 2)
+        low, high = _lookup(grid, lower), _lookup(grid, lower + 1)
+    return lower + _between(y, low, high, u).astype(jnp.int32)
+
+
+# The sign bit of float8_e4m3fn's bit patterns.
+_E4M3_SIGN = 0x80
+
+
+def _e4m3_neighbour(values: jax.Array, up: bool) -> jax.Array:
+    """The e4m3 value next to each e4m3 ``values`` (float32), above (``up``) or below, by a
+    step of its bit pattern: away from zero adds one to the magnitude's bits, toward it takes
+    one away, and from zero it goes to the smallest subnormal of the direction's sign. The
+    neighbours of the extremes (448 up, -448 down) are not asked for."""
+    bits = jax.lax.bitcast_convert_type(values.astype(jnp.float8_e4m3fn), jnp.uint8)
+    bits = bits.astype(jnp.int32)
+    magnitude, negative = bits & ~_E4M3_SIGN, bits >= _E4M3_SIGN
+    away = negative != up
+    magnitude, negative = (
+        jnp.where(magnitude == 0, 1, jnp.where(away, magnitude + 1, magnitude - 1)),
+        jnp.where(magnitude == 0, not up, negative),
+    )
+    bits = (magnitude | jnp.where(negative, _E4M3_SIGN, 0)).astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def _round_e4m3(y: jax.Array, u: jax.Array | None) -> jax.Array:
+    """``y`` (within +-448) rounded to an e4m3 value, as float32: to nearest (e4m3's own
+    conversion, ties to even; ``u`` None), or stochastically to the e4m3 value below or above
+    ``y``, found from the nearest one by a step of its bit pattern: the same values a search of
+    every e4m3 value gives (the one below 448 and 448 itself, for ``y`` = 448)."""
+    nearest = y.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    if u is None:
+        return nearest
+    low = jnp.where(nearest > y, _e4m3_neighbour(nearest, up=False), nearest)
+    low = jnp.minimum(low, np.float32(_e4m3_values()[-2]))  # 448 rounds from the one below
+    high = _e4m3_neighbour(low, up=True)
+    return jnp.where(_between(y, low, high, u), high, low)
 
 
 def _search_by_comparison(entries: np.ndarray, y: jax.Array) -> jax.Array:
@@ -481,8 +557,9 @@ def _search(entries: np.ndarray, y: jax.Array) -> jax.Array:
     """How many of the sorted ``entries`` are at most ``y`` (``searchsorted``, side right),
     as int32. On a TPU by comparing ``y`` with every entry: a bisection reads the table once
     a step per element, a gather each, which the TPU runs (and XLA's cost model prices) at the
-    whole table's bytes, some 800 times a comparison with all 256 entries of an 8-bit map.
-    Elsewhere by an unrolled bisection. The same integers either way."""
+    whole table's bytes, some 800 times a comparison with all 256 entries of an 8-bit map
+    (the 8-bit formats need neither: their codes are computed). Elsewhere by an unrolled
+    bisection. The same integers either way."""
     return jax.lax.platform_dependent(
         y,
         tpu=functools.partial(_search_by_comparison, entries),
@@ -511,6 +588,102 @@ def _lookup(entries: np.ndarray, index: jax.Array) -> jax.Array:
     )
 
 
+def _select(index: jax.Array, constants: Sequence[float]) -> jax.Array:
+    """``constants[index]`` in float32 for a small table, by a chain of selects (no gather)."""
+    out = jnp.full(index.shape, constants[0], jnp.float32)
+    for j, value in enumerate(constants[1:], start=1):
+        out = jnp.where(index == j, np.float32(value), out)
+    return out
+
+
+def _count_reached(x: jax.Array, thresholds: Sequence[Any]) -> jax.Array:
+    """How many of the ``thresholds`` each element of ``x`` reaches (is at least), as int32:
+    ``floor(log2(q))`` of a positive integer ``q`` for the powers of two from 2, the decade of
+    a value for the powers of ten."""
+    count = jnp.zeros(x.shape, jnp.int32)
+    for threshold in thresholds:
+        count = count + (x >= threshold).astype(jnp.int32)
+    return count
+
+
+@dataclasses.dataclass(frozen=True)
+class _DynamicMap:
+    """The 8-bit dynamic map (``create_dynamic_map(signed)``) computed instead of looked up.
+
+    Its positive entries below 1 run through 7 decades, decade ``i`` (``10 ** (i - 7)`` to
+    ``10 ** (i - 6)``) holding ``n = 2 ** (i + f)`` of them, ``f`` 0 for the signed map and 1
+    for the unsigned one; the ``k``-th is ``(2n + 18k + 9) * C_i`` in float32, with ``C_i =
+    10 ** (i - 6) / (20n)`` rounded once, as :func:`create_dynamic_map` builds them. So a code
+    decodes in some twenty operations, the same float32 on every platform, where a lookup is a
+    gather, which a TPU prices at the table's bytes per element (or a select among all 256
+    entries); and a value finds its nearest code from its decade and fraction, checked against
+    the exact midpoints of its neighbours, where a search compares with up to 255 midpoints.
+    """
+
+    signed: bool
+
+    @property
+    def _f(self) -> int:
+        return 0 if self.signed else 1
+
+    @functools.cached_property
+    def _constants(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        c = [np.float32(10.0 ** (i - 6) / (20 * 2 ** (i + self._f))) for i in range(7)]
+        return tuple(float(x) for x in c), tuple(float(np.float32(1) / x) for x in c)
+
+    def decode(self, index: jax.Array) -> jax.Array:
+        """The entries at int32 ``index`` (0 to 255), as float32: those of the table."""
+        if self.signed:  # 0..126 negative, 127 zero, 128..254 positive, 255 one
+            negative = index < 127
+            p = jnp.where(negative, 126 - index, index - 128)
+        else:  # 0 zero, 1..254 positive, 255 one
+            negative, p = None, index - 1
+        q = p + 2**self._f  # decade i's entries hold q from 2 ** (i + f) to 2 ** (i + f + 1) - 1
+        e = _count_reached(q, [2**t for t in range(1, 9)])
+        decade = jnp.clip(e - self._f, 0, 6)
+        n = jnp.left_shift(jnp.int32(1), decade + self._f)
+        numerator = 2 * n + 18 * (q - n) + 9
+        value = numerator.astype(jnp.float32) * _select(decade, self._constants[0])
+        value = jnp.where(p < 0, np.float32(0), jnp.where(index == 255, np.float32(1), value))
+        return value if negative is None else jnp.where(negative, -value, value)
+
+    def _midpoint(self, index: jax.Array) -> jax.Array:
+        """The midpoint between entries ``index`` and ``index + 1`` as the table's search takes
+        it (their float32 sum halved), -inf below the first and +inf above the last."""
+        safe = jnp.clip(index, 0, 254)
+        mid = (self.decode(safe) + self.decode(safe + 1)) / np.float32(2)
+        return jnp.where(index < 0, -np.inf, jnp.where(index > 254, np.inf, mid))
+
+    def nearest(self, y: jax.Array) -> jax.Array:
+        """The code of the entry nearest ``y`` (a tie goes up), as int32: the search of the
+        table's midpoints, ``searchsorted(midpoints, y, side="right")``."""
+        a = jnp.abs(y) if self.signed else jnp.maximum(y, 0)
+        decade = _count_reached(a, [np.float32(10.0 ** (j - 6)) for j in range(6)])
+        n = jnp.left_shift(jnp.int32(1), decade + self._f)
+        fraction = (a * _select(decade, self._constants[1]) - (2 * n + 9).astype(jnp.float32)) / 18
+        k = jnp.clip(jnp.round(fraction), 0, (n - 1).astype(jnp.float32)).astype(jnp.int32)
+        p = n - 2**self._f + k
+        guess = (jnp.where(y < 0, 126 - p, 128 + p) if self.signed else 1 + p).astype(jnp.int32)
+        # The guess is the nearest entry or one of its neighbours (at a decade's edge, or by
+        # float32 rounding): one step against the exact midpoints around it settles it.
+        up = (y >= self._midpoint(guess)).astype(jnp.int32)
+        down = (y < self._midpoint(guess - 1)).astype(jnp.int32)
+        return guess + up - down
+
+
+@functools.cache
+def _dynamic_maps() -> tuple[np.ndarray, np.ndarray]:
+    return create_dynamic_map(True), create_dynamic_map(False)
+
+
+def _computed_map(entries: np.ndarray) -> _DynamicMap | None:
+    """The :class:`_DynamicMap` whose table ``entries`` is, or None for other maps."""
+    for signed, table in zip((True, False), _dynamic_maps()):
+        if entries.shape == table.shape and np.array_equal(entries, table):
+            return _DynamicMap(signed)
+    return None
+
+
 def dequantize_blockwise(q: QuantizedArray) -> jax.Array:
     """The float32 array ``q``'s codes stand for: each code's map entry (e4m3: its value) times
     its block's absmax (e4m3: ``absmax / 448``).
@@ -533,7 +706,10 @@ def dequantize_blockwise(q: QuantizedArray) -> jax.Array:
         values = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
         scale = q.absmax / _E4M3_MAX
     else:
-        values = _lookup(q.format.map(q.signed), codes.astype(jnp.int32))
+        table = q.format.map(q.signed)
+        computed = _computed_map(table)
+        index = codes.astype(jnp.int32)
+        values = _lookup(table, index) if computed is None else computed.decode(index)
         scale = q.absmax
     lead, n = codes.shape[:-1], codes.shape[-1]
     blocks = values.reshape(*lead, n // q.block_size, q.block_size) * scale[..., None]
