@@ -520,6 +520,63 @@ def test_readers_of_an_nnx_optimizer_state_give_plain_arrays_and_field_names():
     assert report.part_bytes("mu") == report.part_bytes("nu") == report.param_bytes
 
 
+class Wide(nnx.Module):
+    """A linear layer whose kernel (256 x 256) is large enough for quantized moments."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(256, 256, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear(x)
+
+
+def test_an_nnx_optimizer_keeps_quantized_moments_and_steps_as_optax_does():
+    """nnx.Optimizer boxes each state array in a Variable: the quantized moments keep their
+    codes and absmaxes through it, and its steps are those of the same transformation run by
+    optax on a plain pytree."""
+    model = Wide(nnx.Rngs(0))
+    tx = mpjax.quantized_state(optax.adam(1e-2), "dynamic8")
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    x = jax.random.normal(jax.random.key(1), (8, 256))
+
+    def wide_loss(model, x):
+        return jnp.mean(jnp.square(model(x) - 1.0))
+
+    @nnx.jit
+    def step(model, opt, x):
+        grads = nnx.grad(wide_loss)(model, x)
+        adam_update(opt, model, grads)
+
+    graphdef, params = nnx.split(model, nnx.Param)
+    params = jax.tree.map(jnp.copy, nnx.to_pure_dict(params))
+
+    @jax.jit
+    def ref_step(params, state, x):
+        def ref_loss(p):
+            return wide_loss(nnx.merge(graphdef, p), x)
+
+        with jax.numpy_dtype_promotion("standard"):
+            updates, state = tx.update(jax.grad(ref_loss)(params), state, params)
+            return optax.apply_updates(params, updates), state
+
+    ref_state = tx.init(params)
+    for _ in range(3):
+        step(model, opt, x)
+        params, ref_state = ref_step(params, ref_state, x)
+    adam = opt.opt_state.inner_state[0]
+    kernel_mu, bias_mu = adam.mu["linear"]["kernel"], adam.mu["linear"]["bias"]
+    assert isinstance(kernel_mu, mpjax.QuantizedArray) and kernel_mu.signed
+    assert np.dtype(kernel_mu.codes.dtype) == np.uint8 and kernel_mu.codes.shape == (256, 256)
+    assert not isinstance(bias_mu, mpjax.QuantizedArray)  # 256 elements stay f32
+    ref_mu = ref_state.inner_state[0].mu["linear"]["kernel"]
+    np.testing.assert_array_equal(np.asarray(kernel_mu.codes[...]), ref_mu.codes)
+    np.testing.assert_array_equal(np.asarray(kernel_mu.absmax[...]), ref_mu.absmax)
+    got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    jax.tree.map(np.testing.assert_array_equal, got, params)
+    report = mpjax.memory_report(nnx.state(model, nnx.Param), opt.opt_state)
+    assert report.part_bytes("mu") == 256 * 256 + 256 * 4 + 256 * 4  # codes, absmaxes, bias
+
+
 def test_the_nnx_state_of_an_optimizer_is_refused_naming_what_to_pass():
     model = block()
     opt = nnx.Optimizer(model, mpjax.loss_scaling(optax.adam(1e-3)), wrt=nnx.Param)

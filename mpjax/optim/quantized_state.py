@@ -19,7 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpjax.optim.gradient_checks import InitTrees, check_params, check_transformation, check_update
+from mpjax.optim.gradient_checks import (
+    InitTrees,
+    check_params,
+    check_transformation,
+    check_update,
+    is_box,
+)
 from mpjax.optim.loss_scaling_readers import step_applied
 from mpjax.optim.quantization import (
     QuantFormat,
@@ -410,12 +416,16 @@ def quantized_state(
         init_trees.add(params)
         inner_state = inner.init(params)
         decisions = iter(_decide(config, inner_state, params, "quantized_state"))
-        leaves, treedef = jax.tree.flatten(inner_state)
+        # A boxed leaf (params in nnx.Param boxes give moments in them too) is replaced whole:
+        # nnx.Optimizer boxes each array of the state it gets, the codes and the absmaxes
+        # alike, and would not restore a QuantizedArray kept inside a box.
+        nodes, treedef = jax.tree.flatten(inner_state, is_leaf=is_box)
         out = []
-        for leaf in leaves:
+        for node in nodes:
+            leaf = jax.tree.leaves(node)[0] if is_box(node) else node
             how = next(decisions)[1] if is_floating(leaf) else None
             if how is None:
-                out.append(leaf)
+                out.append(node)
             else:
                 fmt, signed, block = how
                 out.append(quantize_blockwise(leaf, fmt, signed=signed, block_size=block))
