@@ -73,7 +73,8 @@ if TYPE_CHECKING:
     import mpjax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+# mpjax and the example from this tree, installed or not (a GPU image reaches no registry).
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -139,6 +139,12 @@ def test_each_issue_runs_its_parts_in_the_order_it_asks_for():
     assert set(small.keys + fp8.keys + quantized.keys) <= {v.key for v in bench.VARIANTS}
 
 
+def test_mpjax_and_the_example_are_imported_from_this_tree():
+    """A GPU image has no mpjax installed: the session imports it from the working tree."""
+    root = pathlib.Path(gpu_session.__file__).resolve().parents[1]
+    assert str(root) in sys.path and str(root / "examples") in sys.path
+
+
 def test_the_gpu_marker_is_registered_and_marks_every_test_the_part_runs():
     """``-m gpu`` (the part's selection) replaces addopts' ``-m 'not slow'``; the marker is
     registered, and every test of the file the part runs carries it."""
