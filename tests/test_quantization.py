@@ -60,7 +60,7 @@ def test_dynamic_map_is_bitsandbytes_construction():
     np.testing.assert_array_equal(unsigned[:3], F32([0.0, 3.25e-7, 7.75e-7]))
     np.testing.assert_array_equal(unsigned[-2], F32(1 - 0.45 / 128))
     # Entries bitsandbytes computes with float32 torch.linspace (torch 2.13 on x86), each
-    # within two float32 ulps of the float64 construction rounded once.
+    # within two float32 ulps of these (each one float32 product, an ulp from float64).
     torch_values = {
         (True, 128): 5.5000004e-07,
         (True, 131): 2.1249998e-05,
