@@ -533,7 +533,8 @@ class Wide(nnx.Module):
 def test_an_nnx_optimizer_keeps_quantized_moments_and_steps_as_optax_does():
     """nnx.Optimizer boxes each state array in a Variable: the quantized moments keep their
     codes and absmaxes through it, and its steps are those of the same transformation run by
-    optax on a plain pytree."""
+    optax on a plain pytree (compiled apart, so up to float32 rounding: a code may land on its
+    neighbour)."""
     model = Wide(nnx.Rngs(0))
     tx = mpjax.quantized_state(optax.adam(1e-2), "dynamic8")
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -569,10 +570,13 @@ def test_an_nnx_optimizer_keeps_quantized_moments_and_steps_as_optax_does():
     assert np.dtype(kernel_mu.codes.dtype) == np.uint8 and kernel_mu.codes.shape == (256, 256)
     assert not isinstance(bias_mu, mpjax.QuantizedArray)  # 256 elements stay f32
     ref_mu = ref_state.inner_state[0].mu["linear"]["kernel"]
-    np.testing.assert_array_equal(np.asarray(kernel_mu.codes[...]), ref_mu.codes)
-    np.testing.assert_array_equal(np.asarray(kernel_mu.absmax[...]), ref_mu.absmax)
+    codes, ref_codes = (np.asarray(c[...], np.int32) for c in (kernel_mu.codes, ref_mu.codes))
+    assert np.all(np.abs(codes - ref_codes) <= 1) and np.mean(codes == ref_codes) > 0.99
+    np.testing.assert_allclose(kernel_mu.absmax[...], ref_mu.absmax, rtol=1e-5)
     got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    jax.tree.map(np.testing.assert_array_equal, got, params)
+    # A code on its neighbour moves Adam's step by up to the map's widest gap, 1.4% of the
+    # normalized moment, of the learning rate's 1e-2: three steps stay within 1e-3.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-3), got, params)
     report = mpjax.memory_report(nnx.state(model, nnx.Param), opt.opt_state)
     assert report.part_bytes("mu") == 256 * 256 + 256 * 4 + 256 * 4  # codes, absmaxes, bias
 
