@@ -132,3 +132,44 @@ def test_a_host_callback_is_warned_about_with_the_module_path():
         report = mpjax.inspect_matmuls(lambda v: model.apply(v, x))(variables)
     # The matmuls around the callback still run in bf16.
     assert report.operand_dtypes() == {("bfloat16", "bfloat16"): 2}
+
+
+# --- A norm a rule keeps in float32, fed float16 values past 256 -------------------------------
+
+_W = np.asarray(jax.random.normal(jax.random.key(1), (64, 64)))
+
+
+class ProjectedNorm(nn.Module):
+    """A Dense whose float16 outputs reach ~1100, into a LayerNorm: squared in float16, its
+    input overflows (a value past 256 squared is past 65504) and the variance is lost."""
+
+    @nn.compact
+    def __call__(self, x):
+        dense = nn.Dense(64, name="proj", kernel_init=lambda *_: jnp.asarray(_W))
+        return nn.LayerNorm(name="norm")(dense(x))
+
+
+class NnxProjectedNorm(nnx.Module):
+    def __init__(self):
+        self.proj = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+        self.proj.kernel.value = jnp.asarray(_W)
+        self.norm = nnx.LayerNorm(64, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.norm(self.proj(x))
+
+
+def test_a_linen_norm_kept_in_f32_normalizes_float16_inputs_past_256():
+    x = jax.random.normal(jax.random.key(0), (8, 64)) * 40.0
+    variables = ProjectedNorm().init(jax.random.key(1), x)
+    ref = ProjectedNorm().apply(variables, x)
+    out = mpjax.linen.apply_policy(ProjectedNorm(), "mixed_float16").apply(variables, x)
+    assert float(jnp.abs(out.astype(jnp.float32) - ref).max()) <= 2e-3
+
+
+def test_an_nnx_norm_kept_in_f32_normalizes_float16_inputs_past_256():
+    x = jax.random.normal(jax.random.key(0), (8, 64)) * 40.0
+    model = NnxProjectedNorm()
+    ref = model(x)
+    mpjax.nnx.set_policy(model, "mixed_float16")
+    assert float(jnp.abs(model(x).astype(jnp.float32) - ref).max()) <= 2e-3

@@ -43,13 +43,14 @@ from mpjax.casting import custom_rules
 from mpjax.casting import gradient_reduction as reduction
 from mpjax.casting.fp8_sites import DelayedScaling
 from mpjax.casting.op_categories import (
+    ELIGIBLE,
     F32,
-    F32_FOR_RANGE,
     KEEP,
     LOWER,
     ORIGINAL,
     PROMOTE,
     bias_adds,
+    category_in_region,
     merge_categories,
 )
 from mpjax.casting.regions import boundary_dtype
@@ -76,9 +77,6 @@ __all__ = [
 ]
 
 _F32 = np.dtype(jnp.float32)
-_F16 = np.dtype(jnp.float16)
-# PyTorch autocasts only these: float64 is never narrowed and fp8 is always deliberate.
-_ELIGIBLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
 # Host code sees the values as traced; a matmul in it is out of autocast's reach.
 _CALLBACKS = frozenset({"pure_callback", "io_callback", "ffi_call"})
 
@@ -270,7 +268,7 @@ class Interpreter:
         boundary = None if checkpoint is None else boundary_dtype(checkpoint)
         if boundary is not None:  # a region's output: cast, and nothing to bind
             x = invals[0]
-            return [_cast_to(x, boundary) if jax.typeof(x).dtype in _ELIGIBLE else x]
+            return [_cast_to(x, boundary) if jax.typeof(x).dtype in ELIGIBLE else x]
         region = self.settings.region(path)
         category = self.settings.categories.get(name)
         if category is None:
@@ -281,10 +279,8 @@ class Interpreter:
         else:
             if name in _CALLBACKS:
                 self.settings.warn_callback(name, region)
-            if category == F32 and name in F32_FOR_RANGE and region.policy.compute_dtype != _F16:
-                # Only float16 lacks the range for powers; in bfloat16 the f32 copies of a
-                # GELU's cube would each be kept for the backward pass.
-                category = PROMOTE
+            floating = [a.dtype for a in avals if is_floating(a.dtype)]
+            category = category_in_region(category, name, region.policy.compute_dtype, floating)
             if widen and category == PROMOTE:
                 category = F32
             label = category
@@ -296,7 +292,7 @@ class Interpreter:
             category = label = LOWER
         # Observed (the precision monitor), each cast is tapped: its gradient is measured there.
         tap = functools.partial(observers()[-1].tap, region.path) if observers() else None
-        lowered = category == LOWER and all(a.dtype in _ELIGIBLE for a in avals)
+        lowered = category == LOWER and all(a.dtype in ELIGIBLE for a in avals)
         policy = None if in_forward_only() else region.policy
         route = reduction.route(eqn, avals, lowered, policy, bias_of, stored, in_per_device())
         wide = route.wide if route is not None else frozenset()
@@ -364,7 +360,7 @@ class Interpreter:
                 i: eqn.invars[i].aval.dtype for i in floats if is_floating(eqn.invars[i].aval.dtype)
             }
         elif floats and category != KEEP:
-            lowered = category == LOWER and all(avals[i].dtype in _ELIGIBLE for i in floats)
+            lowered = category == LOWER and all(avals[i].dtype in ELIGIBLE for i in floats)
             if lowered:
                 target = np.dtype(compute)
             else:
@@ -688,8 +684,8 @@ def _f32_precision(eqn: Any, params: dict | None, ran: list, policy: Policy | No
 def to_output(x: Any, traced_aval: Any, policy: Policy) -> Any:
     aval = jax.typeof(x)
     if (
-        aval.dtype in _ELIGIBLE
-        and traced_aval.dtype in _ELIGIBLE
+        aval.dtype in ELIGIBLE
+        and traced_aval.dtype in ELIGIBLE
         and not aval.weak_type
         and aval.dtype != policy.output_dtype
     ):

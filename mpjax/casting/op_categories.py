@@ -35,8 +35,11 @@ Higher-order primitives (``jit``, ``scan``, ``while``, ``cond``, ``remat``, cust
 from __future__ import annotations
 
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
 
 from mpjax import jax_compat as compat
 from mpjax.policy import is_floating
@@ -47,6 +50,10 @@ PROMOTE = "promote"
 KEEP = "keep"
 ORIGINAL = "original"
 CATEGORIES = (LOWER, F32, PROMOTE, KEEP, ORIGINAL)
+
+_BF16 = np.dtype(jnp.bfloat16)
+# PyTorch autocasts only these: float64 is never narrowed and fp8 is always deliberate.
+ELIGIBLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
 
 _LOWER = (
     "dot_general",
@@ -120,8 +127,15 @@ _F32 = (
 )
 
 F32_FOR_RANGE = frozenset({"integer_pow", "square"})
-"""The f32 ops that are f32 for float16's range alone: under a bfloat16 compute dtype, which
-has f32's range, they run as ``promote`` ops."""
+"""The f32 ops that are f32 for float16's range alone (powers: 300 squared is past 65504).
+
+What it may change: under a *bfloat16* compute dtype, which has float32's range, these ops run
+as ``promote`` ops, in their inputs' dtype (a GELU's cube in bf16 keeps no f32 copy of the
+MLP's activation for the backward pass). What it may not: anything under any other compute
+dtype. Under float16 they need float32's range; in a region computing in float32 (a module a
+rule keeps in float32: the norms, the softmax, the losses) every floating op runs in float32,
+whatever arrives (:func:`category_in_region`).
+"""
 
 _PROMOTE = (
     # Elementwise arithmetic and math.
@@ -329,6 +343,37 @@ DEFAULT_OP_CATEGORIES: Mapping[str, str] = types.MappingProxyType(_table())
 
 :meta hide-value:
 """
+
+
+def category_in_region(
+    category: str, primitive: str, compute_dtype: Any, input_dtypes: Sequence[Any]
+) -> str:
+    """The category ``primitive`` (``category`` in the table) runs as in a region whose policy
+    computes in ``compute_dtype``, given the dtypes of its floating inputs.
+
+    - In a region computing in float32 or wider, a ``"promote"`` op whose inputs are autocast's
+      dtypes (f16, bf16, f32) runs as ``"f32"``: a module kept in float32 computes every floating
+      op in float32, whatever dtype its input arrived in. The module was traced in float32, so
+      the casts its own code writes (Flax's norms cast their input up before squaring it)
+      record nothing in the jaxpr, and a float16 input would otherwise be squared in float16.
+    - Under a bfloat16 compute dtype, the powers of :data:`F32_FOR_RANGE` run as
+      ``"promote"``.
+    - Everything else runs as its table says.
+
+    >>> category_in_region("promote", "mul", jnp.float32, [jnp.float16])
+    'f32'
+    >>> category_in_region("f32", "square", jnp.bfloat16, [jnp.bfloat16])
+    'promote'
+    >>> category_in_region("f32", "square", jnp.float16, [jnp.float16])
+    'f32'
+    """
+    compute = np.dtype(compute_dtype)
+    if compute.itemsize >= 4 and compute.kind == "f":
+        eligible = all(np.dtype(d) in ELIGIBLE for d in input_dtypes)
+        return F32 if category == PROMOTE and eligible else category
+    if category == F32 and primitive in F32_FOR_RANGE and compute == _BF16:
+        return PROMOTE
+    return category
 
 
 def merge_categories(overrides: Mapping[str, str] | None) -> Mapping[str, str]:
