@@ -50,7 +50,7 @@ from mpjax.casting import regions
 from mpjax.casting.engine import run_in_regions
 from mpjax.casting.trace_context import model_rules, tracing
 from mpjax.inspection.describe import Runner, register_argument_model, register_describer
-from mpjax.inspection.report import ModuleRow, PrecisionReport, matmuls_by_region
+from mpjax.inspection.report import ModuleRow, PrecisionReport, RegionDtypes, dtypes_by_region
 from mpjax.optim.loss_scaling_readers import make_scaled_value_and_grad
 from mpjax.policy import Policy, PolicyLike, cast_floating
 from mpjax.rules import (
@@ -518,7 +518,7 @@ def filter_value_and_grad(
 def _report_of(model: Any, *, rules: Rules | PolicyLike | None) -> Callable[..., PrecisionReport]:
     """:func:`mpjax.describe` of an Equinox model: one row per module (pre-order, Equinox
     paths), its policy, the rule that decided it, the floating arrays it holds directly and,
-    given example inputs, the dtypes its matmuls ran in, forward and backward.
+    given example inputs, the dtypes its operations and matmuls ran in, forward and backward.
 
     A :class:`MixedPrecision` is reported under its rules (or under ``rules``, if given, as if
     re-wrapped); an unwrapped model needs ``rules``.
@@ -537,11 +537,12 @@ def _report_of(model: Any, *, rules: Rules | PolicyLike | None) -> Callable[...,
 
     def report(*args, **kwargs) -> PrecisionReport:
         traced = bool(args or kwargs)
-        matmuls = matmuls_by_region(_call_model, wrapped, *args, **kwargs) if traced else {}
+        ran = dtypes_by_region(_call_model, wrapped, *args, **kwargs) if traced else {}
         matching = _equinox_rules(chosen)
         rows = []
         for node in _walk(wrapped.model):
             resolution = matching.resolve(node.path, _base_class(node.module))
+            region = ran.get(node.path, RegionDtypes())
             rows.append(
                 ModuleRow(
                     path=node.path,
@@ -550,7 +551,8 @@ def _report_of(model: Any, *, rules: Rules | PolicyLike | None) -> Callable[...,
                     rule=resolution.rule_name,
                     param_count=sum(int(np.size(x)) for x in node.params),
                     param_bytes=sum(int(np.size(x)) * x.dtype.itemsize for x in node.params),
-                    matmuls=matmuls.get(node.path, ()),
+                    matmuls=region.matmuls,
+                    computes=region.computes,
                 )
             )
         problems = matching.problems(module_paths(wrapped.model))

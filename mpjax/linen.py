@@ -60,7 +60,13 @@ from mpjax.casting.engine import (
 )
 from mpjax.casting.trace_context import model_rules
 from mpjax.inspection.describe import Runner, register_describer
-from mpjax.inspection.report import ModuleRow, PrecisionReport, eval_shape_of, matmuls_by_region
+from mpjax.inspection.report import (
+    ModuleRow,
+    PrecisionReport,
+    RegionDtypes,
+    dtypes_by_region,
+    eval_shape_of,
+)
 from mpjax.policy import Policy, PolicyLike, cast_floating
 from mpjax.rules import (
     Resolution,
@@ -464,9 +470,11 @@ def _report_of(
     ``model.init(rngs, *args, **kwargs)``, or ``model.apply(variables, *args, **kwargs)`` when
     ``variables`` are given. Each module called gets a row: its path, class name, resolved
     policy, the rule that decided it, the number and bytes of the params it owns directly
-    (not its submodules'), as stored, and the operand dtypes of the matmuls and convolutions
-    that ran in it, forward and backward, read from the jaxpr of the wrapped model's gradient
-    (so a matmul that stayed f32 shows). Problems with the rules are listed under the table.
+    (not its submodules'), as stored, the floating dtypes its operations computed in and the
+    operand dtypes of the matmuls and convolutions that ran in it, forward and backward, read
+    from the jaxpr of the wrapped model's gradient (so a matmul that stayed f32, or a norm whose
+    statistics were computed in bf16, shows). Problems with the rules are listed under the
+    table.
 
     Args:
       model: a model returned by :func:`apply_policy`, or an unwrapped module with ``rules``.
@@ -498,12 +506,13 @@ def _report_of(
         def apply(variables, *args, **kwargs):
             return model.apply(variables, *args, method=method, rngs=keys, mutable=True, **kwargs)
 
-        matmuls = matmuls_by_region(apply, known, *args, **kwargs)
+        ran = dtypes_by_region(apply, known, *args, **kwargs)
         params = nn.meta.unbox(known).get("params", {}) if isinstance(known, Mapping) else {}
         seen = state.seen
         rows = []
         for path, (module_type, resolution) in seen.items():
             leaves = _owned_params(params, path, set(seen))
+            region = ran.get(path, RegionDtypes())
             rows.append(
                 ModuleRow(
                     path=path,
@@ -514,7 +523,8 @@ def _report_of(
                     param_bytes=sum(
                         int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for leaf in leaves
                     ),
-                    matmuls=matmuls.get(path, ()),
+                    matmuls=region.matmuls,
+                    computes=region.computes,
                 )
             )
         problems = state.rules.problems((path, cls) for path, (cls, _) in seen.items())

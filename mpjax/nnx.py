@@ -63,7 +63,7 @@ from mpjax.casting.engine import (
 )
 from mpjax.casting.trace_context import model_rules, tracing
 from mpjax.inspection.describe import Runner, register_argument_model, register_describer
-from mpjax.inspection.report import ModuleRow, PrecisionReport, matmuls_by_region
+from mpjax.inspection.report import ModuleRow, PrecisionReport, RegionDtypes, dtypes_by_region
 from mpjax.optim.loss_scaling_readers import check_argnums, make_scaled_value_and_grad
 from mpjax.policy import Policy, PolicyLike, is_floating
 from mpjax.rules import (
@@ -488,15 +488,16 @@ def _report_of(
     model: nnx.Module, *, rules: Rules | PolicyLike | None
 ) -> Callable[..., PrecisionReport]:
     """:func:`mpjax.describe` of an NNX model: each module's path, type, policy, rule, params
-    and, given example inputs, the dtypes its matmuls ran in.
+    and, given example inputs, the dtypes its operations and matmuls ran in.
 
     One row per module in pre-order (the root first, children in attribute-name order,
     shared modules once), with the Params it owns directly (those in ``nnx.List`` /
     ``nnx.Dict`` containers count for the module holding the container), plus the problems
     :meth:`mpjax.Rules.problems` finds. Called with example inputs, ``model(*args, **kwargs)``
-    and its gradient are traced (nothing is computed) and each row lists the operand dtypes of
-    the matmuls and convolutions that ran in the module's region, forward and backward; called
-    without, the model is not traced and the report has no matmul column.
+    and its gradient are traced (nothing is computed) and each row lists the floating dtypes
+    the operations of the module's region computed in and the operand dtypes of its matmuls and
+    convolutions, forward and backward; called without, the model is not traced and the report
+    has neither column.
 
     Args:
       model: an ``nnx.Module`` instance.
@@ -531,10 +532,11 @@ def _report_of(
         traced = bool(args or kwargs)
         nodes = _walk(model)
         resolved = _resolve(nodes, rules)
-        matmuls = _matmuls(model, rules, args, kwargs) if traced else {}
+        ran = _dtypes_by_region(model, rules, args, kwargs) if traced else {}
         rows = []
         for node in nodes:
             values = [v.get_value() for _, v in node.params]
+            region = ran.get(node.path, RegionDtypes())
             rows.append(
                 ModuleRow(
                     path=node.path,
@@ -543,7 +545,8 @@ def _report_of(
                     rule=resolved[node.path].rule_name,
                     param_count=sum(int(np.size(x)) for x in values),
                     param_bytes=sum(int(np.size(x)) * np.dtype(x.dtype).itemsize for x in values),
-                    matmuls=matmuls.get(node.path, ()),
+                    matmuls=region.matmuls,
+                    computes=region.computes,
                 )
             )
         problems = rules.problems((n.path, _base_class(n.module)) for n in nodes)
@@ -552,14 +555,16 @@ def _report_of(
     return report
 
 
-def _matmuls(model: nnx.Module, rules: Rules, args: tuple, kwargs: dict) -> dict:
-    """:func:`mpjax.inspection.report.matmuls_by_region` of a copy of ``model`` under ``rules``."""
+def _dtypes_by_region(
+    model: nnx.Module, rules: Rules, args: tuple, kwargs: dict
+) -> dict[str, RegionDtypes]:
+    """:func:`mpjax.inspection.report.dtypes_by_region` of a copy of ``model`` under ``rules``."""
     copy = nnx.clone(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuleWarning)  # describe() reports them itself
         set_policy(copy, rules)
     graphdef, state = nnx.split(copy)
-    return matmuls_by_region(
+    return dtypes_by_region(
         lambda state, *a, **k: nnx.merge(graphdef, state)(*a, **k), state, *args, **kwargs
     )
 

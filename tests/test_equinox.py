@@ -631,6 +631,26 @@ def test_describe_lists_modules_with_equinox_paths_and_matmuls():
     assert "layers[0].attn.query_proj" in str(report)
 
 
+def test_describe_shows_that_a_norm_kept_in_f32_computes_in_f32_alone():
+    # Under mixed_float16 the norm receives the Linear's float16 output: every operation of its
+    # region, forward and backward, computes in float32, the Linear's in float16.
+    class DenseThenNorm(eqx.Module):
+        dense: eqx.nn.Linear
+        norm: eqx.nn.LayerNorm
+
+        def __call__(self, x):
+            return self.norm(self.dense(x))
+
+    model = DenseThenNorm(eqx.nn.Linear(3, D, key=key()), eqx.nn.LayerNorm(D))
+    report = mpjax.describe(mpe.apply_policy(model, "mixed_float16"))(normal(3))
+    norm, dense = report.row("norm"), report.row("dense")
+    assert norm.policy.compute_dtype == jnp.float32
+    assert [dtype for dtype, _ in norm.computes] == ["f32"]
+    assert "f16" in dict(dense.computes) and dense.matmuls == (("f16,f16", 3),)
+    line = next(line for line in report.table().splitlines() if line.startswith("norm "))
+    assert line.split()[-2:] == ["f32", "-"]  # the ops, no matmuls
+
+
 def test_inspect_matmuls_names_equinox_regions():
     wrapped = mpe.apply_policy(eqx.nn.MLP(4, 2, 8, depth=1, key=key()), POLICY)
     report = mpjax.inspect_matmuls(wrapped)(normal(4))

@@ -9,6 +9,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import mpjax
+from mpjax.casting.regions import region
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 
@@ -36,29 +37,30 @@ def _custom_vjp_matmul(x, w):
 _custom_vjp_matmul.defvjp(lambda x, w: (x @ w, (x, w)), lambda res, g: (g @ res[1].T, res[0].T @ g))
 
 
-@pytest.mark.parametrize(
-    "name, fn, context",
-    [
-        ("top", lambda x, w: x @ w, ()),
-        ("jit", jax.jit(lambda x, w: x @ w), ("jit",)),
-        (
-            "scan",
-            lambda x, w: jax.lax.scan(lambda c, _: (c @ w, None), x, None, length=2)[0],
-            ("scan",),
-        ),
-        (
-            "while",
-            lambda x, w: jax.lax.while_loop(
-                lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] @ w), (0, x)
-            )[1],
-            ("while",),
-        ),
-        ("cond", lambda x, w: jax.lax.cond(True, lambda: x @ w, lambda: x), ("cond",)),
-        ("remat", lambda x, w: jax.checkpoint(lambda x: x @ w)(x), ("remat2",)),
-        ("custom_jvp", _custom_matmul, ("custom_jvp_call",)),
-        ("custom_vjp", _custom_vjp_matmul, ("custom_vjp_call",)),
-    ],
-)
+# A matmul in each kind of nested jaxpr: (name, function of (x, w), its context).
+NESTED = [
+    ("top", lambda x, w: x @ w, ()),
+    ("jit", jax.jit(lambda x, w: x @ w), ("jit",)),
+    (
+        "scan",
+        lambda x, w: jax.lax.scan(lambda c, _: (c @ w, None), x, None, length=2)[0],
+        ("scan",),
+    ),
+    (
+        "while",
+        lambda x, w: jax.lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] @ w), (0, x))[
+            1
+        ],
+        ("while",),
+    ),
+    ("cond", lambda x, w: jax.lax.cond(True, lambda: x @ w, lambda: x), ("cond",)),
+    ("remat", lambda x, w: jax.checkpoint(lambda x: x @ w)(x), ("remat2",)),
+    ("custom_jvp", _custom_matmul, ("custom_jvp_call",)),
+    ("custom_vjp", _custom_vjp_matmul, ("custom_vjp_call",)),
+]
+
+
+@pytest.mark.parametrize("name, fn, context", NESTED)
 def test_finds_matmuls_in_nested_jaxprs(name, fn, context):
     report = mpjax.inspect_matmuls(fn)(*_x_w())
     assert len(report) >= 1, name
@@ -67,6 +69,19 @@ def test_finds_matmuls_in_nested_jaxprs(name, fn, context):
     assert first.context == context
     assert (first.lhs_dtype, first.rhs_dtype, first.out_dtype) == (BF16, BF16, BF16)
     assert first.lhs_shape == (2, 4) and first.rhs_shape == (4, 4) and first.out_shape == (2, 4)
+
+
+@pytest.mark.parametrize("name, fn, context", NESTED)
+def test_a_matmul_in_a_nested_jaxpr_is_in_the_region_around_it(name, fn, context):
+    # JAX starts a fresh name stack for each nested trace: the equations inside record none of
+    # the scopes around it, and the region is read from those of the equations enclosing them.
+    def in_region(x, w):
+        with region(mpjax.get_policy("mixed_bfloat16"), "block/mlp"):
+            return fn(x, w)
+
+    report = mpjax.inspect_matmuls(in_region)(*_x_w())
+    assert report and {m.region for m in report} == {"block/mlp"}, name
+    assert report[0].context == context
 
 
 def test_finds_matmuls_inside_shard_map():

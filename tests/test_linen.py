@@ -631,13 +631,13 @@ def test_describe_returns_the_table_and_prints_nothing(capsys):
     )
     report = mpjax.describe(mpl.apply_policy(Tiny(), rules))(jnp.ones((1, 3)))
     expected = [
-        "path    type       params   compute   output    rule                             #params  bytes  matmuls ran in",
-        "------  ---------  -------  --------  --------  -------------------------------  -------  -----  ------------------",
-        "<root>  Tiny       float32  bfloat16  float32   default                                0    0 B  -",
-        "proj    Dense      float32  bfloat16  float32   default                               16   64 B  3x bf16,bf16",
-        "norm    LayerNorm  float32  float32   bfloat16  builtin: linen.LayerNorm in f32        8   32 B  -",
-        "scale   Scale      float32  float32   float32   scale                                 20   80 B  3x f32,f32@highest",
-        "------  ---------  -------  --------  --------  -------------------------------  -------  -----  ------------------",
+        "path    type       params   compute   output    rule                             #params  bytes  ops ran in  matmuls ran in",
+        "------  ---------  -------  --------  --------  -------------------------------  -------  -----  ----------  ------------------",
+        "<root>  Tiny       float32  bfloat16  float32   default                                0    0 B  -           -",
+        "proj    Dense      float32  bfloat16  float32   default                               16   64 B  bf16 f32    3x bf16,bf16",
+        "norm    LayerNorm  float32  float32   bfloat16  builtin: linen.LayerNorm in f32        8   32 B  f32         -",
+        "scale   Scale      float32  float32   float32   scale                                 20   80 B  f32         3x f32,f32@highest",
+        "------  ---------  -------  --------  --------  -------------------------------  -------  -----  ----------  ------------------",
         "total                                                                                 44  176 B",
         "warning: rule 'decoder' matches no module.",
     ]
@@ -664,6 +664,10 @@ def test_describe_to_dict_is_plain_json():
     report = mpjax.describe(Tiny(), rules="mixed_bfloat16")(jnp.ones((1, 3)))
     data = report.to_dict()
     assert json.loads(json.dumps(data)) == data
+    # How many operations ran in each dtype depends on how the JAX version writes the jaxpr.
+    computes = data["rows"][1].pop("computes")
+    assert [dtype for dtype, _ in computes] == ["bf16", "f32"]
+    assert all(type(count) is int and count > 0 for _, count in computes)
     assert data["rows"][1] == {
         "path": "proj",
         "type": "Dense",
@@ -680,6 +684,53 @@ def test_describe_to_dict_is_plain_json():
     }
     assert data["problems"] == [] and data["matmuls_traced"] is True
     assert (data["total_params"], data["total_bytes"]) == (44, 176)
+
+
+class DenseThenNorm(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.LayerNorm(name="norm")(nn.Dense(4, name="dense")(x))
+
+
+def _ops_ran_in(report: mpjax.PrecisionReport) -> dict[str, str]:
+    """The "ops ran in" cells of ``report``'s table, by the rows' first column."""
+    header, _, *lines = report.table().splitlines()
+    start, end = header.index("ops ran in"), header.index("matmuls ran in")
+    return {line.split()[0]: line[start:end].strip() for line in lines[: len(report.rows)]}
+
+
+def test_describe_shows_every_dtype_a_modules_operations_computed_in():
+    # Under mixed_float16 the norm a rule keeps in float32 receives the Dense's float16 output:
+    # every operation of its region, forward and backward, computes in float32 (a float16
+    # input squared in float16 overflows from 256), while the Dense computes in float16.
+    report = mpjax.describe(mpl.apply_policy(DenseThenNorm(), "mixed_float16"))(jnp.ones((2, 3)))
+    norm, dense = report.row("norm"), report.row("dense")
+    assert norm.policy.compute_dtype == jnp.float32 and norm.matmuls == ()
+    assert [dtype for dtype, _ in norm.computes] == ["f32"]
+    assert "f16" in dict(dense.computes) and dense.matmuls == (("f16,f16", 3),)
+    assert report.row("").computes == ()  # the root's own code computes nothing
+    assert _ops_ran_in(report) == {"<root>": "-", "dense": "f16 f32", "norm": "f32"}
+    assert report.to_dict()["rows"][2]["computes"] == [["f32", dict(norm.computes)["f32"]]]
+
+
+def test_describe_counts_a_function_jitted_in_a_module_for_that_module():
+    # The equations of a nested jaxpr record none of the scopes around it: the module's region
+    # is the one around the jit, where the engine ran them.
+    class Projected(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.initializers.ones, (3, 3))
+            return jax.jit(lambda x, w: jnp.tanh(x @ w))(x, w)
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return Projected(name="proj")(x)
+
+    report = mpjax.describe(mpl.apply_policy(Net(), "mixed_bfloat16"))(jnp.ones((2, 3)))
+    assert report.row("proj").matmuls == (("bf16,bf16", 3),)
+    assert "bf16" in dict(report.row("proj").computes)
+    assert report.row("").matmuls == report.row("").computes == ()
 
 
 def test_describe_passes_every_keyword_to_the_model():

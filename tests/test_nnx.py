@@ -646,13 +646,13 @@ def test_wrapped_block_compiles_to_no_more_converts_than_the_hand_written_one():
 
 
 EXPECTED_TABLE = """\
-path    type       params   compute   output    rule                           #params  bytes  matmuls ran in
-------  ---------  -------  --------  --------  -----------------------------  -------  -----  ------------------
-<root>  ConvNet    float32  bfloat16  float32   default                              0    0 B  -
-bn      BatchNorm  float32  float32   bfloat16  builtin: nnx.BatchNorm in f32        8   32 B  -
-conv    Conv       float32  bfloat16  float32   default                            112  448 B  3x bf16,bf16
-head    Dense      float32  float32   float32   head                                10   40 B  3x f32,f32@highest
-------  ---------  -------  --------  --------  -----------------------------  -------  -----  ------------------
+path    type       params   compute   output    rule                           #params  bytes  ops ran in  matmuls ran in
+------  ---------  -------  --------  --------  -----------------------------  -------  -----  ----------  ------------------
+<root>  ConvNet    float32  bfloat16  float32   default                              0    0 B  bf16 f32    -
+bn      BatchNorm  float32  float32   bfloat16  builtin: nnx.BatchNorm in f32        8   32 B  f32         -
+conv    Conv       float32  bfloat16  float32   default                            112  448 B  bf16 f32    3x bf16,bf16
+head    Dense      float32  float32   float32   head                                10   40 B  f32         3x f32,f32@highest
+------  ---------  -------  --------  --------  -----------------------------  -------  -----  ----------  ------------------
 total                                                                              130  520 B
 warning: rule 'decoder/*' matches no module."""
 
@@ -675,11 +675,11 @@ def test_describe_returns_the_expected_table_and_prints_nothing(capsys):
         warnings.simplefilter("error")  # a dry run changes nothing, so warns about nothing
         assert str(mpjax.describe(dry, rules=rules)(x)) == EXPECTED_TABLE
     assert type(dry.head) is Dense and capsys.readouterr().out == ""
-    # Without inputs nothing is traced, and the table has no matmul column.
+    # Without inputs nothing is traced, and the table has neither column of traced dtypes.
     untraced = mpjax.describe(model)()
     assert not untraced.matmuls_traced
     *table, warning = EXPECTED_TABLE.splitlines()
-    column = table[0].index("matmuls ran in")
+    column = table[0].index("ops ran in")
     assert untraced.table().splitlines() == [line[:column].rstrip() for line in table] + [warning]
 
 
@@ -688,6 +688,10 @@ def test_describe_to_dict_is_plain_json():
     x = jax.ShapeDtypeStruct((2, 6, 6, 3), jnp.float32)
     data = mpjax.describe(model, rules="mixed_bfloat16")(x).to_dict()
     assert json.loads(json.dumps(data)) == data
+    # How many operations ran in each dtype depends on how the JAX version writes the jaxpr.
+    computes = data["rows"][2].pop("computes")
+    assert [dtype for dtype, _ in computes] == ["bf16", "f32"]
+    assert all(type(count) is int and count > 0 for _, count in computes)
     assert data["rows"][2] == {
         "path": "conv",
         "type": "Conv",
@@ -705,6 +709,27 @@ def test_describe_to_dict_is_plain_json():
     assert data["matmuls_traced"] is True and data["total_params"] == 130
     untraced = mpjax.describe(model, rules="mixed_bfloat16")().to_dict()
     assert untraced["matmuls_traced"] is False and untraced["rows"][2]["matmuls"] == []
+    assert untraced["rows"][2]["computes"] == []
+
+
+def test_describe_shows_that_a_norm_kept_in_f32_computes_in_f32_alone():
+    # Under mixed_float16 the norm receives the Linear's float16 output: every operation of its
+    # region, forward and backward, computes in float32, the Linear's in float16.
+    class DenseThenNorm(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(3, D, rngs=rngs)
+            self.norm = nnx.LayerNorm(D, rngs=rngs)
+
+        def __call__(self, x):
+            return self.norm(self.dense(x))
+
+    report = mpjax.describe(DenseThenNorm(nnx.Rngs(0)), rules="mixed_float16")(normal(2, 3))
+    norm, dense = report.row("norm"), report.row("dense")
+    assert norm.policy.compute_dtype == jnp.float32
+    assert [dtype for dtype, _ in norm.computes] == ["f32"]
+    assert "f16" in dict(dense.computes) and dense.matmuls == (("f16,f16", 3),)
+    line = next(line for line in report.table().splitlines() if line.startswith("norm "))
+    assert line.split()[-2:] == ["f32", "-"]  # the ops, no matmuls
 
 
 def test_describe_passes_every_keyword_to_the_model():

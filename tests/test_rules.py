@@ -244,7 +244,16 @@ def test_precision_report_table_and_totals():
             ModuleRow(
                 "block_0/norm", "LayerNorm", Policy(F32, F32, BF16), "builtin: LayerNorm", 256, 1024
             ),
-            ModuleRow("head", "Dense", Policy(F32, F32, F32), "head", 1_000_000, 4_000_000),
+            ModuleRow(
+                "head",
+                "Dense",
+                Policy(F32, F32, F32),
+                "head",
+                1_000_000,
+                4_000_000,
+                matmuls=(("f32,f32@highest", 3),),
+                computes=(("bf16", 1), ("f32", 12)),
+            ),
         ),
         problems=("rule 'x' matches no module.",),
     )
@@ -262,6 +271,9 @@ def test_precision_report_table_and_totals():
         "rule",
         "#params",
         "bytes",
+        "ops",
+        "ran",
+        "in",
         "matmuls",
         "ran",
         "in",
@@ -277,9 +289,11 @@ def test_precision_report_table_and_totals():
         "0",
         "B",
         "-",
+        "-",
     ]
     assert lines[3].split()[:5] == ["block_0/norm", "LayerNorm", "float32", "float32", "bfloat16"]
-    assert lines[4].endswith("1,000,000  3.8 MiB  -")
+    # The dtypes the head's operations computed in, then its matmuls with their counts.
+    assert lines[4].endswith("1,000,000  3.8 MiB  bf16 f32    3x f32,f32@highest")
     assert lines[6].split() == ["total", "1,000,256", "3.8", "MiB"]
     assert lines[7] == "warning: rule 'x' matches no module."
 

@@ -175,10 +175,11 @@ def describe(
     - A linen module, wrapped by :func:`mpjax.linen.apply_policy` or unwrapped with ``rules``:
       its ``init`` (or ``apply`` with ``variables``) is traced with the inputs, and the
       :class:`mpjax.PrecisionReport` lists each module called with its policy, the rule that
-      decided it, the params it owns and the dtypes its matmuls ran in, forward and backward.
+      decided it, the params it owns and the dtypes its operations and its matmuls ran in,
+      forward and backward.
     - An NNX module, with a policy applied or with ``rules``: the same report, one row per
       module; called without inputs, ``describe(model)()`` does not trace the model and the
-      table has no matmul column.
+      table has neither column of the dtypes that ran.
     - A function made by :func:`mpjax.autocast`: an :class:`mpjax.AutocastReport`, one row per
       scope, primitive, category and dtypes, traced and run.
 
@@ -210,12 +211,12 @@ def describe(
     ...         return nn.Dense(2, name="out")(nn.LayerNorm(name="norm")(x))
     >>> model = mpjax.linen.apply_policy(MLP(), "mixed_bfloat16")
     >>> print(describe(model)(jnp.ones((1, 3))))
-    path    type       params   compute   output    rule                             #params  bytes  matmuls ran in
-    ------  ---------  -------  --------  --------  -------------------------------  -------  -----  --------------
-    <root>  MLP        float32  bfloat16  float32   default                                0    0 B  -
-    norm    LayerNorm  float32  float32   bfloat16  builtin: linen.LayerNorm in f32        6   24 B  -
-    out     Dense      float32  bfloat16  float32   default                                8   32 B  3x bf16,bf16
-    ------  ---------  -------  --------  --------  -------------------------------  -------  -----  --------------
+    path    type       params   compute   output    rule                             #params  bytes  ops ran in  matmuls ran in
+    ------  ---------  -------  --------  --------  -------------------------------  -------  -----  ----------  --------------
+    <root>  MLP        float32  bfloat16  float32   default                                0    0 B  -           -
+    norm    LayerNorm  float32  float32   bfloat16  builtin: linen.LayerNorm in f32        6   24 B  f32         -
+    out     Dense      float32  bfloat16  float32   default                                8   32 B  bf16 f32    3x bf16,bf16
+    ------  ---------  -------  --------  --------  -------------------------------  -------  -----  ----------  --------------
     total                                                                                 14   56 B
     >>> report = describe(mpjax.autocast(lambda x: jnp.exp(x)))(jnp.ones(2))
     >>> report.to_dict()["rows"][0]["ran"]

@@ -128,11 +128,25 @@ def check_function(caller: str, fn: Any) -> None:
         )
 
 
-def _iter_eqns(jaxpr: Any, context: tuple[str, ...]) -> Iterator[tuple[Any, tuple[str, ...]]]:
+def walk_jaxpr(
+    jaxpr: Any, context: tuple[str, ...] = (), scopes: tuple[str, ...] = ()
+) -> Iterator[tuple[Any, tuple[str, ...], tuple[str, ...]]]:
+    """Yields ``(equation, context, scopes)`` for every equation of ``jaxpr`` (a
+    ``jax.extend.core.Jaxpr``), nested ones included.
+
+    ``context`` names the enclosing higher-order primitives, outermost first. ``scopes`` are
+    the ``jax.named_scope`` names around the equation, outermost first, those around the
+    equations that enclose it included: JAX starts a fresh name stack for each nested trace
+    (``jit``, ``checkpoint``, a loop's body), so an equation inside a ``jax.jit`` called in a
+    module's code records none of the module's scopes itself. The casting engine reads the
+    region of a nested equation the same way, so :func:`mpjax.casting.regions.innermost` of
+    ``scopes`` is the region whose policy it ran under.
+    """
     for eqn in jaxpr.eqns:
-        yield eqn, context
+        names = (*scopes, *jax_compat.scope_names(eqn))
+        yield eqn, context, names
         for sub in jax_compat.sub_jaxprs(eqn):
-            yield from _iter_eqns(sub, (*context, eqn.primitive.name))
+            yield from walk_jaxpr(sub, (*context, eqn.primitive.name), names)
 
 
 def _is_array(leaf: Any) -> bool:
@@ -158,6 +172,21 @@ def call_on_leaves(
     return call, [leaves[i] for i in chosen]
 
 
+def _traced_equations(
+    fn: Callable[..., Any], args: tuple, kwargs: dict
+) -> Iterator[tuple[Any, tuple[str, ...], tuple[str, ...]]]:
+    top = (
+        tuple(isinstance(a, (float, complex)) for a in args),
+        {name: isinstance(a, (float, complex)) for name, a in kwargs.items()},
+    )
+    scalar = jax.tree.leaves(
+        jax.tree.map(lambda flag, arg: jax.tree.map(lambda _: flag, arg), top, (args, kwargs))
+    )
+    call, traced = call_on_leaves(fn, args, kwargs, lambda i, leaf: _is_array(leaf) or scalar[i])
+    closed = jax.make_jaxpr(call)(traced)
+    yield from walk_jaxpr(closed.jaxpr)
+
+
 def iter_equations(
     fn: Callable[..., Any], *args, **kwargs
 ) -> Iterator[tuple[Any, tuple[str, ...]]]:
@@ -169,46 +198,41 @@ def iter_equations(
     ``eqx.filter_jit`` treats them (the activation function, ``inference`` flag or dropout
     rate an Equinox module holds).
     """
-    top = (
-        tuple(isinstance(a, (float, complex)) for a in args),
-        {name: isinstance(a, (float, complex)) for name, a in kwargs.items()},
+    for eqn, context, _ in _traced_equations(fn, args, kwargs):
+        yield eqn, context
+
+
+def matmul_info(eqn: Any, context: tuple[str, ...], scopes: tuple[str, ...]) -> MatmulInfo:
+    """The :class:`MatmulInfo` of a matmul or convolution equation, as :func:`walk_jaxpr`
+    yields it with its ``context`` and ``scopes``."""
+    lhs, rhs = (v.aval for v in eqn.invars[:2])
+    out = eqn.outvars[0].aval
+    region = innermost(scopes)
+    f32 = _F32 in (lhs.dtype, rhs.dtype) and jax_compat.takes_precision(eqn)
+    return MatmulInfo(
+        primitive=eqn.primitive.name,
+        lhs_dtype=np.dtype(lhs.dtype),
+        rhs_dtype=np.dtype(rhs.dtype),
+        out_dtype=np.dtype(out.dtype),
+        preferred_element_type=jax_compat.preferred_element_type(eqn),
+        lhs_shape=tuple(lhs.shape),
+        rhs_shape=tuple(rhs.shape),
+        out_shape=tuple(out.shape),
+        scope=jax_compat.name_stack(eqn),
+        context=context,
+        region=None if region is None else region.path,
+        f32_precision=jax_compat.precision_name(eqn) if f32 else None,
     )
-    scalar = jax.tree.leaves(
-        jax.tree.map(lambda flag, arg: jax.tree.map(lambda _: flag, arg), top, (args, kwargs))
-    )
-    call, traced = call_on_leaves(fn, args, kwargs, lambda i, leaf: _is_array(leaf) or scalar[i])
-    closed = jax.make_jaxpr(call)(traced)
-    yield from _iter_eqns(closed.jaxpr, ())
 
 
 def _matmuls(
     fn: Callable[..., Any], primitives: frozenset[str], args: tuple, kwargs: dict
 ) -> MatmulReport:
-    found = []
-    for eqn, context in iter_equations(fn, *args, **kwargs):
-        if eqn.primitive.name not in primitives:
-            continue
-        lhs, rhs = (v.aval for v in eqn.invars[:2])
-        out = eqn.outvars[0].aval
-        region = innermost(jax_compat.scope_names(eqn))
-        f32 = _F32 in (lhs.dtype, rhs.dtype) and jax_compat.takes_precision(eqn)
-        found.append(
-            MatmulInfo(
-                primitive=eqn.primitive.name,
-                lhs_dtype=np.dtype(lhs.dtype),
-                rhs_dtype=np.dtype(rhs.dtype),
-                out_dtype=np.dtype(out.dtype),
-                preferred_element_type=jax_compat.preferred_element_type(eqn),
-                lhs_shape=tuple(lhs.shape),
-                rhs_shape=tuple(rhs.shape),
-                out_shape=tuple(out.shape),
-                scope=jax_compat.name_stack(eqn),
-                context=context,
-                region=None if region is None else region.path,
-                f32_precision=jax_compat.precision_name(eqn) if f32 else None,
-            )
-        )
-    return MatmulReport(found)
+    return MatmulReport(
+        matmul_info(eqn, context, scopes)
+        for eqn, context, scopes in _traced_equations(fn, args, kwargs)
+        if eqn.primitive.name in primitives
+    )
 
 
 def _refuse_uncurried(name: str, option: str, args: tuple, kwargs: dict) -> None:

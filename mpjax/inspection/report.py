@@ -1,7 +1,8 @@
-"""The precision report: what rules resolved to, module by module, for linen and NNX models,
-and the dtypes each module's matmuls ran in, read from the jaxpr.
+"""The precision report: what rules resolved to, module by module, for linen, NNX and Equinox
+models, and the dtypes each module's operations and matmuls ran in, read from the jaxpr.
 
-:mod:`mpjax.linen` and :mod:`mpjax.nnx` build it; :func:`mpjax.describe` returns it.
+:mod:`mpjax.linen`, :mod:`mpjax.nnx` and :mod:`mpjax.equinox` build it; :func:`mpjax.describe`
+returns it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax.inspection.matmuls import call_on_leaves, inspect_matmuls
+from mpjax import jax_compat
+from mpjax.casting.regions import innermost
+from mpjax.inspection.matmuls import (
+    MATMUL_PRIMITIVES,
+    call_on_leaves,
+    matmul_info,
+    walk_jaxpr,
+)
 from mpjax.policy import (
     PURE_FLOAT16_NOTE,
     Policy,
@@ -42,6 +50,14 @@ class ModuleRow:
         operands, the precision they run at (``Policy.f32_matmul_precision``):
         ``(("bf16,bf16", 3), ("f32,f32@highest", 3))``. Empty when the report was made
         without example inputs (see ``PrecisionReport.matmuls_traced``).
+      computes: the floating dtypes the operations of the module's region (its own code, not
+        its children's) computed in, forward and backward, each with the number of operations
+        that had an input or output in it: ``(("bf16", 4), ("f32", 10))``. Every operation
+        counts, matmuls included, except casts (``convert_element_type``) and the
+        ``checkpoint_name`` identities (the regions' output boundaries); an operation with inputs and outputs in two dtypes counts
+        for both. A module kept in float32 by a rule computes in ``f32`` only. The table's
+        "ops ran in" column names the dtypes. Empty when the report was made without example
+        inputs, like ``matmuls``.
     """
 
     path: str
@@ -51,6 +67,7 @@ class ModuleRow:
     param_count: int
     param_bytes: int
     matmuls: tuple[tuple[str, int], ...] = ()
+    computes: tuple[tuple[str, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The row as JSON-serialisable data (dtype names as strings, tuples as lists)."""
@@ -68,6 +85,7 @@ class ModuleRow:
             "param_count": self.param_count,
             "param_bytes": self.param_bytes,
             "matmuls": [[dtypes, count] for dtypes, count in self.matmuls],
+            "computes": [[dtype, count] for dtype, count in self.computes],
         }
 
 
@@ -87,13 +105,14 @@ class Report(Protocol):
 @dataclasses.dataclass(frozen=True)
 class PrecisionReport:
     """The modules of a model with their resolved dtypes, parameter sizes and the dtypes their
-    matmuls ran in; made by :func:`mpjax.describe`. ``str`` gives :meth:`table`.
+    operations and matmuls ran in; made by :func:`mpjax.describe`. ``str`` gives :meth:`table`.
 
     Attributes:
       rows: one :class:`ModuleRow` per module, in traversal order.
       problems: rules that never matched or were shadowed (see :meth:`mpjax.Rules.problems`).
       matmuls_traced: whether the model was traced with example inputs, so that the rows'
-        ``matmuls`` are known; the table has its "matmuls ran in" column only then.
+        ``computes`` and ``matmuls`` are known; the table has its "ops ran in" and "matmuls ran
+        in" columns only then.
     """
 
     rows: tuple[ModuleRow, ...]
@@ -129,6 +148,7 @@ class PrecisionReport:
             "rule",
             "#params",
             "bytes",
+            "ops ran in",
             "matmuls ran in",
         )
         body = [
@@ -141,6 +161,9 @@ class PrecisionReport:
                 r.rule,
                 f"{r.param_count:,}",
                 human_bytes(r.param_bytes),
+                # The dtypes alone: how many operations a module's code writes changes with the
+                # JAX version that traces it, the dtypes they compute in do not.
+                " ".join(dtype for dtype, _ in r.computes) or "-",
                 " ".join(f"{n}x {dtypes}" for dtypes, n in r.matmuls) or "-",
             )
             for r in self.rows
@@ -155,8 +178,10 @@ class PrecisionReport:
             f"{self.total_params:,}",
             human_bytes(self.total_bytes),
             "",
+            "",
         )
-        columns = len(header) if self.matmuls_traced else len(header) - 1
+        # The last two columns are the traced dtypes, unknown without example inputs.
+        columns = len(header) if self.matmuls_traced else len(header) - 2
         lines = [
             format_table(
                 header[:columns],
@@ -213,18 +238,55 @@ def eval_shape_of(fn: Callable[..., Any], *args, **kwargs) -> Any:
     return jax.eval_shape(traced, arrays)
 
 
-def matmuls_by_region(
-    fn: Callable[..., Any], *args, **kwargs
-) -> dict[str, tuple[tuple[str, int], ...]]:
-    """The matmuls and convolutions of ``fn`` and of its gradient, by the module path of the
-    precision region they ran in, counted by operand dtypes (``"bf16,bf16"``) and, for float32
+@dataclasses.dataclass(frozen=True)
+class RegionDtypes:
+    """What ran in one precision region, forward and backward: the rows' ``computes`` and
+    ``matmuls`` (see :class:`ModuleRow`).
+
+    Attributes:
+      computes: the floating dtypes its operations computed in, with the number of
+        operations in each: ``(("bf16", 4), ("f32", 10))``.
+      matmuls: its matmuls and convolutions, counted by operand dtypes and, for float32
+        operands, precision: ``(("bf16,bf16", 3), ("f32,f32@highest", 3))``.
+    """
+
+    computes: tuple[tuple[str, int], ...] = ()
+    matmuls: tuple[tuple[str, int], ...] = ()
+
+
+def _is_compute(eqn: Any) -> bool:
+    """Whether ``eqn`` computes in the dtypes of its values: not a higher-order primitive
+    (its inner equations are counted themselves), a cast, or a ``checkpoint_name`` (an
+    identity, which a region's output boundary is)."""
+    return not (
+        jax_compat.sub_jaxprs(eqn)
+        or eqn.primitive.name == "convert_element_type"
+        or jax_compat.checkpoint_name_of(eqn) is not None
+    )
+
+
+def _floating_dtypes(eqn: Any) -> set[str]:
+    """The short names of the floating dtypes of ``eqn``'s inputs (literals included) and
+    outputs."""
+    avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
+    return {short_dtype_name(aval.dtype) for aval in avals if is_floating(aval)}
+
+
+def dtypes_by_region(fn: Callable[..., Any], *args, **kwargs) -> dict[str, RegionDtypes]:
+    """What the operations of ``fn`` and of its gradient computed in, by the module path of
+    the precision region they ran in: the floating dtypes of each region's operations, and its
+    matmuls and convolutions counted by operand dtypes (``"bf16,bf16"``) and, for float32
     operands, the precision they run at (``"f32,f32@highest"``).
 
-    Read from the jaxpr of ``jax.grad`` of the sum of ``fn(*args, **kwargs)``'s floating outputs
-    with respect to the floating array leaves of the arguments (arrays or
-    ``jax.ShapeDtypeStruct``): forward and backward matmuls, nothing computed. Leaves that are
-    not arrays (flags such as ``deterministic=True``) are static. A matmul outside any region
-    counts for the root (``""``).
+    Read from one trace, the jaxpr of ``jax.grad`` of the sum of ``fn(*args, **kwargs)``'s
+    floating outputs with respect to the floating array leaves of the arguments (arrays or
+    ``jax.ShapeDtypeStruct``): forward and backward, nothing computed. Leaves that are not
+    arrays (flags such as ``deterministic=True``) are static. An operation inside a nested
+    jaxpr (a ``jax.jit`` or ``remat`` in a module's code) counts for the region around it,
+    where the casting engine runs it. A matmul outside any region counts for the root
+    (``""``); the dtypes of the other operations outside every region are left out: they are
+    this function's own (the sum it differentiates and the seed of its gradient), as every
+    operation of a wrapped model runs in the region of one of its modules.
     """
     leaves, tree = jax.tree.flatten((args, kwargs))
     arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
@@ -238,13 +300,28 @@ def matmuls_by_region(
         outs = [x for x in outs if is_floating(x)]
         return sum((jnp.sum(x.astype(jnp.float32)) for x in outs), jnp.zeros((), jnp.float32))
 
-    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    report = inspect_matmuls(jax.grad(loss))(
+    closed = jax.make_jaxpr(jax.grad(loss))(
         [leaves[i] for i in floating], [leaves[i] for i in arrays]
     )
-    for m in report:
-        dtypes = ",".join(short_dtype_name(d) for d in m.operand_dtypes)
-        if m.f32_precision is not None:
-            dtypes += f"@{m.f32_precision}"
-        counts[m.region or ""][dtypes] += 1
-    return {path: tuple(sorted(c.items())) for path, c in counts.items()}
+    computes: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    matmuls: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for eqn, context, scopes in walk_jaxpr(closed.jaxpr):
+        if not _is_compute(eqn):
+            continue
+        region = innermost(scopes)
+        path = "" if region is None else region.path
+        if region is not None:
+            computes[path].update(_floating_dtypes(eqn))
+        if eqn.primitive.name in MATMUL_PRIMITIVES:
+            m = matmul_info(eqn, context, scopes)
+            dtypes = ",".join(short_dtype_name(d) for d in m.operand_dtypes)
+            if m.f32_precision is not None:
+                dtypes += f"@{m.f32_precision}"
+            matmuls[path][dtypes] += 1
+    return {
+        path: RegionDtypes(
+            computes=tuple(sorted(computes[path].items())),
+            matmuls=tuple(sorted(matmuls[path].items())),
+        )
+        for path in computes.keys() | matmuls.keys()
+    }
