@@ -421,6 +421,7 @@ def _forward_and_gradients(q, k, v, cotangent, *, implementation, is_causal):
         (jnp.bfloat16, True, 128),
     ],
 )
+@pytest.mark.slow
 def test_pallas_kernels_match_xla_forward_and_backward_in_the_interpreter(dtype, is_causal, head):
     """Pallas's forward and backward kernels, run by Pallas's TPU interpreter, against XLA's
     composition: the same function, summed in other orders (online softmax over blocks of

@@ -266,6 +266,7 @@ def test_optimizer_rows_hold_the_bytes_their_setup_implies(key, bf16_counts, opt
         ("bf16_sr_state_dynamic4", "dynamic4", 1 + 8 / 128),
     ],
 )
+@pytest.mark.slow
 def test_quantized_state_rows_store_the_small_presets_matrices_quantized(key, fmt, state_bytes):
     assert key in bench.QUANTIZED_STATE_KEYS
     variant = next(v for v in bench.VARIANTS if v.key == key)

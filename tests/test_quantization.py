@@ -93,6 +93,7 @@ def test_four_bit_maps_are_torchaos():
 # Layout and rounding to nearest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dynamic8", "dynamic4"])
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_nearest_codes_match_a_reference(name, signed):
@@ -134,6 +135,7 @@ def _bound(fmt, signed, absmax):
     return absmax * (gap + 2**-23)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dynamic8", "dynamic4"])
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_round_trip_error_is_bounded_by_the_maps_widest_gap(name, signed):
@@ -168,6 +170,7 @@ def test_e4m3_round_trip_error_is_half_an_e4m3_ulp_of_the_scaled_value():
     assert np.all(np.abs(np.asarray(q.codes).view(jnp.float8_e4m3fn).astype(F32)).max(-1) == 448)
 
 
+@pytest.mark.slow
 def test_zero_blocks_and_negative_extremes():
     zeros = quantize_blockwise(jnp.zeros((2, 256)), "dynamic8")
     np.testing.assert_array_equal(np.asarray(zeros.absmax), np.zeros((2, 1)))
@@ -205,6 +208,7 @@ def test_unsigned_map_never_makes_a_positive_value_zero(name, rounding):
 # Stochastic rounding
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dynamic8", "e4m3", "dynamic4"])
 def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased(name):
     fmt = QUANT_FORMATS[name]

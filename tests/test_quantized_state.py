@@ -144,6 +144,7 @@ def test_choices_say_why_a_leaf_stays_wide():
     ],
     ids=["adam", "adamw", "lion", "sgd_momentum", "rmsprop", "adafactor"],
 )
+@pytest.mark.slow
 def test_moment_like_leaves_of_common_optimizers(inner, fields):
     # Adafactor's factored second moments of a (128, 4096) matrix: v_row has 128 elements
     # (stays wide), v_col 4096 (quantized, unsigned).
@@ -167,6 +168,7 @@ def test_moment_like_leaves_of_common_optimizers(inner, fields):
 # The update
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dynamic8", "e4m3", "dynamic4"])
 def test_nearest_is_float32_adam_on_the_dequantized_state_then_quantized(name):
     # The definition, by hand: float32 Adam from the dequantized moments, the new moments
