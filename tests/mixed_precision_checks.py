@@ -259,3 +259,15 @@ def normal(*shape, seed=0, scale=1.0):
 def fan_in_normal(rngs: nnx.Rngs, *shape, fan_in=None):
     fan_in = shape[-2] if fan_in is None else fan_in
     return jax.random.normal(rngs.params(), shape) / math.sqrt(fan_in)
+
+
+def assert_norm_computes_in_f32_alone(report) -> None:
+    """The ``describe`` report of a ``dense`` into a ``norm`` under ``mixed_float16``: the norm a
+    rule keeps in float32 computes every operation in float32 (its row and its table line),
+    the Dense in float16 with its three f16 matmuls (forward and the two backward)."""
+    norm, dense = report.row("norm"), report.row("dense")
+    assert norm.policy.compute_dtype == jnp.float32
+    assert [dtype for dtype, _ in norm.computes] == ["f32"]
+    assert "f16" in dict(dense.computes) and dense.matmuls == (("f16,f16", 3),)
+    line = next(line for line in report.table().splitlines() if line.startswith("norm "))
+    assert line.split()[-2:] == ["f32", "-"]  # the ops, no matmuls

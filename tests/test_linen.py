@@ -713,6 +713,19 @@ def test_describe_shows_every_dtype_a_modules_operations_computed_in():
     assert report.to_dict()["rows"][2]["computes"] == [["f32", dict(norm.computes)["f32"]]]
 
 
+def test_describe_leaves_the_gradients_sum_of_a_residual_to_its_caller():
+    # The residual stream feeds the norm and skips it: JAX sums its two gradients in float16
+    # under the norm's scope, which is the stream's arithmetic, not the norm's.
+    class Residual(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(4, name="dense")(x)
+            return h + nn.LayerNorm(name="norm")(h)
+
+    report = mpjax.describe(mpl.apply_policy(Residual(), "mixed_float16"))(jnp.ones((2, 3)))
+    assert [dtype for dtype, _ in report.row("norm").computes] == ["f32"]
+
+
 def test_describe_counts_a_function_jitted_in_a_module_for_that_module():
     # The equations of a nested jaxpr record none of the scopes around it: the module's region
     # is the one around the jit, where the engine ran them.

@@ -53,9 +53,10 @@ class ModuleRow:
       computes: the floating dtypes the operations of the module's region (its own code, not
         its children's) computed in, forward and backward, each with the number of operations
         that had an input or output in it: ``(("bf16", 4), ("f32", 10))``. Every operation
-        counts, matmuls included, except casts (``convert_element_type``) and the
-        ``checkpoint_name`` identities (the regions' output boundaries); an operation with inputs and outputs in two dtypes counts
-        for both. A module kept in float32 by a rule computes in ``f32`` only. The table's
+        counts, matmuls included, except casts (``convert_element_type``), the sums of a
+        value's gradients from its several uses (``add_any``, in the value's dtype: the
+        caller's) and the ``checkpoint_name`` identities (the regions' output boundaries); an
+        operation with inputs and outputs in two dtypes counts for both. A module kept in float32 by a rule computes in ``f32`` only. The table's
         "ops ran in" column names the dtypes. Empty when the report was made without example
         inputs, like ``matmuls``.
     """
@@ -254,13 +255,20 @@ class RegionDtypes:
     matmuls: tuple[tuple[str, int], ...] = ()
 
 
+# A cast, and the sum of the gradients of a value used in two places (a residual stream that
+# feeds a norm and skips it): JAX adds them in the value's dtype where the uses meet, under the
+# scope of one of them, so a norm of a float16 stream would show float16 for its caller's sum.
+_NOT_COMPUTE = frozenset({"convert_element_type", "add_any"})
+
+
 def _is_compute(eqn: Any) -> bool:
     """Whether ``eqn`` computes in the dtypes of its values: not a higher-order primitive
-    (its inner equations are counted themselves), a cast, or a ``checkpoint_name`` (an
-    identity, which a region's output boundary is)."""
+    (its inner equations are counted themselves), a cast or a gradients' sum
+    (``_NOT_COMPUTE``), or a ``checkpoint_name`` (an identity, which a region's output
+    boundary is)."""
     return not (
         jax_compat.sub_jaxprs(eqn)
-        or eqn.primitive.name == "convert_element_type"
+        or eqn.primitive.name in _NOT_COMPUTE
         or jax_compat.checkpoint_name_of(eqn) is not None
     )
 
