@@ -127,7 +127,11 @@ def test_the_readme_command_leaves_out_the_slow_tests_and_ci_runs_them():
     assert addopts[addopts.index("-m") + 1] == "not slow"
     assert any(marker.startswith("slow:") for marker in ini["markers"])
     ci = (ROOT / ".ci" / "run").read_text()
-    assert re.search(r"^SLOW_TESTS='\. \.venv/bin/activate && python -m pytest -m slow'$", ci, re.M)
+    assert re.search(
+        r"^SLOW_TESTS='\. \.venv/bin/activate && python -m pytest -m slow -n 2 --dist worksteal'$",
+        ci,
+        re.M,
+    )
     body = ci.split("\nsuite() {", 1)[1].split("\n}\n", 1)[0]
     readme_run = body.index('bash -c "${README_TESTS')
     slow_run = body.index('bash -c "$SLOW_TESTS"')

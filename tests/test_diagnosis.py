@@ -201,6 +201,7 @@ def test_ranges_per_module_and_operation_match_numpy_forward_and_backward():
     assert "<- f16 max" in report.histogram("proj") or "2^" in report.histogram("proj")
 
 
+@pytest.mark.slow
 def test_the_histogram_plot_draws_each_share_and_the_dtypes_limits(monkeypatch):
     matplotlib.use("Agg")
     x, w = _exact_inputs()
@@ -233,6 +234,7 @@ def _causal_attention(q, k):
     return jnp.sum(out**2)
 
 
+@pytest.mark.slow
 def test_mask_fills_are_counted_apart_not_as_overflow():
     q, k = jax.random.normal(jax.random.key(0), (2, 2, 6, 2, 4))
     report = mpjax.diagnose(_causal_attention, policy="mixed_float16")(q, k)
@@ -741,6 +743,7 @@ class _NnxNet(nnx.Module):
         return x
 
 
+@pytest.mark.slow
 def test_a_batched_loss_of_an_nnx_model_is_diagnosed_by_the_models_paths():
     model, (x, y) = _NnxNet(), _batch((2, 8))
     report = mpjax.diagnose(_batched_loss, policy=F16_GRADIENTS)(model, x, y)
@@ -808,6 +811,7 @@ def test_a_linen_model_with_scanned_layers_is_diagnosed_by_the_scanned_names():
     assert birth.module == "" and "axes_scan.py" in birth.location
 
 
+@pytest.mark.slow
 def test_the_policy_of_a_function_is_that_of_its_models_or_asked_for():
     model = _EqxNet(jax.random.key(0))
     x, y = _batch()

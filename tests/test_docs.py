@@ -78,6 +78,8 @@ SLOW = {
     "linen.md": "compiles several Flax models forward and backward",
     "nnx.md": "compiles NNX train steps",
     "optimizer_memory.md": "runs 300 optimizer updates eagerly",
+    "plan.md": "compiles training steps for an H100 and a TPU",
+    "pods.md": "compiles sharded training steps for TPU slices and GPU clusters",
 }
 
 

@@ -72,6 +72,7 @@ def _cfg(text_file, tmp_path, **overrides) -> tt.TrainConfig:
 # ----------------------------------------------------------------------------- data
 
 
+@pytest.mark.slow
 def test_default_corpus_is_the_stdlib_sources_and_deterministic():
     a = tt.load_corpus(None, max_bytes=200_000)
     b = tt.load_corpus(None, max_bytes=200_000)

@@ -95,6 +95,7 @@ def test_parts_of_composed_states():
 @pytest.mark.parametrize(
     "name, bits, block", [("dynamic8", 8, 256), ("e4m3", 8, 256), ("dynamic4", 4, 128)]
 )
+@pytest.mark.slow
 def test_bf16_params_and_quantized_moments_are_about_4_or_3_bytes_per_param(name, bits, block):
     # bf16 params with stochastic rounding (2 bytes) and two moments of bits / 8 bytes plus a
     # float32 absmax per block: 4 + 8 / 256 with 8-bit moments, 3 + 8 / 128 with 4-bit ones.

@@ -387,6 +387,7 @@ def test_the_tpu_search_and_lookup_of_a_table_give_the_integers_and_values_of_th
 _TPU = mpjax.plan_unavailable("v5p")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_TPU is not None, reason=f"the plan cannot compile for a TPU: {_TPU}")
 @pytest.mark.parametrize("name", ["dynamic8", "e4m3", "dynamic4"])
 def test_on_a_tpu_a_round_trip_costs_a_few_passes_over_the_array(name):

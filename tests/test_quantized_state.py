@@ -199,6 +199,7 @@ def test_nearest_is_float32_adam_on_the_dequantized_state_then_quantized(name):
     assert int(adam_of(state).count) == 4
 
 
+@pytest.mark.slow
 def test_stochastic_rounds_with_the_carried_key_stream():
     params = make_params()
     tx = quantized_state(optax.adam(1e-2), rounding="stochastic", seed=3)
