@@ -1786,7 +1786,9 @@ def make_parser() -> argparse.ArgumentParser:
         help="mpjax policy: float32, mixed_bfloat16, mixed_float16, bfloat16, "
         "mixed_bfloat16_fp8 (fp8 matmuls, current scaling; Hopper/Ada GPUs run them as fp8 "
         f"GEMMs), '{FP8_DELAYED}' (fp8, delayed scaling: the train state carries the fp8 "
-        "scales and amax histories), 'p=f32,c=bf16,o=f32', "
+        "scales and amax histories), mixed_bfloat16_fp8_rowwise (a scale per row), "
+        "mixed_bfloat16_mxfp8 and mixed_bfloat16_nvfp4 (Blackwell's block formats; emulated "
+        "elsewhere), 'p=f32,c=bf16,o=f32', "
         "'p=f32,c=bf16,o=f32,fp8=current;margin=1', ...",
     )
     g.add_argument(
@@ -1941,7 +1943,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--plan",
         default=TrainConfig.plan,
         metavar="TARGET",
-        help="print mpjax.plan's plan of the train step for TARGET (h100, a100, h200; v4, v5e, "
+        help="print mpjax.plan's plan of the train step for TARGET (h100, a100, h200, b200, "
+        "gb200, b300; v4, v5e, "
         "v5p, v6e; a TPU slice such as v5p:2x2x1), sharded as it would train there, compiled "
         "on this machine without it: matmul dtypes, fused attention, memory per device, and "
         "on a TPU XLA's estimated step time and MFU; no training (needs the cuda12 or tpu "

@@ -64,8 +64,10 @@ E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 """The gradient format: 5 exponent and 2 mantissa bits, finite range ±57344."""
 
-SCALINGS = ("current", "delayed")
+SCALINGS = ("current", "delayed", "rowwise", "mxfp8", "nvfp4")
 """The scaling modes :class:`Fp8Recipe` accepts."""
+BLOCK_SCALINGS = ("mxfp8", "nvfp4")
+"""The scalings that run matmuls in a block format (:mod:`mpjax.block_scaled`)."""
 
 _F32 = np.dtype(jnp.float32)
 _COMPUTE_DTYPES = frozenset(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
@@ -77,10 +79,15 @@ class Fp8Recipe:
     """How the matmuls of a policy run in fp8.
 
     Args:
-      scaling: how scales are chosen. ``"current"``: from the amax of each tensor at each
-        step (stateless). ``"delayed"``: from the largest amax of the last ``history`` steps,
-        kept in a state the caller carries (:func:`delayed_dot_general`; through a policy, a
-        Flax collection, NNX Variables or :func:`mpjax.fp8_state` for autocast).
+      scaling: how scales are chosen. ``"current"``: one per tensor, from its amax at each
+        step (stateless). ``"delayed"``: one per tensor, from the largest amax of the last
+        ``history`` steps, kept in a state the caller carries (:func:`delayed_dot_general`;
+        through a policy, a Flax collection, NNX Variables or :func:`mpjax.fp8_state` for
+        autocast). ``"rowwise"``: one power of two per row of each operand of each GEMM (the
+        axes it does not contract: per token for activations, per output channel for
+        weights), e4m3 forward and backward (:func:`rowwise_dot_general`). ``"mxfp8"`` and
+        ``"nvfp4"``: the block formats of Blackwell GPUs, a scale per 32 (16) values along the
+        contraction (:mod:`mpjax.block_scaled`); they take no margin.
       history: the length of the amax history of delayed scaling (at least 1).
       margin: the scale is multiplied by ``2**margin``, leaving that many binades of headroom
         below the fp8 maximum (0 to 16).
@@ -128,6 +135,11 @@ class Fp8Recipe:
             )
         if not isinstance(self.batched, (bool, np.bool_)):
             raise TypeError(f"Fp8Recipe(batched=...) must be True or False; got {self.batched!r}.")
+        if self.scaling in BLOCK_SCALINGS and self.margin:
+            raise ValueError(
+                f"Fp8Recipe(margin=...) does not apply to {self.scaling}, whose block scales are "
+                f"chosen per block by the format's own rule; got margin={self.margin}."
+            )
         object.__setattr__(self, "history", int(self.history))
         object.__setattr__(self, "margin", int(self.margin))
         object.__setattr__(self, "batched", bool(self.batched))
@@ -170,6 +182,11 @@ class Fp8Recipe:
                     "and batched, after the scaling, separated by ';'."
                 )
         return cls(**fields)
+
+    @property
+    def block_scaled(self) -> bool:
+        """Whether the matmuls run in a block format (``"mxfp8"``, ``"nvfp4"``)."""
+        return self.scaling in BLOCK_SCALINGS
 
     def applies_to(self, dimension_numbers: Any) -> bool:
         """Whether a ``dot_general`` with these dimension numbers runs in fp8 under this
@@ -347,8 +364,121 @@ def _current_bwd(dimension_numbers, precision, margin, operands, g):
 _current.defvjp(_current_fwd, _current_bwd)
 
 
+# --- Rowwise scaling -----------------------------------------------------------------------
+
+
+def rowwise_scale(x: jax.Array, contract: Sequence[int], dtype: Any, margin: int = 0) -> jax.Array:
+    """The f32 scales of ``x``'s rows for a GEMM contracting its axes ``contract``: one per
+    index of the other axes (kept with size 1 along ``contract``), each the smallest power of
+    two at least ``amax(|row|) / fp8_max`` (times ``2**margin``), so that no finite value
+    saturates and dividing by it is exact; 1 for a row of zeros or one holding a non-finite
+    value.
+
+    >>> import jax.numpy as jnp
+    >>> rowwise_scale(jnp.array([[896.0, 3.0], [1.0, 0.5]]), (1,), E4M3).ravel().tolist()
+    [2.0, 0.00390625]
+    """
+    amax = jnp.max(jnp.abs(x), axis=tuple(contract), keepdims=True).astype(_F32)
+    usable = (amax > 0) & jnp.isfinite(amax)
+    mantissa, exponent = jnp.frexp(jnp.where(usable, amax / _fp8_max(np.dtype(dtype)), 1.0))
+    exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent) + margin
+    tiny = int(np.log2(np.finfo(np.float32).tiny))  # no subnormal scale
+    return jnp.where(usable, jnp.ldexp(jnp.ones((), _F32), jnp.maximum(exponent, tiny)), 1.0)
+
+
+def _output_scale(scale: jax.Array, batch, kept, contract, other_kept: int, first: bool):
+    """An operand's row scales laid out along a ``dot_general``'s output axes (batch, lhs kept,
+    rhs kept), size 1 along the other operand's ``other_kept`` axes."""
+    moved = jnp.transpose(scale, (*batch, *kept, *contract))
+    sizes = moved.shape[: len(batch) + len(kept)]
+    ones = (1,) * other_kept
+    b, k = sizes[: len(batch)], sizes[len(batch) :]
+    return moved.reshape((*b, *k, *ones) if first else (*b, *ones, *k))
+
+
+def _rowwise_matmul(a, b, dimension_numbers, compute, margin):
+    """A GEMM on e4m3 operands scaled per row, accumulated in f32, the outer product of the
+    row scales applied to its output, rounded to ``compute``."""
+    (a_contract, b_contract), (a_batch, b_batch) = dimension_numbers
+    a_kept, b_kept = _kept(a.ndim, a_contract, a_batch), _kept(b.ndim, b_contract, b_batch)
+    sa = rowwise_scale(a, a_contract, E4M3, margin)
+    sb = rowwise_scale(b, b_contract, E4M3, margin)
+    out = lax.dot_general(
+        quantize(a, E4M3, sa), quantize(b, E4M3, sb), dimension_numbers, preferred_element_type=_F32
+    )
+    scale = _output_scale(sa, a_batch, a_kept, a_contract, len(b_kept), True) * _output_scale(
+        sb, b_batch, b_kept, b_contract, len(a_kept), False
+    )
+    return (out * scale).astype(compute)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rowwise(lhs, rhs, dimension_numbers, margin):
+    return _rowwise_matmul(lhs, rhs, dimension_numbers, np.dtype(lhs.dtype), margin)
+
+
+def _rowwise_fwd(lhs, rhs, dimension_numbers, margin):
+    return _rowwise(lhs, rhs, dimension_numbers, margin), (lhs, rhs)
+
+
+def _rowwise_bwd(dimension_numbers, margin, residuals, g):
+    """Both gradients from GEMMs whose operands are quantized again per row of *that* GEMM (a
+    row scale runs across the contraction, which differs between the three GEMMs), e4m3 for
+    the incoming gradient too: the saved operands are the unquantized ones."""
+    lhs, rhs = residuals
+    compute = np.dtype(lhs.dtype)
+    g = g.astype(compute)
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    swapped = ((rhs_contract, lhs_contract), (rhs_batch, lhs_batch))
+    dims, permutation = _transpose_lhs(lhs.ndim, rhs.ndim, dimension_numbers)
+    dlhs = lax.transpose(_rowwise_matmul(g, rhs, dims, compute, margin), permutation)
+    dims, permutation = _transpose_lhs(rhs.ndim, lhs.ndim, swapped, swap_ans=True)
+    drhs = lax.transpose(_rowwise_matmul(g, lhs, dims, compute, margin), permutation)
+    return dlhs, drhs
+
+
+_rowwise.defvjp(_rowwise_fwd, _rowwise_bwd)
+
+
+def rowwise_dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    *,
+    margin: int = 0,
+    precision: Any = None,
+) -> jax.Array:
+    """``lax.dot_general`` in fp8 with a power-of-two scale per row of each operand (the
+    rowwise recipe of torchao's float8 training): e4m3 operands in all three GEMMs, each
+    quantized per row of the GEMM it enters (for the forward GEMM, per token of the
+    activations and per output channel of the weights), the scales applied to the f32 output.
+
+    Finer scales than one per tensor keep a row of small values from losing its bits to
+    another row's outlier, which is why the incoming gradient runs in e4m3 too. The operands
+    are saved unquantized for the backward pass (each backward GEMM quantizes them along its
+    own rows), as bf16 matmuls save them.
+
+    Args:
+      lhs, rhs: the operands; computed in the wider of their dtypes (bf16, f16 or f32).
+      dimension_numbers: as for ``lax.dot_general``.
+      margin: binades of headroom, as in :class:`Fp8Recipe`.
+      precision: must be None (``DEFAULT``), the precision fp8 GEMMs have.
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.array([[448.0, 1.0], [0.25, 0.5]], jnp.bfloat16)
+    >>> rowwise_dot_general(x, jnp.eye(2, dtype=jnp.bfloat16), (((1,), (0,)), ((), ())))
+    Array([[448, 1],
+           [0.25, 0.5]], dtype=bfloat16)
+    """
+    del precision  # fp8 GEMMs have one precision
+    recipe = Fp8Recipe("rowwise", margin=margin)  # checks the margin
+    lhs, rhs = _in_compute_dtype(lhs, rhs)
+    return _rowwise(lhs, rhs, dimension_numbers, recipe.margin)
+
+
 def check_compute_dtype(dtype: Any) -> np.dtype:
-    """``dtype`` as a numpy dtype, if fp8 matmuls can run with it (bf16, f16, f32).
+    """``dtype`` as a numpy dtype, if fp8 (and block-scaled) matmuls can run with it (bf16, f16,
+    f32).
 
     Raises:
       ValueError: for any other dtype.

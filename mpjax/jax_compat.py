@@ -15,7 +15,8 @@ CI runs it on the oldest and the newest). The differences handled here:
   renamed the shard_map param ``manual_axes`` to ``newly_manual_axes``; 0.9.2 made
   ``Primitive.get_bind_params`` return params only.
 * XLA's Triton GEMMs take dots on two float8 types from jax 0.10.2 on (:func:`mixed_fp8_dots`);
-  XLA's CPU runtime lacks some bf16 x bf16 -> f32 dots (:func:`widen_narrow_dots_on_cpu`).
+  XLA's CPU runtime lacks some bf16 x bf16 -> f32 dots (:func:`widen_narrow_dots_on_cpu`);
+  jax 0.8.1 cannot lower block-scaled GEMMs for the CPU (:func:`emulate_block_scaled_matmuls_on_cpu`).
 * Pallas's TPU flash attention (:func:`pallas_flash_attention`) and
   ``force_tpu_interpret_mode`` (:func:`pallas_tpu_interpreted`) are the same in 0.8.1 and 0.12.
 * Compiling for a GPU without one (:func:`cuda_topology`, :func:`deviceless_compile`): the
@@ -46,6 +47,9 @@ from jax import lax
 from jax._src import (
     source_info_util,  # the name stack of the trace in progress
     xla_bridge,  # the platform name lowering uses ("cuda" for "gpu")
+)
+from jax._src.cudnn.scaled_matmul_stablehlo import (
+    _scaled_matmul_p as scaled_matmul_p,  # the block-scaled GEMM, for its CPU lowering
 )
 from jax._src.interpreters import mlir as _mlir  # the CPU lowering of bf16 -> f32 dots
 from jax.experimental import topologies
@@ -120,10 +124,8 @@ def _param(eqn: Any, name: str) -> Any:
 
 
 def closed(jaxpr: Any) -> jex_core.ClosedJaxpr:
-    """``jaxpr`` as a ClosedJaxpr (remat and shard_map carry open jaxprs, with no consts).
-
-    From jax 0.11 every jaxpr is closed (``ClosedJaxpr`` is ``Jaxpr``) and it is returned as is.
-    """
+    """``jaxpr`` as a ClosedJaxpr (remat and shard_map carry open jaxprs, with no consts); from
+    jax 0.11 every jaxpr is closed (``ClosedJaxpr`` is ``Jaxpr``) and it is returned as is."""
     if isinstance(jaxpr, jex_core.ClosedJaxpr):
         return jaxpr
     return jex_core.ClosedJaxpr(jaxpr, ())
@@ -131,9 +133,7 @@ def closed(jaxpr: Any) -> jex_core.ClosedJaxpr:
 
 def checkpoint_name_of(eqn: Any) -> str | None:
     """The name of a ``jax.ad_checkpoint.checkpoint_name`` equation, or None for another one."""
-    if eqn.primitive.name != "name":
-        return None
-    return eqn.params.get("name")
+    return eqn.params.get("name") if eqn.primitive.name == "name" else None
 
 
 def is_literal(atom: Any) -> bool:
@@ -143,9 +143,7 @@ def is_literal(atom: Any) -> bool:
 
 def is_dropvar(atom: Any) -> bool:
     """Whether an equation output is a DropVar: unused (printed ``_``), with no value to store.
-
-    From jax 0.10.1 unused outputs are plain variables that nothing reads (False here).
-    """
+    From jax 0.10.1 unused outputs are plain variables that nothing reads (False here)."""
     return isinstance(atom, _DropVar)
 
 
@@ -184,21 +182,17 @@ def bind_equation(eqn: Any, invals: Sequence[Any], params: dict | None = None) -
 
 
 def scope_names(eqn: Any) -> tuple[str, ...]:
-    """The ``jax.named_scope`` names around ``eqn``, outermost first, transforms left out.
-
+    """The ``jax.named_scope`` names around ``eqn``, outermost first, transforms left out:
     JAX's name stack mixes scopes (``named_scope``, Flax module names) with transformation
-    markers (``jvp(...)``, ``transpose(...)``); only scopes name a region of user code.
-    """
+    markers (``jvp(...)``, ``transpose(...)``); only scopes name a region of user code."""
     return tuple(e.name for e in eqn.source_info.name_stack.stack if type(e).__name__ == "Scope")
 
 
 def current_scope_names() -> tuple[str, ...]:
     """The ``jax.named_scope`` names open around the code being traced right now, outermost
-    first, as :func:`scope_names` reads them off an equation once it is recorded.
-
-    JAX starts a fresh name stack for each nested trace (``jit``, ``scan``, ``checkpoint``),
-    so these are the scopes opened inside the innermost one.
-    """
+    first, as :func:`scope_names` reads them off an equation once it is recorded. JAX starts a
+    fresh name stack for each nested trace (``jit``, ``scan``, ``checkpoint``), so these are
+    the scopes opened inside the innermost one."""
     stack = source_info_util.current_name_stack().stack
     return tuple(e.name for e in stack if type(e).__name__ == "Scope")
 
@@ -292,14 +286,17 @@ def takes_precision(eqn: Any) -> bool:
     return eqn.primitive.name in _PRECISION_PRIMITIVES and "precision" in eqn.params
 
 
+def _left_default(precision: Any) -> bool:
+    return precision is None or (
+        isinstance(precision, tuple) and all(p == lax.Precision.DEFAULT for p in precision)
+    )
+
+
 def precision_left_default(eqn: Any) -> bool:
     """Whether the code that made ``eqn`` left its precision at the default: no ``precision``
     (None in the jaxpr) or ``lax.Precision.DEFAULT`` for both operands. A
     ``lax.DotAlgorithmPreset`` (``DEFAULT`` included) or any other precision was chosen."""
-    precision = eqn.params.get("precision")
-    return precision is None or (
-        isinstance(precision, tuple) and all(p == lax.Precision.DEFAULT for p in precision)
-    )
+    return _left_default(eqn.params.get("precision"))
 
 
 def with_precision(eqn: Any, params: dict | None, name: str) -> dict | None:
@@ -319,9 +316,7 @@ def precision_name(eqn: Any, params: dict | None = None) -> str:
     ``lax.DotAlgorithmPreset`` name in lower case (``"bf16_bf16_f32_x6"``); operands at
     different precisions, ``"high,default"``."""
     precision = (eqn.params if params is None else params).get("precision")
-    if precision is None or (
-        isinstance(precision, tuple) and all(p == lax.Precision.DEFAULT for p in precision)
-    ):
+    if _left_default(precision):
         return "default"
     if isinstance(precision, lax.DotAlgorithmPreset):
         names = [n for n, (dot, _) in _PRECISION_PARAMS.items() if dot == precision]
@@ -425,6 +420,29 @@ def lowering_platform() -> str:
     and :func:`cond_platforms` name platforms: ``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``
     (``jax.default_backend()`` says ``"gpu"`` for the GPU ones)."""
     return xla_bridge.canonicalize_platform(jax.default_backend())
+
+
+BLOCK_SCALED_MATMUL = "scaled_matmul_wrapper"
+"""The jaxpr primitive of ``jax.nn.scaled_matmul`` (the same name in jax 0.8.1 and 0.12): a
+block-scaled GEMM on ``(B, M, K)`` and ``(B, N, K)`` values and their block scales."""
+
+
+def emulate_block_scaled_matmuls_on_cpu() -> None:
+    """Gives ``jax.nn.scaled_matmul`` a CPU lowering where this JAX has none (jax 0.8.1;
+    0.12 has its own): the values times their block scales, multiplied in the output dtype."""
+    if scaled_matmul_p in _mlir._platform_specific_lowerings.get("cpu", {}):
+        return
+
+    def emulated(a: Any, b: Any, a_scales: Any, b_scales: Any, *, preferred_element_type: Any):
+        t = preferred_element_type  # (B, M, K) as (B, M, K / block, block), times its scales
+        a, b = (
+            x.reshape(*s.shape, -1).astype(t) * s.astype(t)[..., None]
+            for x, s in ((a, a_scales), (b, b_scales))
+        )
+        return lax.dot_general(a, b, (((2, 3), (2, 3)), ((0,), (0,)))).astype(t)
+
+    lowering = _mlir.lower_fun(emulated, multiple_results=False)
+    _mlir.register_lowering(scaled_matmul_p, lowering, platform="cpu")
 
 
 PALLAS_BLOCK = pallas_flash.MIN_BLOCK_SIZE
@@ -559,34 +577,26 @@ def ref_like(template: Any, value: Any) -> Any:
 _CUDA_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
 _UNKNOWN_FIELD = re.compile(r'(\d+):\d+: Message type "[\w.]*?(\w+)" has no field named "(\w+)"')
 _NEEDS_AUTOTUNING = "autotune result cache hit for deviceless compilation"
-# What this process learned about the installed jaxlib's deviceless compiles (see
-# deviceless_hlo): whether Triton GEMMs need autotuning turned off, and whether the compiled
-# executable can print its HLO or the HLO must be read from an XLA dump.
+# What this process learned about the installed jaxlib's deviceless compiles: whether Triton
+# GEMMs need autotuning off, whether the HLO must be read from an XLA dump (deviceless_compile).
 _deviceless: dict[str, bool] = {}
 
 
-def _skip_cuda_checks_off_cuda(platforms: str) -> None:
-    """Skips the jax 0.8 CUDA plugin's check of the local CUDA installation where
-    ``platforms`` (JAX's ``jax_platforms``, ``"cpu"``, or empty for its default) names no CUDA:
-    without a GPU the check fails and leaves the plugin unregistered for compile-only targets,
-    as later plugins no longer do. At import, before JAX starts its backends."""
+def _compile_only_environment(platforms: str) -> None:
+    """Where ``platforms`` (JAX's ``jax_platforms``, ``"cpu"``, or empty for its default) names
+    no CUDA, skips the jax 0.8 CUDA plugin's check of the local CUDA installation (without a GPU
+    it fails and leaves the plugin unregistered for compile-only targets, as later plugins no
+    longer do); where it names no TPU, lets several processes load libtpu (which locks it to
+    one), each compiling for TPU targets (a benchmark's workers). At import, before JAX starts
+    its backends."""
     names = {p.strip() for p in platforms.split(",") if p.strip()}
     if names and not names & {"cuda", "gpu"}:
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-
-
-_skip_cuda_checks_off_cuda(getattr(jax.config, "jax_platforms", None) or "")
-
-
-def _share_libtpu_off_tpu(platforms: str) -> None:
-    """Lets several processes load libtpu (which locks it to one) where ``platforms`` names
-    no TPU: compile-only, each may compile for TPU targets (a benchmark's workers)."""
-    names = {p.strip() for p in platforms.split(",") if p.strip()}
     if names and "tpu" not in names:
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
-_share_libtpu_off_tpu(getattr(jax.config, "jax_platforms", None) or "")
+_compile_only_environment(getattr(jax.config, "jax_platforms", None) or "")
 
 
 def cuda_plugin_installed() -> bool:
@@ -652,16 +662,14 @@ def cuda_topology(target_config: str, topology: str = "1x1x1") -> CudaTopology:
     ``GpuTargetConfigProto`` in text form (the spec files of openxla/xla): one GPU, or
     ``topology`` as ``slices x hosts x GPUs per host`` (``"1x2x8"``: two hosts of eight).
 
-    The proto grows with XLA and jaxlib parses it strictly, so a spec newer than the installed
-    jaxlib has fields it rejects: jaxlib 0.10.2 lacks ``collective_memory_granularity``, 0.8.1
-    about twenty fields of ``gpu_device_info``. The parser names one unknown field per try, in
-    XLA's log only (the exception does not), so each try runs with that log captured; the
-    field it names is dropped and the parse tried again. Unknown fields describe the GPU more
-    finely (cost-model rates, driver strings); dropping them leaves the compute capability and
-    memory sizes that choose kernels. One dropped field is moved instead: before
-    ``gpu_device_info.runtime_version`` (a string) the CUDA version sat at the top level as a
-    ``{major minor patch}`` message, and without it XLA takes the CUDA version for 0 and
-    refuses fp8 cuBLAS GEMMs ("FP8 Custom Calls require CUDA 12.0 or newer").
+    The proto grows with XLA and jaxlib parses it strictly: jaxlib 0.10.2 lacks
+    ``collective_memory_granularity``, 0.8.1 about twenty fields of ``gpu_device_info``. The
+    parser names one unknown field per try, in XLA's log only, so each try captures that log,
+    drops the field named and parses again. Unknown fields describe the GPU more finely
+    (cost-model rates, driver strings); the compute capability and memory sizes that choose
+    kernels stay. ``gpu_device_info.runtime_version`` (a string) is moved instead, to the
+    older top-level ``{major minor patch}`` CUDA version, without which XLA refuses fp8 cuBLAS
+    GEMMs ("FP8 Custom Calls require CUDA 12.0 or newer").
 
     Raises:
       NotImplementedError: JAX's own error when no CUDA plugin is registered (it is absent,
@@ -742,16 +750,11 @@ def deviceless_compile(lowered: Any, compiler_options: dict[str, Any]) -> Device
     """Compiles ``lowered`` (lowered for a :func:`cuda_topology` mesh or a TPU topology's)
     with ``compiler_options``; returns the optimized HLO text and XLA's analyses.
 
-    Two differences of old jaxlibs (seen in 0.8.1, gone by 0.10.2) are handled by what the
-    compile does, and remembered for the process:
-
-    * Triton GEMMs are autotuned by default, which needs a GPU ("Expect autotune result cache
-      hit for deviceless compilation"): the compile is retried with
-      ``xla_gpu_autotune_level=0``, which takes each Triton GEMM's default tile, as later
-      versions do without a GPU.
-    * The executable cannot print its HLO (``as_text()`` returns None, "GetHloModules is not
-      supported"): the compile is repeated with an XLA dump to a temporary directory, and the
-      optimized module is read from there.
+    Two differences of old jaxlibs (0.8.1, gone by 0.10.2) are handled, and remembered for the
+    process: Triton GEMMs autotuned by default, which needs a GPU ("Expect autotune result
+    cache hit for deviceless compilation"; retried with ``xla_gpu_autotune_level=0``, each
+    Triton GEMM's default tile, as later versions do without a GPU), and an executable that
+    cannot print its HLO (``as_text()`` None; repeated with an XLA dump, read from there).
     """
     while True:
         options = dict(compiler_options)

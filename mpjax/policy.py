@@ -538,11 +538,23 @@ MIXED_FLOAT16 = Policy(jnp.float32, jnp.float16, jnp.float32)
 #: The ``"mixed_bfloat16_fp8"`` preset: ``mixed_bfloat16`` whose matmuls run in fp8 with
 #: current scaling (:mod:`mpjax.fp8`).
 MIXED_BFLOAT16_FP8 = MIXED_BFLOAT16.with_fp8("current")
+#: The ``"mixed_bfloat16_fp8_rowwise"`` preset: ``mixed_bfloat16`` whose matmuls run in fp8
+#: with a power-of-two scale per row of each operand (:func:`mpjax.fp8.rowwise_dot_general`).
+MIXED_BFLOAT16_FP8_ROWWISE = MIXED_BFLOAT16.with_fp8("rowwise")
+#: The ``"mixed_bfloat16_mxfp8"`` preset: ``mixed_bfloat16`` whose matmuls run in MXFP8, an
+#: e8m0 scale per 32 values along the contraction (:mod:`mpjax.block_scaled`).
+MIXED_BFLOAT16_MXFP8 = MIXED_BFLOAT16.with_fp8("mxfp8")
+#: The ``"mixed_bfloat16_nvfp4"`` preset: ``mixed_bfloat16`` whose matmuls run in NVFP4 forward
+#: (an e4m3 scale per 16 values and one per tensor) and MXFP8 backward.
+MIXED_BFLOAT16_NVFP4 = MIXED_BFLOAT16.with_fp8("nvfp4")
 
 _PRESETS: dict[str, Policy] = {
     "mixed_bfloat16": MIXED_BFLOAT16,
     "mixed_float16": MIXED_FLOAT16,
     "mixed_bfloat16_fp8": MIXED_BFLOAT16_FP8,
+    "mixed_bfloat16_fp8_rowwise": MIXED_BFLOAT16_FP8_ROWWISE,
+    "mixed_bfloat16_mxfp8": MIXED_BFLOAT16_MXFP8,
+    "mixed_bfloat16_nvfp4": MIXED_BFLOAT16_NVFP4,
 }
 
 
@@ -640,13 +652,16 @@ def get_policy(spec: PolicyLike) -> Policy:
           ``param_dtype``, ``compute_dtype`` and ``output_dtype`` attributes
           (:class:`JmpStylePolicy`; converted);
         - a preset: ``"mixed_bfloat16"`` (params f32, compute bf16, output f32),
-          ``"mixed_float16"`` (the same with f16) or ``"mixed_bfloat16_fp8"``
-          (``mixed_bfloat16`` with fp8 matmuls, current scaling);
+          ``"mixed_float16"`` (the same with f16), ``"mixed_bfloat16_fp8"``
+          (``mixed_bfloat16`` with fp8 matmuls, current scaling), ``"mixed_bfloat16_fp8_rowwise"``
+          (fp8 with a scale per row), ``"mixed_bfloat16_mxfp8"`` or ``"mixed_bfloat16_nvfp4"``
+          (the block formats of Blackwell GPUs, :mod:`mpjax.block_scaled`);
         - a dtype name (``"float32"``, ``"bf16"``, ``"half"``...) for all three dtypes;
         - jmp's grammar, ``"p=f32,c=bf16,o=f32"`` or ``"params=float32,compute=bfloat16"``,
           with jmp's defaults: params f32, compute follows params, output follows compute.
           Spaces around commas and ``=`` are allowed. An ``fp8=<recipe>`` entry
-          (``"p=f32,c=bf16,o=f32,fp8=current"``) adds fp8 matmuls (:class:`mpjax.Fp8Recipe`),
+          (``"p=f32,c=bf16,o=f32,fp8=current"``, ``fp8=rowwise``, ``fp8=mxfp8``,
+          ``fp8=nvfp4``) adds fp8 or block-scaled matmuls (:class:`mpjax.Fp8Recipe`),
           an ``f32_matmul=<precision>`` entry (``"p=f32,f32_matmul=tf32"``) sets
           ``Policy.f32_matmul_precision``, an ``r=<dtype>`` (``reduce=``) entry
           (``"p=f32,c=bf16,o=f32,r=bf16"``) sets ``Policy.reduce_dtype``;

@@ -20,6 +20,7 @@ PACKAGE = ROOT / "mpjax"
 ROOMS = (
     "jax_compat",  # every reader of JAX internals and every difference between versions
     "fp8",  # the fp8 numerics a policy's recipe names
+    "block_scaled",  # the block formats (MXFP8, NVFP4) a recipe names
     "policy",
     "rules",
     "table",  # the text tables every report renders
@@ -42,7 +43,7 @@ SUBPACKAGES = tuple(room for room in ROOMS if (PACKAGE / room).is_dir())
 # ones, never of a higher one. Every module of the package must have a layer.
 LAYERS = (
     {"jax_compat"},
-    {"fp8"},
+    {"fp8", "block_scaled"},  # the narrow matmuls: per-tensor and rowwise fp8, block formats
     {"policy"},
     {"rules"},
     # The casting engine's parts, the inspection of jaxprs, and the optimizer side.
@@ -255,7 +256,7 @@ def test_the_top_level_shows_the_rooms():
     entries = {path.stem if path.suffix == ".py" else path.name for path in PACKAGE.iterdir()}
     entries -= {"__pycache__", "py.typed"}
     assert entries == set(ROOMS)
-    assert len(entries) <= 16
+    assert len(entries) <= 17
 
 
 def test_no_room_imports_a_room_above_it():

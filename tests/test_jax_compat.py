@@ -571,3 +571,11 @@ def test_a_bf16_dot_with_an_f32_result_runs_on_the_cpu_on_widened_operands():
         return optax.apply_updates(params, tx.update(grads, tx.init(params))[0])
 
     assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(step(params)))
+
+
+def test_the_block_scaled_matmul_primitive_is_what_scaled_matmul_traces_to():
+    data = jnp.ones((1, 32, 64), jnp.float8_e4m3fn)
+    scales = jnp.ones((1, 32, 2), jnp.float8_e8m0fnu)
+    jaxpr = jax.make_jaxpr(jax.nn.scaled_matmul)(data, data, scales, scales)
+    names = {eqn.primitive.name for eqn, _, _ in mpjax.inspection.matmuls.walk_jaxpr(jaxpr.jaxpr)}
+    assert jax_compat.BLOCK_SCALED_MATMUL in names

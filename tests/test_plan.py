@@ -213,7 +213,8 @@ def test_the_other_targets_compile(target, device):
     )
     assert (plan.target, plan.device) == (target, device)
     assert only(plan.gemms).lhs_dtype == BF16
-    assert {c for c in CHIPS if CHIPS[c].platform == "gpu"} == {"h100", "a100", "h200"}
+    gpus = {c for c in CHIPS if CHIPS[c].platform == "gpu"}  # Blackwell's: test_blackwell_plan
+    assert gpus == {"h100", "a100", "h200", "b200", "gb200", "b300"}
 
 
 @needs_compiler
@@ -267,7 +268,7 @@ def test_a_plan_from_hlo_text_needs_hlo_text():
 
 
 def test_an_unknown_target_is_a_value_error_naming_the_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown target 'v100'.*'a100', 'h100', 'h200'"):
+    with pytest.raises(ValueError, match=r"unknown target 'v100'.*'a100', 'b200', .*'h200'"):
         mpjax.plan(jnp.matmul, "v100")
     with pytest.raises(ValueError, match="unknown target"):
         plan_unavailable("tpu")
@@ -291,7 +292,7 @@ def test_bad_arguments_are_type_errors_naming_them():
 def test_flop_share_names_its_valid_choices():
     plan = plan_module.Plan("h100", "H100", jax.__version__, (), (), (), (), 0, 0)
     assert plan.flop_share("fp8") == 0.0 and plan.total_flops == 0
-    with pytest.raises(ValueError, match="'fp8' or a dtype"):
+    with pytest.raises(ValueError, match="'fp8', 'fp4', 'block_scaled' or a dtype"):
         plan.flop_share("int4ish")
 
 
@@ -331,11 +332,11 @@ def test_a_plugin_that_did_not_start_gets_the_environment_variables(monkeypatch,
 def test_cuda_version_checks_are_skipped_only_where_no_cuda_platform_is_asked_for(monkeypatch):
     for platforms, skipped in [("cpu", True), ("tpu,cpu", True), ("cuda,cpu", False)]:
         monkeypatch.delenv("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", raising=False)
-        jax_compat._skip_cuda_checks_off_cuda(platforms)
+        jax_compat._compile_only_environment(platforms)
         assert ("JAX_SKIP_CUDA_CONSTRAINTS_CHECK" in os.environ) == skipped
     for platforms in ("gpu", ""):
         monkeypatch.delenv("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", raising=False)
-        jax_compat._skip_cuda_checks_off_cuda(platforms)
+        jax_compat._compile_only_environment(platforms)
         assert "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" not in os.environ
 
 
@@ -344,7 +345,7 @@ def test_libtpu_is_shared_between_processes_only_where_no_tpu_platform_is_asked_
     # compile for a TPU target while the parent has loaded libtpu too.
     for platforms, shared in [("cpu", True), ("cuda,cpu", True), ("tpu,cpu", False), ("", False)]:
         monkeypatch.delenv("ALLOW_MULTIPLE_LIBTPU_LOAD", raising=False)
-        jax_compat._share_libtpu_off_tpu(platforms)
+        jax_compat._compile_only_environment(platforms)
         assert ("ALLOW_MULTIPLE_LIBTPU_LOAD" in os.environ) == shared
 
 
@@ -818,6 +819,27 @@ def test_gpu_clusters_are_named_by_hosts_and_gpus_per_host():
     for bad in ("h100:0x8", "h100:2x8x1", "v100:8", "h100:"):
         with pytest.raises(ValueError, match=r"unknown target .*'h100:2x8': 2 hosts of 8"):
             mpjax.plan(jnp.matmul, bad)
+
+
+def test_peak_flops_follow_the_operand_dtypes_fp4_included():
+    """fp4 operand pairs run at the chip's fp4 peak, falling back to fp8 and then bf16 where
+    it has none; an fp8 operand with an fp4 one at the slower of the two; a bf16 operand with
+    a narrower one at the bf16 peak."""
+    from mpjax.inspection.targets import parse_target
+
+    e2m1, e4m3, e5m2 = "float4_e2m1fn", "float8_e4m3fn", "float8_e5m2"
+    b200, h100, a100 = (parse_target(t) for t in ("b200", "h100", "a100"))
+    assert b200.peak_flops(e2m1, e2m1) == 9000e12
+    assert b200.peak_flops(e4m3, e5m2) == 4500e12
+    assert b200.peak_flops(e4m3, e2m1) == b200.peak_flops(e2m1, e4m3) == 4500e12
+    assert b200.peak_flops("bfloat16", e2m1) == b200.peak_flops("float16", "float16") == 2250e12
+    assert b200.peak_flops("float32", e2m1) == 1100e12  # TF32 at the default precision
+    assert b200.peak_flops("float32", "float32", "highest") == 75e12
+    assert parse_target("b300").peak_flops(e2m1, e2m1) == 13500e12
+    assert parse_target("gb200:2x4").peak_flops(e2m1, e2m1) == 10000e12
+    assert h100.peak_flops(e2m1, e2m1) == h100.peak_flops(e4m3, e2m1) == 1979e12  # fp8's
+    assert a100.peak_flops(e2m1, e2m1) == a100.peak_flops(e4m3, e4m3) == 312e12  # bf16's
+    assert parse_target("v5p").peak_flops(e2m1, e2m1) == 459e12
 
 
 @needs_compiler

@@ -30,14 +30,14 @@ import collections
 import contextlib
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mpjax import fp8
+from mpjax import block_scaled, fp8
 from mpjax import jax_compat as compat
 from mpjax.casting import custom_rules
 from mpjax.casting import gradient_reduction as reduction
@@ -109,6 +109,17 @@ _OBSERVED_WHOLE = frozenset({"custom_jvp_call", "custom_vjp_call"})
 # a loop of unknown length, branches of which one runs, user-defined derivatives, per-device
 # bodies. Their matmuls fall back to current scaling.
 _OPAQUE_TO_DELAYED = frozenset({"while", "cond", "custom_jvp_call", "custom_vjp_call", "shard_map"})
+
+
+class _Narrow(NamedTuple):
+    """How the report labels a matmul that runs narrower than the compute dtype, and the dtype
+    its operands run in."""
+
+    label: str
+    dtype: np.dtype
+
+
+_FP8 = _Narrow("fp8", fp8.E4M3)
 
 
 class Interpreter:
@@ -300,9 +311,11 @@ class Interpreter:
             eqn, invals, avals, category, compute, casts, tap, wide
         )
         params = _f32_precision(eqn, params, ran, region.policy)
-        dot = self._fp8_dot(eqn, region, category, compute, ran, path)
-        if dot is not None:
-            label, ran = "fp8", [jax.ShapeDtypeStruct(a.shape, fp8.E4M3) for a in ran]
+        dot, narrow = self._fp8_dot(eqn, region, category, compute, ran, path)
+        if narrow is not None:
+            label = narrow.label
+            if dot is not None:
+                ran = [jax.ShapeDtypeStruct(a.shape, narrow.dtype) for a in ran]
         if self.record is not None:
             traced = [v.aval for v in eqn.invars]
             precision = _f32_precision_name(eqn, params, ran) if dot is None else None
@@ -312,17 +325,40 @@ class Interpreter:
             return [dot(*invals)]
         return route.bind(invals, params) if route else compat.bind_equation(eqn, invals, params)
 
-    def _fp8_dot(self, eqn, region, category, compute, ran, path) -> Callable[..., Any] | None:
-        """The fp8 matmul that replaces ``eqn``, if its region's policy runs matmuls in fp8:
-        a ``dot_general`` lowered to the compute dtype, unbatched unless the recipe says."""
+    def _fp8_dot(
+        self, eqn, region, category, compute, ran, path
+    ) -> tuple[Callable[..., Any] | None, _Narrow | None]:
+        """The fp8 (or block-scaled) matmul that replaces ``eqn``, if its region's policy runs
+        matmuls so: a ``dot_general`` lowered to the compute dtype, unbatched unless the recipe
+        says, and how the report labels it. A block-scaled recipe whose block does not divide
+        the matmul's contractions leaves it in the compute dtype, labelled with the reason."""
         if eqn.primitive.name != "dot_general" or category != LOWER or region.policy is None:
-            return None
+            return None, None
         recipe = region.policy.fp8
         if recipe is None or any(a.dtype != compute for a in ran):
-            return None
+            return None, None
         p = compat.dot_params(eqn)
         if not recipe.applies_to(p.dimension_numbers):
-            return None
+            return None, None
+        if recipe.block_scaled:
+            shapes = [a.shape for a in ran]
+            reason = block_scaled.unaligned(*shapes, p.dimension_numbers, recipe.scaling)
+            if reason is not None:
+                self.settings.warn_unaligned("/".join(path), recipe.scaling, reason)
+                return None, _Narrow(f"{LOWER} (not {recipe.scaling}: {reason})", compute)
+            dot = functools.partial(
+                block_scaled.dot_general,
+                dimension_numbers=p.dimension_numbers,
+                format=recipe.scaling,
+            )
+            return dot, _Narrow(recipe.scaling, block_scaled.FORMATS[recipe.scaling].data)
+        if recipe.scaling == "rowwise":
+            dot = functools.partial(
+                fp8.rowwise_dot_general,
+                dimension_numbers=p.dimension_numbers,
+                margin=recipe.margin,
+            )
+            return dot, _Narrow("fp8 rowwise", fp8.E4M3)
         current = functools.partial(
             fp8.dot_general,
             dimension_numbers=p.dimension_numbers,
@@ -330,7 +366,7 @@ class Interpreter:
             precision=p.precision,
         )
         if recipe.scaling != "delayed":
-            return current
+            return current, _FP8
         delayed = self.delayed
         if delayed is None:
             raise ValueError(
@@ -342,8 +378,9 @@ class Interpreter:
             )
         if delayed.opaque is not None:
             self.settings.warn_delayed("/".join(path), delayed.opaque)
-            return current
-        return delayed.dot(region.path, recipe, current, p.dimension_numbers, p.precision)
+            return current, _FP8
+        dot = delayed.dot(region.path, recipe, current, p.dimension_numbers, p.precision)
+        return dot, _FP8
 
     def _cast_inputs(self, eqn, invals, avals, category, compute, casts, tap=None, wide=()):
         """Casts the floating inputs of a first-order equation by its category, each cast

@@ -285,6 +285,20 @@ class Settings:
             stacklevel=6,
         )
 
+    def warn_unaligned(self, where: str, scaling: str, reason: str) -> None:
+        if ("unaligned", where, scaling) in self.warned:
+            return
+        self.warned.add(("unaligned", where, scaling))
+        warnings.warn(
+            f"mpjax: a matmul in {where or '<root>'!r} cannot run in {scaling}: {reason}. It "
+            "runs in the compute dtype instead (describe() shows it). A matmul traced per "
+            "example (inside jax.vmap, as Equinox layers are) has a contraction of 1 in its "
+            "weight gradient: autocast the vmapped function instead, so that the batch is in "
+            "the matmul.",
+            AutocastWarning,
+            stacklevel=6,
+        )
+
     def warn_unknown(self, name: str, higher_order: bool) -> None:
         if name in self.warned:
             return

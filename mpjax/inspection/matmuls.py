@@ -22,9 +22,23 @@ from mpjax.casting.regions import innermost
 from mpjax.table import format_table
 
 MATMUL_PRIMITIVES = frozenset(
-    {"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"}
+    {
+        "dot_general",
+        "conv_general_dilated",
+        "ragged_dot",
+        "ragged_dot_general",
+        jax_compat.BLOCK_SCALED_MATMUL,
+    }
 )
-"""Primitive names that :func:`inspect_matmuls` reports."""
+"""Primitive names that :func:`inspect_matmuls` reports: matmuls, convolutions and the
+block-scaled GEMMs of ``jax.nn.scaled_matmul`` (:mod:`mpjax.block_scaled`)."""
+# A block-scaled GEMM's format by the dtypes of its values and its block scales.
+_BLOCK_FORMATS = {
+    ("float8_e4m3fn", "float8_e8m0fnu"): "mxfp8",
+    ("float8_e5m2", "float8_e8m0fnu"): "mxfp8",
+    ("float4_e2m1fn", "float8_e8m0fnu"): "mxfp4",
+    ("float4_e2m1fn", "float8_e4m3fn"): "nvfp4",
+}
 _F32 = np.dtype(np.float32)
 
 
@@ -55,6 +69,9 @@ class MatmulInfo:
         ``"highest"`` (true float32), ``"high"``, ``"bf16_3x"``, ``"tf32"``, ``"bf16"``, or
         ``"default"`` when nothing chose one (one bf16 pass on TPU, TF32 on recent GPUs).
         None for other matmuls.
+      block_format: for a block-scaled GEMM (:mod:`mpjax.block_scaled`), its format by the
+        dtypes of its values and scales: ``"mxfp8"``, ``"nvfp4"`` (or ``"mxfp4"``); its
+        operands are ``(B, M, K)`` and ``(B, N, K)``, blocked along K. None for other matmuls.
     """
 
     primitive: str
@@ -69,6 +86,7 @@ class MatmulInfo:
     context: tuple[str, ...]
     region: str | None = None
     f32_precision: str | None = None
+    block_format: str | None = None
 
     @property
     def operand_dtypes(self) -> tuple[np.dtype, np.dtype]:
@@ -91,7 +109,7 @@ class MatmulReport(tuple):
         )
         rows = [
             (
-                m.primitive,
+                m.primitive + (f" ({m.block_format})" if m.block_format else ""),
                 f"{m.lhs_dtype.name}{list(m.lhs_shape)}",
                 f"{m.rhs_dtype.name}{list(m.rhs_shape)}",
                 f"{m.out_dtype.name}{list(m.out_shape)}",
@@ -209,6 +227,10 @@ def matmul_info(eqn: Any, context: tuple[str, ...], scopes: tuple[str, ...]) -> 
     out = eqn.outvars[0].aval
     region = innermost(scopes)
     f32 = _F32 in (lhs.dtype, rhs.dtype) and jax_compat.takes_precision(eqn)
+    block_format = None
+    if eqn.primitive.name == jax_compat.BLOCK_SCALED_MATMUL:
+        scales = np.dtype(eqn.invars[2].aval.dtype).name
+        block_format = _BLOCK_FORMATS.get((np.dtype(lhs.dtype).name, scales), "block-scaled")
     return MatmulInfo(
         primitive=eqn.primitive.name,
         lhs_dtype=np.dtype(lhs.dtype),
@@ -222,6 +244,7 @@ def matmul_info(eqn: Any, context: tuple[str, ...], scopes: tuple[str, ...]) -> 
         context=context,
         region=None if region is None else region.path,
         f32_precision=jax_compat.precision_name(eqn) if f32 else None,
+        block_format=block_format,
     )
 
 

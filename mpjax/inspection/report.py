@@ -325,6 +325,8 @@ def dtypes_by_region(fn: Callable[..., Any], *args, **kwargs) -> dict[str, Regio
             dtypes = ",".join(short_dtype_name(d) for d in m.operand_dtypes)
             if m.f32_precision is not None:
                 dtypes += f"@{m.f32_precision}"
+            if m.block_format is not None:
+                dtypes += f"@{m.block_format}"
             matmuls[path][dtypes] += 1
     return {
         path: RegionDtypes(
