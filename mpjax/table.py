@@ -1,9 +1,11 @@
 """Plain-text tables, the format of every mpjax report (matmuls, precision, autocast, memory),
-and the byte counts they show."""
+and the byte counts, FLOPs and times they show."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 
 def format_table(
@@ -51,3 +53,29 @@ def human_bytes(n: int) -> str:
             return f"{size:.1f} {unit}"
         size /= 1024
     return f"{size:.1f} GiB"
+
+
+def flops_text(n: int) -> str:
+    """A FLOP count to three digits, with its SI prefix.
+
+    >>> flops_text(2 * 1024**3), flops_text(512)
+    ('2.15G', '512')
+    """
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+def seconds_text(s: float) -> str:
+    """A time to three digits, in milliseconds from 1 ms, else in microseconds.
+
+    >>> seconds_text(0.0025), seconds_text(1.43e-6)
+    ('2.5 ms', '1.43 us')
+    """
+    return f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
+
+
+def shape_text(dtype: np.dtype, shape: tuple[int, ...]) -> str:
+    """An array's dtype and shape, ``"bfloat16[1024, 512]"``, or its dtype alone for a scalar."""
+    return f"{dtype.name}{list(shape)}" if shape else dtype.name

@@ -45,9 +45,9 @@ FP8_POLICIES = pytest.mark.parametrize(
 
 
 @functools.cache
-def example_plan(preset, policy, scan_layers=False, triton_gemm=None):
+def example_plan(preset, policy, scan_layers=False, triton_gemm=None, target="h100"):
     """The plan of the example's own train step (forward, backward, clipping, AdamW and loss
-    scaling where the policy has it) for one batch of the benchmark's size."""
+    scaling where the policy has it) for one batch of the benchmark's size, for ``target``."""
     cfg = tt.TrainConfig(policy=policy, preset=preset, scan_layers=scan_layers)
     model_config = cfg.model_config()
     precision = mpjax.get_policy(policy)
@@ -58,7 +58,8 @@ def example_plan(preset, policy, scan_layers=False, triton_gemm=None):
     )
     tokens = jax.ShapeDtypeStruct((1, BATCH[preset], model_config.block_size), jnp.int32)
     step = tt.make_train_step(model, tx)
-    return model_config, mpjax.plan(step, triton_gemm=triton_gemm)(state, tokens, tokens)
+    plan = mpjax.plan(step, target, triton_gemm=triton_gemm)
+    return model_config, plan(state, tokens, tokens)
 
 
 def _executions(items, **match):

@@ -17,11 +17,14 @@ published peak rate for their dtypes. XLA's estimate models its own instructions
 call (a Pallas kernel) counts as much as the kernel's author declared, if anything. On a GPU
 there is no autotuning without one, so Triton GEMMs keep an untuned tile and a real GPU may
 choose cuBLAS or Triton differently for each GEMM (compile with ``triton_gemm=False`` to see
-every GEMM as cuBLAS).
+every GEMM as cuBLAS). Block-scaled matmuls (``jax.nn.scaled_dot_general``, MXFP8, NVFP4) are
+cuDNN GEMMs of their own on a Blackwell GPU (:attr:`Plan.block_scaled_flops`); elsewhere XLA
+dequantizes them into ordinary GEMMs, and the plan's summary says they are emulated.
 
 The GPU descriptions are XLA's own (``GpuTargetConfigProto`` text files from openxla/xla,
-``xla/backends/gpu/target_config/specs/`` at commit ``4336d12e``, Apache-2.0, shipped in
-``mpjax/inspection/gpu_targets/``); the chips' figures are in :mod:`mpjax.inspection.targets`.
+``xla/backends/gpu/target_config/specs/`` at commit ``4336d12e``, B200's and GB200's at
+``300ec95a``, Apache-2.0, shipped in ``mpjax/inspection/gpu_targets/``); the chips' figures are
+in :mod:`mpjax.inspection.targets`.
 What differs between JAX versions in this path is handled in :mod:`mpjax.jax_compat`.
 """
 
@@ -39,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mpjax import jax_compat
+from mpjax import block_scaled, jax_compat
 from mpjax.inspection import plan_collectives
 from mpjax.inspection.hlo_text import parse_module
 from mpjax.inspection.matmuls import check_function
@@ -49,7 +52,9 @@ from mpjax.inspection.plan_rows import (
     PlanGemm,
     PlanMemory,
     PlanScatter,
+    block_scaled_lines,
     bytes_text,
+    dtype_key,
     loop_trip_counts,
     memory_of,
     out_of_memory,
@@ -57,7 +62,7 @@ from mpjax.inspection.plan_rows import (
 )
 from mpjax.inspection.targets import CHIPS, known_target, parse_target
 from mpjax.optim.loss_scaling import without_host_warnings
-from mpjax.table import format_table
+from mpjax.table import flops_text, format_table, seconds_text, shape_text
 
 __all__ = [
     "Plan",
@@ -71,21 +76,6 @@ __all__ = [
 class PlanUnavailableError(RuntimeError):
     """Raised by :func:`plan` when this machine's JAX cannot compile for the target: the CUDA
     plugin or libtpu is not installed, or did not start. The message says what to do."""
-
-
-def _flops_text(n: int) -> str:
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return str(n)
-
-
-def _seconds_text(s: float) -> str:
-    return f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
-
-
-def _dtype_key(lhs: np.dtype, rhs: np.dtype) -> str:
-    return lhs.name if lhs == rhs else f"{lhs.name} x {rhs.name}"
 
 
 def _row(item: Any) -> dict[str, Any]:
@@ -114,10 +104,6 @@ def _read(hlo_text: str, platform: str) -> dict[str, Any]:
         "loop_trips": loop_trip_counts(module),
     }
     return {**read_module(module, platform), **loops}
-
-
-def _shape_text(dtype: np.dtype, shape: tuple[int, ...]) -> str:
-    return f"{dtype.name}{list(shape)}" if shape else dtype.name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,13 +220,19 @@ class Plan:
         included."""
         return sum(flops for _, _, flops, _ in self._matmuls())
 
+    @property
+    def block_scaled_flops(self) -> int:
+        """The matmul FLOPs of one call in block-scaled GEMMs (``PlanGemm.block_scaled``: MXFP8
+        or NVFP4 on a Blackwell GPU); ``flop_share("block_scaled")`` is their share."""
+        return sum(g.flops * g.executions for g in self.gemms if g.block_scaled)
+
     def flops_by_dtype(self) -> dict[str, int]:
         """Matmul FLOPs (GEMMs and fused attention, loop trip counts included) by operand
         dtype: ``"bfloat16"`` when both operands have that dtype, ``"float8_e4m3fn x
         float8_e5m2"`` when they differ. Largest first."""
         totals: dict[str, int] = {}
         for lhs, rhs, flops, _ in self._matmuls():
-            key = _dtype_key(lhs, rhs)
+            key = dtype_key(lhs, rhs)
             totals[key] = totals.get(key, 0) + flops
         return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
@@ -256,27 +248,31 @@ class Plan:
 
     def flop_share(self, dtype: Any) -> float:
         """The fraction of the matmul FLOPs (:meth:`flops_by_dtype`) whose operands are all of
-        ``dtype``; 0.0 when the function has no matmul.
+        ``dtype``, or that run in block-scaled GEMMs; 0.0 when the function has no matmul.
 
         Args:
-          dtype: a dtype (``jnp.bfloat16``, ``"bfloat16"``, ``np.float32``), or ``"fp8"`` for
-            any 8-bit float operands (e4m3 and e5m2 mixed included).
+          dtype: a dtype (``jnp.bfloat16``, ``"bfloat16"``, ``np.float32``), ``"fp8"`` (``"fp4"``)
+            for any 8-bit (4-bit) float operands, e4m3 and e5m2 mixed included, or
+            ``"block_scaled"`` for block-scaled GEMMs (:attr:`block_scaled_flops`).
 
         Raises:
-          ValueError: if ``dtype`` is neither ``"fp8"`` nor a dtype.
+          ValueError: if ``dtype`` is none of these.
         """
-        if isinstance(dtype, str) and dtype.lower() == "fp8":
+        name = dtype.lower() if isinstance(dtype, str) else None
+        if name == "block_scaled":
+            return self.block_scaled_flops / self.total_flops if self.total_flops else 0.0
+        if name in ("fp8", "fp4"):
 
             def matches(d: np.dtype) -> bool:
-                return d.name.startswith("float8")
+                return d.name.startswith(f"float{name[2]}")
 
         else:
             try:
                 wanted = np.dtype(jnp.dtype(dtype))
             except TypeError:
                 raise ValueError(
-                    f"flop_share: dtype must be 'fp8' or a dtype such as 'bfloat16' or "
-                    f"jnp.float32, got {dtype!r}."
+                    "flop_share: dtype must be 'fp8', 'fp4', 'block_scaled' or a dtype such as "
+                    f"'bfloat16' or jnp.float32, got {dtype!r}."
                 ) from None
 
             def matches(d: np.dtype) -> bool:
@@ -345,7 +341,7 @@ class Plan:
 
     def summary(self) -> str:
         """The verdict lines: memory against the device's, the estimated time and MFU, the
-        roofline bound and the FLOP shares by dtype and by float32 precision."""
+        roofline bound, the FLOP shares by dtype and float32 precision, and block-scaled GEMMs."""
         lines = []
         if self.memory is not None:
             lines.append(str(self.memory))
@@ -356,7 +352,7 @@ class Plan:
             mfu = self.mfu()
             lines.append(
                 f"estimated time per call (XLA's cost model, an estimate): "
-                f"{_seconds_text(self.estimated_seconds)}"
+                f"{seconds_text(self.estimated_seconds)}"
                 + (f", estimated MFU {mfu:.1%} of the bf16 peak" if mfu is not None else "")
             )
         loops = [t for t in self.loop_trips if t > 1]
@@ -368,8 +364,8 @@ class Plan:
             )
         if self.modelled_flops is not None and self.modelled_flops < 0.95 * self.total_flops:
             lines.append(
-                f"XLA's cost model counts {_flops_text(int(self.modelled_flops))} FLOPs in all, "
-                f"fewer than the {_flops_text(self.total_flops)} of the matmuls: custom calls "
+                f"XLA's cost model counts {flops_text(int(self.modelled_flops))} FLOPs in all, "
+                f"fewer than the {flops_text(self.total_flops)} of the matmuls: custom calls "
                 f"({self.custom_calls}) count only what their own cost estimates declare and a "
                 "loop XLA made (a matmul split over permutes) counts its body once, so the "
                 "estimate leaves work out"
@@ -377,7 +373,7 @@ class Plan:
         roofline = self.roofline_seconds
         if roofline:
             lines.append(
-                f"roofline bound (matmul FLOPs at the published peaks): {_seconds_text(roofline)}"
+                f"roofline bound (matmul FLOPs at the published peaks): {seconds_text(roofline)}"
             )
         if self.collectives:
             moved = ", ".join(f"{k} {bytes_text(v)}" for k, v in self.collective_bytes().items())
@@ -387,14 +383,14 @@ class Plan:
             share = f", {bound / estimate:.0%} of the estimated step" if estimate else ""
             lines.append(
                 "collectives at the chips' published interconnect bandwidth, not overlapped: "
-                f"at least {_seconds_text(bound)}{share}"
+                f"at least {seconds_text(bound)}{share}"
             )
         total = self.total_flops
         if total:
             shares = ", ".join(
                 f"{key} {flops / total:.1%}" for key, flops in self.flops_by_dtype().items()
             )
-            lines.append(f"matmul FLOPs: {_flops_text(total)} ({shares})")
+            lines.append(f"matmul FLOPs: {flops_text(total)} ({shares})")
             precisions = self.float32_precisions()
             if precisions:
                 f32 = sum(precisions.values())
@@ -402,6 +398,7 @@ class Plan:
                     "float32 matmuls at precision: "
                     + ", ".join(f"{k} {v / f32:.1%}" for k, v in precisions.items())
                 )
+        lines += block_scaled_lines(self.gemms, total, known_target(self.target))
         return "\n".join(lines)
 
     def table(self) -> str:
@@ -419,11 +416,11 @@ class Plan:
                 g.name,
                 g.computation,
                 g.library,
-                _shape_text(g.lhs_dtype, g.lhs_shape),
-                _shape_text(g.rhs_dtype, g.rhs_shape),
+                shape_text(g.lhs_dtype, g.lhs_shape),
+                shape_text(g.rhs_dtype, g.rhs_shape),
                 g.out_dtype.name,
                 g.precision if np.dtype(np.float32) in (g.lhs_dtype, g.rhs_dtype) else "",
-                _flops_text(g.flops),
+                flops_text(g.flops),
                 str(g.executions),
             )
             for g in self.gemms
@@ -434,7 +431,7 @@ class Plan:
                 a.target,
                 "backward" if a.backward else "forward",
                 a.dtype.name,
-                _flops_text(a.flops),
+                flops_text(a.flops),
                 str(a.executions),
             )
             for a in self.attention
@@ -482,8 +479,8 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-serialisable data: the fields (dtypes as names, the HLO text
-        left out), ``flops_by_dtype``, the float32 precisions, the estimates (each named an
-        estimate or a bound) and ``limits``."""
+        left out), ``flops_by_dtype``, the float32 precisions, ``block_scaled_flops``, the
+        estimates (each named an estimate or a bound) and ``limits``."""
         memory = None
         if self.memory is not None:
             memory = {
@@ -509,6 +506,7 @@ class Plan:
             "custom_calls": self.custom_calls,
             "flops_by_dtype": self.flops_by_dtype(),
             "float32_precisions": self.float32_precisions(),
+            "block_scaled_flops": self.block_scaled_flops,
             "memory": memory,
             "estimated_seconds": self.estimated_seconds,
             "estimated_mfu": self.mfu(),
@@ -694,9 +692,10 @@ def plan(
     Args:
       fn: a function JAX can ``jit``. One already wrapped in ``jax.jit`` is lowered as it is,
         so its static arguments stay static.
-      target: a GPU, ``"h100"`` (H100 SXM 80GB), ``"a100"`` (A100 SXM 80GB) or ``"h200"``; a
-        TPU chip, ``"v4"``, ``"v5e"``, ``"v5p"`` or ``"v6e"``; or a TPU slice
-        (``"v5p:2x2x1"``), whose devices :func:`plan_mesh` gives for sharded arguments
+      target: a GPU, ``"h100"`` (H100 SXM 80GB), ``"a100"`` (A100 SXM 80GB), ``"h200"``,
+        ``"b200"``, ``"gb200"`` (a GB200's GPU) or ``"b300"``; GPUs on hosts (``"h100:2x8"``,
+        ``"b200:8"``); a TPU chip, ``"v4"``, ``"v5e"``, ``"v5p"`` or ``"v6e"``; or a TPU slice
+        (``"v5p:2x2x1"``). :func:`plan_mesh` gives a target's devices for sharded arguments
         (unsharded ones are replicated on every device).
       triton_gemm: GPU only. None keeps XLA's default (GEMMs become Triton fusions where XLA
         supports them); False sets ``xla_gpu_enable_triton_gemm=False``, which sends every GEMM
@@ -768,8 +767,9 @@ def plan(
         }
         args, kwargs = _abstract((args, kwargs), devices)
         # No host callback lowers for a device this process lacks: a loss-scaled step is planned
-        # without its overflow warning's (a branch only a run of skipped steps takes).
-        with without_host_warnings():
+        # without its overflow warning's (a branch only a run of skipped steps takes). The plan
+        # says itself whether the target runs block-scaled GEMMs or emulates them.
+        with without_host_warnings(), block_scaled.compiling_for_target():
             lowered = lower(*args, **kwargs)
         try:
             result = jax_compat.deviceless_compile(lowered, options)

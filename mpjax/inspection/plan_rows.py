@@ -2,11 +2,13 @@
 operand dtypes and precision, fused attention kernels and scatters, read from XLA's text for a
 GPU or a TPU, and the memory XLA's analysis of the compile reports (:class:`PlanMemory`).
 
-A GPU compile wraps each GEMM in a Triton or cuDNN fusion or a cuBLAS custom call, and fused
-attention in a cuDNN custom call; a TPU compile runs matmuls as ``dot`` or ``convolution``
-instructions (a batched matmul is written as a convolution whose batch dimensions are dilated
-windows) on its matrix units, and Pallas kernels as ``tpu_custom_call``. :func:`read_module`
-turns either into the fields of a :class:`~mpjax.Plan`.
+A GPU compile wraps each GEMM in a Triton or cuDNN fusion or a cuBLAS custom call, a
+block-scaled GEMM (``jax.nn.scaled_dot_general`` on a Blackwell GPU) in cuDNN's
+``__cudnn$blockScaledDot`` custom call, and fused attention in a cuDNN custom call; a TPU
+compile runs matmuls as ``dot`` or ``convolution`` instructions (a batched matmul is written as
+a convolution whose batch dimensions are dilated windows) on its matrix units, and Pallas
+kernels as ``tpu_custom_call``. :func:`read_module` turns either into the fields of a
+:class:`~mpjax.Plan`.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from mpjax.inspection.hlo_text import HloComputation, HloInstruction, HloModule, HloShape
+from mpjax.inspection.targets import Target
+from mpjax.table import flops_text
 
 __all__ = [
     "LIBRARIES",
@@ -28,7 +32,9 @@ __all__ = [
     "PlanGemm",
     "PlanMemory",
     "PlanScatter",
+    "block_scaled_lines",
     "bytes_text",
+    "dtype_key",
     "kernel_computations",
     "loop_trip_counts",
     "memory_of",
@@ -39,11 +45,26 @@ __all__ = [
     "trip_count",
 ]
 
-LIBRARIES = ("cublaslt", "cublaslt_fp8", "cublas", "triton", "cudnn", "xla", "mxu")
+LIBRARIES = (
+    "cublaslt",
+    "cublaslt_fp8",
+    "cublas",
+    "triton",
+    "cudnn",
+    "cudnn_block_scaled",
+    "xla",
+    "mxu",
+)
 """What runs a :class:`PlanGemm`: on a GPU cuBLASLt (``__cublas$lt$matmul``), its fp8 form
 (``__cublas$lt$matmul$f8``), legacy cuBLAS (``__cublas$gemm``), a Triton GEMM fusion, a cuDNN
-GEMM fusion, or XLA's own emitter (a ``dot`` left in place or inside an ordinary fusion); on a
-TPU its matrix units (``"mxu"``)."""
+GEMM fusion, cuDNN's block-scaled GEMM (``__cudnn$blockScaledDot``), or XLA's own emitter (a
+``dot`` left in place or inside an ordinary fusion); on a TPU its matrix units (``"mxu"``)."""
+
+_BLOCK_SCALED_DOT = "__cudnn$blockScaledDot"
+# ``jax.nn.scaled_dot_general``'s block-scaled matmul in an HLO op name: the operation
+# (``.../scaled_matmul``, ``scaled_matmul_wrapper`` in some JAX versions) or the function JAX
+# wraps it in (``.../jit(_scaled_matmul)/dot_general`` where it lowers it to a dot, on a TPU).
+_SCALED_MATMUL = re.compile(r"(?<!\w)_?scaled_matmul(?:_wrapper)?(?!\w)")
 
 _HBM_OOM = re.compile(
     r"required for HLO temporaries \((?P<need>[\d.]+)(?P<unit>[KMGT]?)\) exceeds available "
@@ -74,17 +95,21 @@ class PlanGemm:
       library: what runs it: on a GPU ``"cublaslt"`` (``__cublas$lt$matmul``),
         ``"cublaslt_fp8"`` (``__cublas$lt$matmul$f8``), ``"cublas"`` (legacy
         ``__cublas$gemm``), ``"triton"`` (a Triton GEMM fusion), ``"cudnn"`` (a cuDNN GEMM
-        fusion) or ``"xla"`` (a ``dot`` XLA emits itself, alone or inside an ordinary fusion);
-        on a TPU ``"mxu"`` (a ``dot`` or ``convolution`` XLA runs on the matrix units);
-        :data:`LIBRARIES` lists them.
-      lhs_dtype: the left operand's dtype, as the GEMM reads it.
+        fusion), ``"cudnn_block_scaled"`` (cuDNN's block-scaled GEMM,
+        ``__cudnn$blockScaledDot``) or ``"xla"`` (a ``dot`` XLA emits itself, alone or inside
+        an ordinary fusion); on a TPU ``"mxu"`` (a ``dot`` or ``convolution`` XLA runs on the
+        matrix units); :data:`LIBRARIES` lists them.
+      lhs_dtype: the left operand's dtype, as the GEMM reads it; for a block-scaled GEMM its
+        data's (``float8_e4m3fn`` for MXFP8, ``float4_e2m1fn`` for NVFP4), not its scales'.
       rhs_dtype: the right operand's dtype.
       out_dtype: the dtype it writes. A GEMM that XLA splits along its contracted dimension
         (split-K, common for weight gradients) writes float32 partial sums, which a following
         fusion adds and converts: its operands then show the split as an extra dimension.
       flops: ``2 * prod(output dims) * prod(contracted dims)``, for one execution; for a
-        TPU ``convolution``, two per multiply-add of a window tap that reads real input (a
-        batched matmul's batch windows sum over nothing; a padded border reads less).
+        block-scaled GEMM, whose data operands are ``(B, M, K)`` and ``(B, N, K)``,
+        ``2 * B * M * N * K``; for a TPU ``convolution``, two per multiply-add of a window tap
+        that reads real input (a batched matmul's batch windows sum over nothing; a padded
+        border reads less).
       executions: how many times one call of the function runs it: the product of the trip
         counts XLA knows for the loops around it (1 outside loops, and for a loop whose trip
         count XLA does not know).
@@ -97,6 +122,10 @@ class PlanGemm:
         ``"high"`` (TF32 on a GPU, three bf16 passes on a TPU) or ``"highest"`` (true float32 on
         a GPU, six bf16 passes on a TPU), or the dot algorithm the HLO names
         (``"dot_f32_f32_f32"``). Operands narrower than float32 ignore it.
+      block_scaled: whether it is a block-scaled GEMM, multiplying blocks of its operands by
+        their scales in the kernel (library ``"cudnn_block_scaled"``).
+      scale_dtype: a block-scaled GEMM's scales' dtype (``float8_e8m0fnu`` for MXFP8,
+        ``float8_e4m3fn`` for NVFP4); None for any other GEMM.
     """
 
     name: str
@@ -111,6 +140,16 @@ class PlanGemm:
     rhs_shape: tuple[int, ...] = ()
     op_name: str = ""
     precision: str = "default"
+    block_scaled: bool = False
+    scale_dtype: np.dtype | None = None
+
+    @property
+    def emulated_block_scaled(self) -> bool:
+        """Whether it is an ordinary GEMM that a block-scaled matmul
+        (``jax.nn.scaled_dot_general``'s ``scaled_matmul``) became: its operands dequantized
+        and multiplied in a wider dtype, as XLA does where the target has no block-scaled GEMM
+        kernel (before Blackwell, on a TPU). Read from the HLO's op name."""
+        return not self.block_scaled and bool(_SCALED_MATMUL.search(self.op_name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,6 +460,41 @@ def _gemm(
     )
 
 
+def _block_scaled_gemm(
+    computation: HloComputation,
+    inst: HloInstruction,
+    name: str,
+    where: str,
+    executions: int,
+) -> PlanGemm | None:
+    """The row of a ``__cudnn$blockScaledDot`` call: its operands are the left data
+    ``(B, M, K)``, the right data ``(B, N, K)`` and their scales."""
+    lhs, rhs = computation.operand_shape(inst, 0), computation.operand_shape(inst, 1)
+    scale = computation.operand_shape(inst, 2)
+    if lhs is None or rhs is None or not inst.shapes:
+        return None
+    if len(lhs.dims) == 3 and len(rhs.dims) == 3:
+        batch, m, k = lhs.dims
+        flops = 2 * batch * m * rhs.dims[1] * k
+    else:  # an unexpected layout: the output's elements, each a sum over K
+        flops = 2 * inst.shapes[0].size * (lhs.dims[-1] if lhs.dims else 1)
+    return PlanGemm(
+        name=name,
+        computation=where,
+        library="cudnn_block_scaled",
+        lhs_dtype=np_dtype(lhs.dtype),
+        rhs_dtype=np_dtype(rhs.dtype),
+        out_dtype=np_dtype(inst.shapes[0].dtype),
+        flops=flops,
+        executions=executions,
+        lhs_shape=lhs.dims,
+        rhs_shape=rhs.dims,
+        op_name=op_name_of(inst),
+        block_scaled=True,
+        scale_dtype=np_dtype(scale.dtype) if scale is not None else None,
+    )
+
+
 def _attention_flops(q: HloShape, k: HloShape, config: Mapping[str, Any], backward: bool) -> int:
     # The backward call carries no bmm1 numbers; its bmm2_grad_gemm2 (dO x V^T) has the same
     # dimension layout as bmm1 (Q x K^T), so it reads the query and key shapes the same way.
@@ -464,6 +538,8 @@ def _row_of(
         contracting = tuple(int(d) for d in numbers["lhs_contracting_dimensions"])
         library = _cublas_library(target)
         return _gemm(computation, inst, contracting, kernel.name, where, library, executions)
+    if target == _BLOCK_SCALED_DOT:
+        return _block_scaled_gemm(computation, inst, kernel.name, where, executions)
     if target.startswith("__cudnn$fmha"):
         q, k = computation.operand_shape(inst, 0), computation.operand_shape(inst, 1)
         if q is None or k is None:
@@ -541,6 +617,10 @@ def read_module(module: HloModule, platform: str) -> dict[str, Any]:
                     library=library,
                     executions=executions,
                 )
+                if isinstance(row, PlanGemm) and not row.op_name:
+                    # A dot XLA made inside a fusion (a dequantized block-scaled matmul's)
+                    # carries no op name of its own; the fusion has the operation's.
+                    row = dataclasses.replace(row, op_name=op_name_of(kernel))
                 if row is not None:
                     rows.append(row)
     return {
@@ -558,6 +638,46 @@ def bytes_text(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{int(n)} B"
+
+
+def dtype_key(lhs: np.dtype, rhs: np.dtype) -> str:
+    """A matmul's operand dtypes as a plan names them: ``"bfloat16"`` when both are, else
+    ``"float8_e4m3fn x float8_e5m2"``."""
+    return lhs.name if lhs == rhs else f"{lhs.name} x {rhs.name}"
+
+
+def block_scaled_lines(
+    gemms: Sequence[PlanGemm], total_flops: int, target: Target | None
+) -> list[str]:
+    """A plan's summary of its block-scaled matmuls: the block-scaled GEMMs' runs and share of
+    the ``total_flops``; and, where some block-scaled matmuls became ordinary GEMMs
+    (``PlanGemm.emulated_block_scaled``), that they are emulated and why: the ``target``
+    (None for a plan read from HLO text alone) has no block-scaled GEMM kernels, or the
+    compile chose none."""
+    lines = []
+    scaled = [g for g in gemms if g.block_scaled]
+    flops = sum(g.flops * g.executions for g in scaled)
+    if scaled and total_flops:
+        runs = sum(g.executions for g in scaled)
+        lines.append(
+            f"block-scaled GEMMs: {runs} run{'s' * (runs != 1)} ({flops_text(flops)} FLOPs, "
+            f"{flops / total_flops:.1%} of the matmul FLOPs)"
+        )
+    emulated = [g for g in gemms if g.emulated_block_scaled]
+    if emulated:
+        runs = sum(g.executions for g in emulated)
+        dtypes = ", ".join(sorted({dtype_key(g.lhs_dtype, g.rhs_dtype) for g in emulated}))
+        why = "the compile chose no block-scaled GEMM kernel for them"
+        if target is not None and not target.chip.block_scaled_gemms:
+            capability = target.chip.compute_capability
+            why = f"no block-scaled GEMM kernels on {target.chip.name}" + (
+                f", compute capability {capability[0]}.{capability[1]} < 10.0" if capability else ""
+            )
+        lines.append(
+            f"block-scaled matmuls: emulated ({why}): {runs} GEMM run{'s' * (runs != 1)} in "
+            f"{dtypes} after dequantizing the operands"
+        )
+    return lines
 
 
 @dataclasses.dataclass(frozen=True)

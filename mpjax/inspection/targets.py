@@ -1,15 +1,19 @@
 """The accelerators :func:`mpjax.plan` compiles for without one: GPUs and TPU generations, with
 the figures a plan sets its estimates against (memory, bandwidth, peak matmul rates).
 
-A target is named by its chip (``"h100"``, ``"a100"``, ``"h200"``; ``"v4"``, ``"v5e"``, ``"v5p"``,
-``"v6e"``) for one chip, or, for a TPU, by a slice topology (``"v5p:2x2x1"``, ``"v5e:2x2"``) for
-the chips of that slice. The figures are the vendors' published dense peaks per chip; XLA's own
-estimate of a TPU step's time (``optimal_seconds``) comes from the compiler, not from them.
+A target is named by its chip (``"h100"``, ``"a100"``, ``"h200"``, the Blackwell ``"b200"``,
+``"gb200"`` and ``"b300"``; ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"``) for one chip; for a TPU by
+a slice topology (``"v5p:2x2x1"``, ``"v5e:2x2"``) for the chips of that slice; for GPUs by hosts
+and GPUs per host (``"h100:2x8"``, ``"b200:8"``, ``"gb200:2x4"``). The figures are the vendors'
+published dense (not sparse) peaks per chip; XLA's own estimate of a TPU step's time
+(``optimal_seconds``) comes from the compiler, not from them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.resources
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -32,7 +36,9 @@ class Chip:
       hbm_bandwidth: its memory bandwidth, bytes per second.
       peak_flops: dense matmul FLOP/s by what the matrix units compute: ``"bf16"`` (bfloat16
         and float16 operands), ``"fp8"`` (8-bit floats; absent where the chip has no fp8 matrix
-        unit: its fp8 matmuls run at the bf16 rate), ``"tf32"``, ``"f32"`` (float32 without
+        unit: its fp8 matmuls run at the bf16 rate), ``"fp4"`` (``float4_e2m1fn`` operands, as
+        Blackwell's block-scaled GEMMs take them; absent where the chip has none: its fp4
+        matmuls run at the fp8 rate, or the bf16 one), ``"tf32"``, ``"f32"`` (float32 without
         tensor cores, on a GPU).
       spec: the GPU's description file in ``gpu_targets/`` (XLA's ``GpuTargetConfigProto``),
         for the CUDA plugin's compile; empty for a TPU.
@@ -49,6 +55,33 @@ class Chip:
     peak_flops: Mapping[str, float]
     spec: str = ""
     interconnect_bandwidth: float = 0.0
+
+    @property
+    def compute_capability(self) -> tuple[int, int] | None:
+        """A GPU's CUDA compute capability, ``(major, minor)``, as its description in
+        ``gpu_targets/`` says (``(9, 0)`` for an H100, ``(10, 0)`` for a B200); None for a
+        TPU."""
+        return _compute_capability(self.spec) if self.spec else None
+
+    @property
+    def block_scaled_gemms(self) -> bool:
+        """Whether the chip has block-scaled GEMM kernels for MXFP8 and NVFP4 (cuDNN's
+        ``__cudnn$blockScaledDot``), as NVIDIA GPUs have from compute capability 10.0
+        (Blackwell) on; elsewhere XLA dequantizes a block-scaled matmul into an ordinary one."""
+        capability = self.compute_capability
+        return capability is not None and capability >= (10, 0)
+
+
+_CAPABILITY = re.compile(r"cuda_compute_capability\s*\{([^}]*)\}")
+
+
+@functools.cache
+def _compute_capability(spec: str) -> tuple[int, int]:
+    """The compute capability the description ``spec`` (a file in ``gpu_targets/``) gives."""
+    text = (importlib.resources.files("mpjax.inspection") / "gpu_targets" / spec).read_text()
+    block = _CAPABILITY.search(text)
+    fields = dict(re.findall(r"(major|minor):\s*(\d+)", block[1] if block else ""))
+    return int(fields.get("major", 0)), int(fields.get("minor", 0))
 
 
 CHIPS: dict[str, Chip] = {
@@ -81,6 +114,59 @@ CHIPS: dict[str, Chip] = {
             {"bf16": 312 * _T, "tf32": 156 * _T, "f32": 19.5 * _T},
             "a100_sxm_80.txtpb",
         ),
+        # Blackwell, per GPU: NVIDIA's published figures (the GB200 NVL72 / HGX B200 and HGX
+        # B300 specifications, "individual Blackwell GPU") halved where they are given with
+        # sparsity (every Tensor Core figure but B300's dense fp4), so dense; float32 without
+        # Tensor Cores as published. Memory is the descriptions' device_memory_size (180 GB,
+        # 186 GB and 288 GB classes), bandwidth the published 8 TB/s (DGX B200's 64 TB/s over
+        # 8 GPUs; the HGX B200 page says 7.7 TB/s, the description 7.67e12).
+        Chip(
+            "b200",
+            "gpu",
+            "NVIDIA B200",
+            191_514_411_008,
+            8e12,
+            {
+                "bf16": 2250 * _T,
+                "fp8": 4500 * _T,
+                "fp4": 9000 * _T,
+                "tf32": 1100 * _T,
+                "f32": 75 * _T,
+            },
+            "b200.txtpb",
+        ),
+        Chip(
+            "gb200",
+            "gpu",
+            "NVIDIA GB200",
+            197_897_748_480,
+            8e12,
+            {
+                "bf16": 2500 * _T,
+                "fp8": 5000 * _T,
+                "fp4": 10000 * _T,
+                "tf32": 1250 * _T,
+                "f32": 80 * _T,
+            },
+            "gb200.txtpb",
+        ),
+        # Blackwell Ultra (HGX B300): the bf16, fp8 and tf32 rates of a B200, fp4 dense 13.5 PF
+        # (108 PF over 8 GPUs, published dense; GB300's GPUs are rated 15).
+        Chip(
+            "b300",
+            "gpu",
+            "NVIDIA B300",
+            297_021_865_984,
+            8e12,
+            {
+                "bf16": 2250 * _T,
+                "fp8": 4500 * _T,
+                "fp4": 13500 * _T,
+                "tf32": 1100 * _T,
+                "f32": 75 * _T,
+            },
+            "b300.txtpb",
+        ),
         # Inter-chip interconnect, per chip: 2,400, 1,600, 4,800 and 3,584 Gbps.
         Chip("v4", "tpu", "TPU v4", 32 * _GIB, 1.2e12, {"bf16": 275 * _T}, "", 300e9),
         Chip("v5e", "tpu", "TPU v5e", 16 * _GIB, 0.819e12, {"bf16": 197 * _T}, "", 200e9),
@@ -92,7 +178,8 @@ CHIPS: dict[str, Chip] = {
 
 # "v5p:2x2x1", "v5e:2x2": a TPU generation and a slice's chips along each axis.
 _TOPOLOGY = re.compile(r"(v\d+[a-z]?):(\d+(?:x\d+){1,2})")
-_CLUSTER = re.compile(r"([a-z]\d+):(?:(\d+)x)?(\d+)")
+# "h100:2x8", "gb200:8": a GPU and its hosts (one by default) and GPUs per host.
+_CLUSTER = re.compile(r"([a-z]+\d+):(?:(\d+)x)?(\d+)")
 # The single-chip slice each TPU generation's compiler accepts.
 _ONE_CHIP = {"v4": "1x1x1", "v5p": "1x1x1", "v5e": "1x1", "v6e": "1x1"}
 # TPU passes of bf16 per float32 matmul at each precision: one pass at DEFAULT, three at HIGH
@@ -132,16 +219,31 @@ class Target:
     def peak_flops(self, lhs: str, rhs: str, precision: str = "default") -> float:
         """The chip's peak FLOP/s for a matmul on ``lhs`` x ``rhs`` operands (dtype names) at
         ``precision`` (``"default"``, ``"high"``, ``"highest"``: how float32 operands are
-        multiplied; other operands ignore it)."""
+        multiplied; other operands ignore it).
+
+        Two 4-bit float operands (``float4_e2m1fn``) run at the ``"fp4"`` peak, falling back to
+        the ``"fp8"`` one and then the bf16 one where the chip lacks it; 8-bit floats at the
+        ``"fp8"`` peak (or the bf16 one); an fp8 operand with an fp4 one at the slower of the
+        two; any other pair of 16-bit or narrower floats at the bf16 peak."""
         peaks = self.chip.peak_flops
-        narrow = [d for d in (lhs, rhs) if d in ("bfloat16", "float16") or d.startswith("float8")]
-        if len(narrow) == 2:
-            if all(d.startswith("float8") for d in narrow):
-                return peaks.get("fp8", peaks["bf16"])
-            return peaks["bf16"]
+        fp8 = peaks.get("fp8", peaks["bf16"])
+        rates = {"fp4": peaks.get("fp4", fp8), "fp8": fp8}
+        kinds = [_narrow_kind(d) for d in (lhs, rhs)]
+        if None not in kinds:
+            return min(rates.get(kind, peaks["bf16"]) for kind in kinds)
         if self.platform == "tpu":
             return peaks["bf16"] / _TPU_F32_PASSES.get(precision, 1)
         return peaks["f32"] if precision == "highest" else peaks.get("tf32", peaks["f32"])
+
+
+def _narrow_kind(dtype: str) -> str | None:
+    """Which peak a matmul operand of ``dtype`` (a name) runs at: ``"fp4"``, ``"fp8"``,
+    ``"bf16"`` (bfloat16, float16), or None for a wider one."""
+    if dtype.startswith("float4"):
+        return "fp4"
+    if dtype.startswith("float8"):
+        return "fp8"
+    return "bf16" if dtype in ("bfloat16", "float16") else None
 
 
 def parse_target(target: Any, *, caller: str = "plan") -> Target:
@@ -171,7 +273,8 @@ def parse_target(target: Any, *, caller: str = "plan") -> Target:
         f"{caller}: unknown target {target!r}; valid targets: GPUs {gpus}, TPUs {tpus} (one "
         "chip), a TPU slice as 'generation:topology' with the generation's axes, such as "
         "'v5p:2x2x1', 'v4:2x2x2', 'v5e:2x2', 'v6e:4x4', or GPUs on hosts as "
-        "'gpu:HOSTSxGPUS' ('h100:2x8': 2 hosts of 8) or 'gpu:GPUS' ('h100:8', one host)."
+        "'gpu:HOSTSxGPUS' ('h100:2x8': 2 hosts of 8; 'gb200:2x4') or 'gpu:GPUS' ('h100:8', "
+        "'b200:8': one host)."
     )
 
 
