@@ -128,13 +128,13 @@ def test_the_readme_command_leaves_out_the_slow_tests_and_ci_runs_them():
     assert any(marker.startswith("slow:") for marker in ini["markers"])
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(
-        r"^SLOW_TESTS='\. \.venv/bin/activate && python -m pytest -m slow -n 2 --dist worksteal'$",
+        r"^SLOW_TESTS='\. \.venv/bin/activate && python -m pytest -m slow -n 2 --dist loadfile'$",
         ci,
         re.M,
     )
     body = ci.split("\nsuite() {", 1)[1].split("\n}\n", 1)[0]
     readme_run = body.index('bash -c "${README_TESTS')
-    slow_run = body.index('bash -c "$SLOW_TESTS"')
+    slow_run = body.index('bash -c "$SLOW_TESTS ${slow_args:-}"')
     assert readme_run < slow_run and "slow_rc -ne 0" in body
     assert len(re.findall(r"^suite \w+ ", ci, re.M)) == 2
     assert "python -m pytest -m slow" in (ROOT / "README.md").read_text()
