@@ -158,6 +158,27 @@ VARIANTS = [
     Variant(
         "fp8_delayed_autocast", "fp8 delayed scaling, mpjax.autocast", FP8_DELAYED, mode="autocast"
     ),
+    # Finer fp8: a power-of-two scale per row of each operand (torchao's rowwise recipe), and
+    # the block formats of Blackwell GPUs (an e8m0 scale per 32 values, or NVFP4's e4m3 scale
+    # per 16 and one per tensor, its gradients in MXFP8); the head in bf16 as for fp8.
+    Variant(
+        "fp8_rowwise_mpjax",
+        "mixed_bfloat16_fp8_rowwise, mpjax.linen.apply_policy",
+        "mixed_bfloat16_fp8_rowwise",
+        mode="mpjax",
+    ),
+    Variant(
+        "mxfp8_mpjax",
+        "mixed_bfloat16_mxfp8, mpjax.linen.apply_policy",
+        "mixed_bfloat16_mxfp8",
+        mode="mpjax",
+    ),
+    Variant(
+        "nvfp4_mpjax",
+        "mixed_bfloat16_nvfp4, mpjax.linen.apply_policy",
+        "mixed_bfloat16_nvfp4",
+        mode="mpjax",
+    ),
     Variant("bf16_hand", "mixed_bfloat16, dtype=bf16 by hand", "mixed_bfloat16"),
     Variant(
         "bf16_hand_naive",
@@ -528,6 +549,8 @@ def plan_fields(plan: mpjax.Plan, model_flops: float | None = None) -> dict:
         "matmul_flops": plan.total_flops,
         "gemms": sum(g.executions for g in plan.gemms),
         "fp8_gemms": fp8,
+        "block_scaled_gemms": sum(g.executions for g in plan.gemms if g.block_scaled),
+        "block_scaled_flop_share": plan.flop_share("block_scaled"),
         "gemm_libraries": sorted({g.library for g in plan.gemms}),
         "attention_forward": sum(a.executions for a in plan.attention if not a.backward),
         "attention_backward": sum(a.executions for a in plan.attention if a.backward),
