@@ -20,6 +20,7 @@ from mpjax.doctor.diagnosis_report import DiagnosisReport
 from mpjax.doctor.monitor import ModuleCheck, PrecisionMonitor
 from mpjax.fp8 import Fp8Recipe
 from mpjax.inspection.describe import describe
+from mpjax.inspection.matmul_gains import MatmulGains, matmul_gains
 from mpjax.inspection.matmuls import (
     HloDot,
     HloDotReport,
@@ -165,6 +166,7 @@ __all__ = [
     "MIXED_BFLOAT16_NVFP4",
     "MIXED_FLOAT16",
     "MasterWeightsState",
+    "MatmulGains",
     "MatmulInfo",
     "MatmulReport",
     "MemoryReport",
@@ -212,6 +214,7 @@ __all__ = [
     "hlo_dots",
     "hlo_op_counts",
     "inspect_matmuls",
+    "matmul_gains",
     "loss_scaling",
     "loss_scaling_info",
     "low_precision_params",

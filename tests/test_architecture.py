@@ -57,6 +57,7 @@ LAYERS = (
         "inspection.plan_rows",
         "inspection.plan_collectives",
         "inspection.plan",
+        "inspection.matmul_gains",  # which GEMMs a narrow recipe speeds up, by the roofline
         "optim.gradient_checks",
         "optim.loss_scale",
         "optim.loss_scaling",

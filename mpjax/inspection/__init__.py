@@ -6,7 +6,7 @@
   with each module's matmul dtypes.
 - :mod:`mpjax.inspection.matmuls`: ``inspect_matmuls`` (the jaxpr's matmuls), ``hlo_dots`` and
   ``hlo_op_counts`` (the compiled HLO's).
-- :mod:`mpjax.inspection.plan`: ``plan``, what a GPU (H100, A100, H200) or a TPU (v4, v5e, v5p,
+- :mod:`mpjax.inspection.plan`: ``plan``, what a GPU (H100, A100, H200, B200, GB200, B300) or a TPU (v4, v5e, v5p,
   v6e, or a slice of them) would run, compiled without one: matmuls, fused attention, memory
   per device, and on a TPU XLA's estimated time; ``plan_mesh`` gives a TPU slice's devices to
   shard for.
@@ -15,6 +15,8 @@
   parsing the HLO.
 - :mod:`mpjax.inspection.plan_collectives`: what a sharded step sends between devices, by
   kind, dtype, bytes and the module each collective serves.
+- :mod:`mpjax.inspection.matmul_gains`: ``matmul_gains``, which modules' GEMMs run faster in
+  fp8 or a block format on a target by its roofline, and the rules that keep the others bf16.
 - :mod:`mpjax.inspection.targets`: the chips a plan compiles for and their published figures
   (memory, bandwidth, peak matmul rates), and the GPU descriptions in ``gpu_targets/``.
 

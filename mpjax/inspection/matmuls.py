@@ -167,7 +167,9 @@ def walk_jaxpr(
             yield from walk_jaxpr(sub, (*context, eqn.primitive.name), names)
 
 
-def _is_array(leaf: Any) -> bool:
+def is_array(leaf: Any) -> bool:
+    """Whether a leaf of a function's arguments is traced: an array or a
+    ``jax.ShapeDtypeStruct`` (the other leaves are passed as static values)."""
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
@@ -200,7 +202,7 @@ def _traced_equations(
     scalar = jax.tree.leaves(
         jax.tree.map(lambda flag, arg: jax.tree.map(lambda _: flag, arg), top, (args, kwargs))
     )
-    call, traced = call_on_leaves(fn, args, kwargs, lambda i, leaf: _is_array(leaf) or scalar[i])
+    call, traced = call_on_leaves(fn, args, kwargs, lambda i, leaf: is_array(leaf) or scalar[i])
     closed = jax.make_jaxpr(call)(traced)
     yield from walk_jaxpr(closed.jaxpr)
 

@@ -14,13 +14,13 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from mpjax import jax_compat
 from mpjax.casting.regions import innermost
 from mpjax.inspection.matmuls import (
     MATMUL_PRIMITIVES,
     call_on_leaves,
+    is_array,
     matmul_info,
     walk_jaxpr,
 )
@@ -228,14 +228,10 @@ def unflatten_with(tree: Any, leaves: list, *replaced: tuple[Sequence[int], Sequ
     return jax.tree.unflatten(tree, merged)
 
 
-def _is_array(leaf: Any) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
-
-
 def eval_shape_of(fn: Callable[..., Any], *args, **kwargs) -> Any:
     """``jax.eval_shape(fn, *args, **kwargs)`` with the leaves that are not arrays or
     ``jax.ShapeDtypeStruct`` (flags such as ``deterministic=True``) passed as static values."""
-    traced, arrays = call_on_leaves(fn, args, kwargs, lambda _, leaf: _is_array(leaf))
+    traced, arrays = call_on_leaves(fn, args, kwargs, lambda _, leaf: is_array(leaf))
     return jax.eval_shape(traced, arrays)
 
 
@@ -297,7 +293,7 @@ def dtypes_by_region(fn: Callable[..., Any], *args, **kwargs) -> dict[str, Regio
     operation of a wrapped model runs in the region of one of its modules.
     """
     leaves, tree = jax.tree.flatten((args, kwargs))
-    arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+    arrays = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
     floating = [i for i in arrays if is_floating(leaves[i])]
 
     def loss(float_leaves, array_leaves):
