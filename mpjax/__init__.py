@@ -19,6 +19,7 @@ from mpjax.doctor.diagnosis import Doctor, diagnose
 from mpjax.doctor.diagnosis_report import DiagnosisReport
 from mpjax.doctor.monitor import ModuleCheck, PrecisionMonitor
 from mpjax.fp8 import Fp8Recipe
+from mpjax.inspection.compile_only import compile_only
 from mpjax.inspection.describe import describe
 from mpjax.inspection.matmul_gains import MatmulGains, matmul_gains
 from mpjax.inspection.matmuls import (
@@ -213,6 +214,7 @@ __all__ = [
     "plan_unavailable",
     "hlo_dots",
     "hlo_op_counts",
+    "compile_only",
     "inspect_matmuls",
     "matmul_gains",
     "loss_scaling",

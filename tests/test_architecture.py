@@ -56,6 +56,7 @@ LAYERS = (
         "inspection.targets",
         "inspection.plan_rows",
         "inspection.plan_collectives",
+        "inspection.compile_only",  # tracing for devices this process lacks (AOT compiles)
         "inspection.plan",
         "inspection.matmul_gains",  # which GEMMs a narrow recipe speeds up, by the roofline
         "optim.gradient_checks",

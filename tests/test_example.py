@@ -1207,9 +1207,13 @@ def test_fp8_policy_runs_every_dense_matmul_in_fp8_but_the_head(policy_name, mod
         # sampling (which runs the model with the state) in the same run.
         (tt.FP8_DELAYED, {"grad_accum": 2, "loss_scale": "dynamic", "sample_bytes": 4}),
         (tt.FP8_DELAYED, {"mode": "autocast"}),
+        # Blackwell's block formats, emulated on the CPU with their numbers.
+        ("mixed_bfloat16_mxfp8", {}),
+        ("mixed_bfloat16_nvfp4", {}),
     ],
-    ids=["current", "delayed", "delayed-autocast"],
+    ids=["current", "delayed", "delayed-autocast", "mxfp8", "nvfp4"],
 )
+@pytest.mark.filterwarnings("ignore::mpjax.block_scaled.EmulationWarning")
 def test_fp8_run_trains_and_resumes_bit_identically(text_file, tmp_path, policy_name, flags):
     cfg = _cfg(text_file, tmp_path, steps=6, ckpt_interval=3, policy=policy_name, **flags)
     straight = tt.train(cfg)

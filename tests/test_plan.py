@@ -938,3 +938,49 @@ def test_a_collective_sends_its_ring_share_and_its_time_is_bounded_by_the_interc
 def test_a_slice_libtpu_cannot_make_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match=r"'v5p:3x5x7' is not a TPU slice: .*INVALID_ARGUMENT"):
         mpjax.plan_mesh("v5p:3x5x7")
+
+
+@pytest.mark.parametrize(
+    "target, reason", [("h100:8", REASON), ("v5p:2x2x2", TPU_REASON)], ids=["h100:8", "v5p:2x2x2"]
+)
+def test_a_loss_scaled_step_compiles_ahead_of_time_for_compile_only_devices(target, reason):
+    """The route of JAX's AOT guide and MaxText's train_compile: a mesh of compile-only
+    devices, arguments sharded on it, ``jax.jit(step).lower(...).compile()``. Traced as usual,
+    the persistent-overflow warning's host callback fails to lower there; traced inside
+    ``mpjax.compile_only()`` the step compiles, its collectives included."""
+    if reason is not None:
+        pytest.skip(reason)
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = mpjax.plan_mesh(target)
+    tx = mpjax.loss_scaling(optax.sgd(0.1), "dynamic")
+
+    def step(params, state, x):
+        loss, grads = mpjax.scaled_value_and_grad(lambda p: jnp.mean((x @ p["w"]) ** 2))(
+            state, params
+        )
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    def on_mesh(tree, spec):
+        sharding = NamedSharding(mesh, spec)
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree
+        )
+
+    params = {"w": jnp.ones((K, N))}
+    args = (
+        on_mesh(params, PartitionSpec()),
+        on_mesh(jax.eval_shape(tx.init, params), PartitionSpec()),
+        on_mesh(jax.ShapeDtypeStruct((8 * M, K), jnp.float32), PartitionSpec("data")),
+    )
+    local = (params, tx.init(params), jnp.ones((8, K)))
+    jax.jit(step)(*local)  # run here first: traced, and cached, with the warning's callback
+    if target.startswith("h100"):  # libtpu's compile-only devices lower a callback; CUDA's not
+        with pytest.raises(Exception, match="no platforms that are instances of gpu"):
+            jax.jit(step).lower(*args).compile()
+    with mpjax.compile_only():
+        lowered = jax.jit(step).lower(*args)
+    assert "callback" not in (lowered.compile().as_text() or "")
+    # After the context, the step traced to run here has the warning again.
+    assert "debug_callback" in str(jax.make_jaxpr(jax.jit(step))(*local))

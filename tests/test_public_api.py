@@ -86,6 +86,7 @@ PUBLIC = {
         "plan_unavailable",
         "hlo_dots",
         "hlo_op_counts",
+        "compile_only",
         "inspect_matmuls",
         "matmul_gains",
         "linen",

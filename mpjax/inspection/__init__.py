@@ -15,6 +15,8 @@
   parsing the HLO.
 - :mod:`mpjax.inspection.plan_collectives`: what a sharded step sends between devices, by
   kind, dtype, bytes and the module each collective serves.
+- :mod:`mpjax.inspection.compile_only`: ``compile_only``, tracing mpjax steps for devices this
+  process lacks (an ahead-of-time compile of one's own).
 - :mod:`mpjax.inspection.matmul_gains`: ``matmul_gains``, which modules' GEMMs run faster in
   fp8 or a block format on a target by its roofline, and the rules that keep the others bf16.
 - :mod:`mpjax.inspection.targets`: the chips a plan compiles for and their published figures

@@ -42,8 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mpjax import block_scaled, jax_compat
+from mpjax import jax_compat
 from mpjax.inspection import plan_collectives
+from mpjax.inspection.compile_only import compile_only
 from mpjax.inspection.hlo_text import parse_module
 from mpjax.inspection.matmuls import check_function
 from mpjax.inspection.plan_collectives import PlanCollective
@@ -61,7 +62,6 @@ from mpjax.inspection.plan_rows import (
     read_module,
 )
 from mpjax.inspection.targets import CHIPS, known_target, parse_target
-from mpjax.optim.loss_scaling import without_host_warnings
 from mpjax.table import flops_text, format_table, seconds_text, shape_text
 
 __all__ = [
@@ -766,10 +766,10 @@ def plan(
             "peak_flops": peak,
         }
         args, kwargs = _abstract((args, kwargs), devices)
-        # No host callback lowers for a device this process lacks: a loss-scaled step is planned
-        # without its overflow warning's (a branch only a run of skipped steps takes). The plan
-        # says itself whether the target runs block-scaled GEMMs or emulates them.
-        with without_host_warnings(), block_scaled.compiling_for_target():
+        # No host callback lowers for a device this process lacks (a loss-scaled step is
+        # planned without its overflow warning's), and the plan says itself whether the target
+        # runs block-scaled GEMMs or emulates them.
+        with compile_only():
             lowered = lower(*args, **kwargs)
         try:
             result = jax_compat.deviceless_compile(lowered, options)
