@@ -247,14 +247,15 @@ class _Layout:
     def of(cls, shape: tuple[int, ...], batch: Sequence[int], contract: Sequence[int]):
         kept = _kept(len(shape), batch, contract)
         permutation = (*batch, *kept, *contract)
-        sizes = tuple(math.prod(shape[a] for a in axes) for axes in (batch, kept, contract))
-        return cls(tuple(permutation), tuple(shape[a] for a in permutation), sizes)
+        b, m, k = (math.prod(shape[a] for a in axes) for axes in (batch, kept, contract))
+        return cls(tuple(permutation), tuple(shape[a] for a in permutation), (b, m, k))
 
     def to_bmk(self, x: jax.Array) -> jax.Array:
         return jnp.transpose(x, self.permutation).reshape(self.sizes)
 
     def from_bmk(self, x: jax.Array) -> jax.Array:
-        return jnp.transpose(x.reshape(self.shape), np.argsort(self.permutation))
+        inverse = tuple(int(i) for i in np.argsort(self.permutation))
+        return jnp.transpose(x.reshape(self.shape), inverse)
 
 
 def _canonical(dimension_numbers: Any) -> tuple:

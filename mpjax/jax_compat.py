@@ -316,7 +316,7 @@ def precision_name(eqn: Any, params: dict | None = None) -> str:
     ``lax.DotAlgorithmPreset`` name in lower case (``"bf16_bf16_f32_x6"``); operands at
     different precisions, ``"high,default"``."""
     precision = (eqn.params if params is None else params).get("precision")
-    if _left_default(precision):
+    if precision is None or _left_default(precision):
         return "default"
     if isinstance(precision, lax.DotAlgorithmPreset):
         names = [n for n, (dot, _) in _PRECISION_PARAMS.items() if dot == precision]

@@ -341,8 +341,8 @@ class Interpreter:
         if not recipe.applies_to(p.dimension_numbers):
             return None, None
         if recipe.block_scaled:
-            shapes = [a.shape for a in ran]
-            reason = block_scaled.unaligned(*shapes, p.dimension_numbers, recipe.scaling)
+            lhs, rhs = (a.shape for a in ran)
+            reason = block_scaled.unaligned(lhs, rhs, p.dimension_numbers, recipe.scaling)
             if reason is not None:
                 self.settings.warn_unaligned("/".join(path), recipe.scaling, reason)
                 return None, _Narrow(f"{LOWER} (not {recipe.scaling}: {reason})", compute)
@@ -379,8 +379,7 @@ class Interpreter:
         if delayed.opaque is not None:
             self.settings.warn_delayed("/".join(path), delayed.opaque)
             return current, _FP8
-        dot = delayed.dot(region.path, recipe, current, p.dimension_numbers, p.precision)
-        return dot, _FP8
+        return delayed.dot(region.path, recipe, current, p.dimension_numbers, p.precision), _FP8
 
     def _cast_inputs(self, eqn, invals, avals, category, compute, casts, tap=None, wide=()):
         """Casts the floating inputs of a first-order equation by its category, each cast

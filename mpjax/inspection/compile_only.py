@@ -12,7 +12,7 @@ without both; a step traced outside it, to run on local devices, keeps the warni
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from typing import Any
 
 import jax
 
@@ -23,7 +23,7 @@ __all__ = ["compile_only"]
 
 
 @contextlib.contextmanager
-def compile_only() -> Iterator[None]:
+def compile_only() -> Any:
     """Traces the mpjax steps inside it for devices this process does not have: without loss
     scaling's host callback (the step still skips non-finite updates and keeps its state; only
     the warning after a long run of skipped steps is left out) and without the emulation

@@ -228,8 +228,8 @@ class Target:
         peaks = self.chip.peak_flops
         fp8 = peaks.get("fp8", peaks["bf16"])
         rates = {"fp4": peaks.get("fp4", fp8), "fp8": fp8}
-        kinds = [_narrow_kind(d) for d in (lhs, rhs)]
-        if None not in kinds:
+        kinds = [kind for kind in (_narrow_kind(d) for d in (lhs, rhs)) if kind is not None]
+        if len(kinds) == 2:
             return min(rates.get(kind, peaks["bf16"]) for kind in kinds)
         if self.platform == "tpu":
             return peaks["bf16"] / _TPU_F32_PASSES.get(precision, 1)
