@@ -17,7 +17,7 @@ Writes the table into docs/precision_study.md (between the table markers), every
 of every run into docs/precision_study.json, and three plots into docs/:
 precision_study_loss.png, precision_study_unmoved.png, precision_study_gradients.png.
 
-    python examples/precision_study.py                     # 17 setups x 3 seeds, ~55 min on 2 CPU cores
+    python examples/precision_study.py                     # 20 setups x 3 seeds, ~66 min on 2 CPU cores
     python examples/precision_study.py --seeds 0 --setups f32 bf16_nearest bf16_sr --steps 300
     python examples/precision_study.py --add --setups mixed_bf16_fp8 mixed_bf16_fp8_head
     python examples/precision_study.py --render-only   # the table and plots from the JSON
@@ -166,6 +166,21 @@ SETUPS = [
         "mixed bf16 + fp8 matmuls (current scaling), head in fp8 too",
         "mixed_bfloat16_fp8",
         fp8_head=True,
+    ),
+    Setup(
+        "mixed_bf16_fp8_rowwise",
+        "mixed bf16 + fp8 matmuls (a scale per row), head in bf16",
+        "mixed_bfloat16_fp8_rowwise",
+    ),
+    Setup(
+        "mixed_bf16_mxfp8",
+        "mixed bf16 + MXFP8 matmuls (a scale per 32 values), head in bf16",
+        "mixed_bfloat16_mxfp8",
+    ),
+    Setup(
+        "mixed_bf16_nvfp4",
+        "mixed bf16 + NVFP4 forward matmuls (MXFP8 gradients), head in bf16",
+        "mixed_bfloat16_nvfp4",
     ),
     Setup("mixed_f16_none", "mixed f16, no loss scaling", "mixed_float16", loss_scale="none"),
     Setup(
