@@ -213,7 +213,11 @@ def quantize(x: jax.Array, format: BlockFormat | str = "mxfp8") -> BlockQuantize
         data, scales, tensor = _nv_quantize(blocks, fmt)
     else:
         (data, scales), tensor = _mx_quantize(blocks, fmt), jnp.ones((), _F32)
-    return BlockQuantized(data.reshape(x.shape), scales, tensor)
+    # Where no block-scaled kernel takes the values, XLA dequantizes them, and its
+    # SimplifyFPConversions (on by default) would fold f32 -> e4m3 -> bf16 into one conversion:
+    # the GEMM would multiply unrounded values. The barrier keeps the rounding.
+    data, scales = lax.optimization_barrier((data.reshape(x.shape), scales))
+    return BlockQuantized(data, scales, tensor)
 
 
 def dequantize(q: BlockQuantized, dtype: Any = jnp.float32) -> jax.Array:

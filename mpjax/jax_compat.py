@@ -16,7 +16,7 @@ CI runs it on the oldest and the newest). The differences handled here:
   ``Primitive.get_bind_params`` return params only.
 * XLA's Triton GEMMs take dots on two float8 types from jax 0.10.2 on (:func:`mixed_fp8_dots`);
   XLA's CPU runtime lacks some bf16 x bf16 -> f32 dots (:func:`widen_narrow_dots_on_cpu`);
-  jax 0.8.1 cannot lower block-scaled GEMMs for the CPU (:func:`emulate_block_scaled_matmuls_on_cpu`).
+  block-scaled GEMMs on the CPU, absent from jax 0.8.1 and in bf16 in 0.12 (:func:`emulate_block_scaled_matmuls_on_cpu`).
 * Pallas's TPU flash attention (:func:`pallas_flash_attention`) and
   ``force_tpu_interpret_mode`` (:func:`pallas_tpu_interpreted`) are the same in 0.8.1 and 0.12.
 * Compiling for a GPU without one (:func:`cuda_topology`, :func:`deviceless_compile`): the
@@ -428,21 +428,23 @@ block-scaled GEMM on ``(B, M, K)`` and ``(B, N, K)`` values and their block scal
 
 
 def emulate_block_scaled_matmuls_on_cpu() -> None:
-    """Gives ``jax.nn.scaled_matmul`` a CPU lowering where this JAX has none (jax 0.8.1;
-    0.12 has its own): the values times their block scales, multiplied in the output dtype."""
-    if scaled_matmul_p in _mlir._platform_specific_lowerings.get("cpu", {}):
-        return
-
-    def emulated(a: Any, b: Any, a_scales: Any, b_scales: Any, *, preferred_element_type: Any):
-        t = preferred_element_type  # (B, M, K) as (B, M, K / block, block), times its scales
-        a, b = (
-            x.reshape(*s.shape, -1).astype(t) * s.astype(t)[..., None]
-            for x, s in ((a, a_scales), (b, b_scales))
-        )
-        return lax.dot_general(a, b, (((2, 3), (2, 3)), ((0,), (0,)))).astype(t)
-
-    lowering = _mlir.lower_fun(emulated, multiple_results=False)
+    """Lowers ``jax.nn.scaled_matmul`` on the CPU as a Blackwell GEMM computes it: the values
+    times their block scales, multiplied and accumulated in float32, rounded once to the output
+    dtype. jax 0.8.1 has no CPU lowering; 0.12's multiplies in the output dtype, and inside a
+    larger jit XLA's CPU may then accumulate a bf16 GEMM in bf16 (2% off over 64 terms)."""
+    lowering = _mlir.lower_fun(_emulated, multiple_results=False)
     _mlir.register_lowering(scaled_matmul_p, lowering, platform="cpu")
+
+
+def _emulated(a: Any, b: Any, a_scales: Any, b_scales: Any, *, preferred_element_type: Any):
+    f32 = np.float32  # (B, M, K) as (B, M, K / block, block), times its scales
+    a, b = (
+        x.reshape(*s.shape, -1).astype(f32) * s.astype(f32)[..., None]
+        for x, s in ((a, a_scales), (b, b_scales))
+    )
+    dims = (((2, 3), (2, 3)), ((0,), (0,)))
+    out = lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST, preferred_element_type=f32)
+    return out.astype(preferred_element_type)
 
 
 PALLAS_BLOCK = pallas_flash.MIN_BLOCK_SIZE

@@ -153,12 +153,16 @@ def test_block_scaled_matmul_is_the_quantized_arithmetic_forward_and_backward(na
     lhs = normal((64, 128), 3, 4.0).astype(jnp.bfloat16)
     rhs = normal((128, 96), 4, 0.05).astype(jnp.bfloat16)
     g = normal((64, 96), 5).astype(jnp.bfloat16)
-    out, vjp = jax.vjp(lambda a, b: block_scaled.dot_general(a, b, DENSE, name), lhs, rhs)
+
+    @jax.jit
+    def both(lhs, rhs, g):
+        out, vjp = jax.vjp(lambda a, b: block_scaled.dot_general(a, b, DENSE, name), lhs, rhs)
+        f32 = [x.astype(jnp.float32) for x in (lhs, rhs, g)]
+        expected, grads = hand_written(f32[0], f32[1], name, "mxfp8")
+        return (out, *vjp(g)), (expected, *grads(f32[2]))
+
+    (out, dlhs, drhs), (expected, expected_dlhs, expected_drhs) = both(lhs, rhs, g)
     assert out.dtype == jnp.bfloat16
-    dlhs, drhs = vjp(g)
-    f32 = [x.astype(jnp.float32) for x in (lhs, rhs, g)]
-    expected, grads = hand_written(f32[0], f32[1], name, "mxfp8")
-    expected_dlhs, expected_drhs = grads(f32[2])
     for got, want, n in (
         (out, expected, 128),
         (dlhs, expected_dlhs, 96),
@@ -182,8 +186,12 @@ def test_block_scaled_matmul_takes_any_dot_general_layout(dimension_numbers, lhs
     lhs, rhs = normal(lhs_shape, 6), normal(rhs_shape, 7)
 
     def both(dot):
-        out, vjp = jax.vjp(dot, lhs, rhs)
-        return (out, *vjp(jnp.ones_like(out)))
+        @jax.jit
+        def run(lhs, rhs):
+            out, vjp = jax.vjp(dot, lhs, rhs)
+            return (out, *vjp(jnp.ones_like(out)))
+
+        return run(lhs, rhs)
 
     got = both(lambda a, b: block_scaled.dot_general(a, b, dimension_numbers))
     want = both(lambda a, b: jax.lax.dot_general(a, b, dimension_numbers))
@@ -265,21 +273,25 @@ def test_rowwise_matmul_is_the_rowwise_arithmetic_forward_and_backward():
     lhs = normal((2, 32, 64), 15, 3.0).astype(jnp.bfloat16)
     rhs = (normal((64, 48), 16) * jnp.logspace(-3, 3, 48)).astype(jnp.bfloat16)
     dims = (((2,), (0,)), ((), ()))
-    out, vjp = jax.vjp(lambda a, b: fp8.rowwise_dot_general(a, b, dims), lhs, rhs)
-    g = normal(out.shape, 17).astype(jnp.bfloat16)
-    dlhs, drhs = vjp(g)
+    g = normal((2, 32, 48), 17).astype(jnp.bfloat16)
 
     def qdq(x, contract):
         scale = fp8.rowwise_scale(x, contract, fp8.E4M3)
         return fp8.quantize(x, fp8.E4M3, scale).astype(jnp.float32) * scale
 
-    f = [a.astype(jnp.float32) for a in (lhs, rhs, g)]
-    want = (
-        jnp.einsum("bsk,kn->bsn", qdq(f[0], (2,)), qdq(f[1], (0,))),
-        jnp.einsum("bsn,kn->bsk", qdq(f[2], (2,)), qdq(f[1], (1,))),
-        jnp.einsum("bsk,bsn->kn", qdq(f[0], (0, 1)), qdq(f[2], (0, 1))),
-    )
-    for got, w, n in zip((out, dlhs, drhs), want, (64, 48, 64)):
+    @jax.jit
+    def both(lhs, rhs, g):
+        out, vjp = jax.vjp(lambda a, b: fp8.rowwise_dot_general(a, b, dims), lhs, rhs)
+        f = [a.astype(jnp.float32) for a in (lhs, rhs, g)]
+        want = (
+            jnp.einsum("bsk,kn->bsn", qdq(f[0], (2,)), qdq(f[1], (0,))),
+            jnp.einsum("bsn,kn->bsk", qdq(f[2], (2,)), qdq(f[1], (1,))),
+            jnp.einsum("bsk,bsn->kn", qdq(f[0], (0, 1)), qdq(f[2], (0, 1))),
+        )
+        return (out, *vjp(g)), want
+
+    got_all, want = both(lhs, rhs, g)
+    for got, w, n in zip(got_all, want, (64, 48, 64)):
         assert got.dtype == jnp.bfloat16
         bound = tolerance(np.float32, n) + tolerance(jnp.bfloat16, 0)
         assert np.abs(np.asarray(got, np.float32) - w).max() <= bound * np.abs(w).max() * 2

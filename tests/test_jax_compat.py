@@ -579,3 +579,30 @@ def test_the_block_scaled_matmul_primitive_is_what_scaled_matmul_traces_to():
     jaxpr = jax.make_jaxpr(jax.nn.scaled_matmul)(data, data, scales, scales)
     names = {eqn.primitive.name for eqn, _, _ in mpjax.inspection.matmuls.walk_jaxpr(jaxpr.jaxpr)}
     assert jax_compat.BLOCK_SCALED_MATMUL in names
+
+
+def test_block_scaled_matmuls_run_on_the_cpu_accumulating_in_float32():
+    """The CPU lowering mpjax gives ``jax.nn.scaled_matmul`` (jax 0.8.1 has none; 0.12's
+    multiplies in the output dtype): inside a jit, a bf16 result is the float32 product of the
+    scaled values, rounded once."""
+    from mpjax import block_scaled
+
+    x = jax.random.normal(jax.random.key(0), (1, 64, 1024))
+    w = jax.random.normal(jax.random.key(1), (1, 48, 1024))
+    qx, qw = block_scaled.quantize(x), block_scaled.quantize(w)
+
+    @jax.jit
+    def matmul(qx, qw):
+        return jax.nn.scaled_matmul(qx.data, qw.data, qx.scales, qw.scales, jnp.bfloat16)
+
+    exact = np.einsum(
+        "bmk,bnk->bmn",
+        np.asarray(block_scaled.dequantize(qx), np.float64),
+        np.asarray(block_scaled.dequantize(qw), np.float64),
+    )
+    got = np.asarray(matmul(qx, qw), np.float64)
+    # One rounding to bf16 of each exact value (and the float32 sum's own error). jax 0.8.1
+    # cannot lower it at all; the case where jax 0.12's own lowering lands farther (a bf16
+    # GEMM inside a larger jit) is test_block_scaled's quantized-arithmetic test.
+    bound = 2.0**-8 * np.abs(exact) + 1e-6 * np.abs(exact).max()
+    assert (np.abs(got - exact) <= bound).all()
