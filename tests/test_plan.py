@@ -24,7 +24,7 @@ from mpjax import jax_compat
 from mpjax.inspection.hlo_text import HloShape, parse_module
 from mpjax.inspection.plan import PlanUnavailableError, plan_unavailable
 from mpjax.inspection.plan_rows import loop_trip_counts, read_module
-from mpjax.inspection.targets import CHIPS
+from mpjax.inspection.targets import CHIPS, parse_target
 
 # `mpjax.plan` is the function; the module is reached through sys.modules.
 plan_module = sys.modules["mpjax.inspection.plan"]
@@ -811,7 +811,6 @@ def test_a_sharded_step_on_a_tpu_slice_reports_what_it_sends_and_for_which_modul
 
 
 def test_gpu_clusters_are_named_by_hosts_and_gpus_per_host():
-    from mpjax.inspection.targets import parse_target
 
     assert parse_target("h100:2x8").topology == "1x2x8" and parse_target("h100:2x8").chips == 16
     assert parse_target("H100:8").topology == "1x1x8"
@@ -984,3 +983,28 @@ def test_a_loss_scaled_step_compiles_ahead_of_time_for_compile_only_devices(targ
     assert "callback" not in (lowered.compile().as_text() or "")
     # After the context, the step traced to run here has the warning again.
     assert "debug_callback" in str(jax.make_jaxpr(jax.jit(step))(*local))
+
+
+@pytest.mark.skipif(TPU_REASON is not None, reason=f"the plan cannot compile: {TPU_REASON}")
+def test_ironwood_and_v6e_slices_are_targets_with_their_devices_and_peaks():
+    """TPU7x (Ironwood): two devices per chip, each half the chip's 192 GiB and peaks; XLA's
+    cost model gives an fp8 GEMM no less than the bf16 time there, where the published fp8
+    peak is twice bf16's (the roofline shows the published one)."""
+    assert parse_target("tpu7x").topology == "tpu7x:1x1x1"
+    assert parse_target("tpu7x:2x2x1").chips == 4
+    assert len(mpjax.plan_mesh("tpu7x:2x2x1").devices.flat) == 8
+    assert len(mpjax.plan_mesh("v6e:4x4").devices.flat) == 16
+    x = sds((4096, 4096), jnp.bfloat16)
+    bf16 = mpjax.plan(jnp.matmul, "tpu7x:2x2x1")(x, x)
+    assert bf16.device == "TPU7x" and bf16.memory.capacity_bytes == 96 * 2**30
+    assert bf16.roofline_seconds == pytest.approx(2 * 4096**3 / (2307e12 / 2))
+    q = sds((4096, 4096), jnp.float8_e4m3fn)
+
+    def fp8(a, b):
+        return jax.lax.dot_general(
+            a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    narrow = mpjax.plan(fp8, "tpu7x:2x2x1")(q, q)
+    assert narrow.roofline_seconds == pytest.approx(bf16.roofline_seconds / 2)
+    assert narrow.estimated_seconds >= 0.95 * bf16.estimated_seconds  # no faster by XLA's model

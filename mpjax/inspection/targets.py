@@ -2,8 +2,9 @@
 the figures a plan sets its estimates against (memory, bandwidth, peak matmul rates).
 
 A target is named by its chip (``"h100"``, ``"a100"``, ``"h200"``, the Blackwell ``"b200"``,
-``"gb200"`` and ``"b300"``; ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"``) for one chip; for a TPU by
-a slice topology (``"v5p:2x2x1"``, ``"v5e:2x2"``) for the chips of that slice; for GPUs by hosts
+``"gb200"`` and ``"b300"``; ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"``, Ironwood's ``"tpu7x"``) for
+one chip; for a TPU by a slice topology (``"v5p:2x2x1"``, ``"v5e:2x2"``, ``"tpu7x:2x2x1"``) for the
+chips of that slice; for GPUs by hosts
 and GPUs per host (``"h100:2x8"``, ``"b200:8"``, ``"gb200:2x4"``). The figures are the vendors'
 published dense (not sparse) peaks per chip; XLA's own estimate of a TPU step's time
 (``optimal_seconds``) comes from the compiler, not from them.
@@ -172,16 +173,28 @@ CHIPS: dict[str, Chip] = {
         Chip("v5e", "tpu", "TPU v5e", 16 * _GIB, 0.819e12, {"bf16": 197 * _T}, "", 200e9),
         Chip("v5p", "tpu", "TPU v5p", 95 * _GIB, 2.765e12, {"bf16": 459 * _T}, "", 600e9),
         Chip("v6e", "tpu", "TPU v6e", 32 * _GIB, 1.64e12, {"bf16": 918 * _T}, "", 448e9),
+        # Ironwood: Google's published 4,614 TF fp8 and 192 GiB, 7.37 TB/s and 1.2 TB/s of
+        # inter-chip interconnect per chip; bf16 is half the fp8 rate. Two devices per chip.
+        Chip(
+            "tpu7x",
+            "tpu",
+            "TPU7x",
+            192 * _GIB,
+            7.37e12,
+            {"bf16": 2307 * _T, "fp8": 4614 * _T},
+            "",
+            1.2e12,
+        ),
     )
 }
 """The chips a plan knows, by short name."""
 
 # "v5p:2x2x1", "v5e:2x2": a TPU generation and a slice's chips along each axis.
-_TOPOLOGY = re.compile(r"(v\d+[a-z]?):(\d+(?:x\d+){1,2})")
+_TOPOLOGY = re.compile(r"(v\d+[a-z]?|tpu7x):(\d+(?:x\d+){1,2})")
 # "h100:2x8", "gb200:8": a GPU and its hosts (one by default) and GPUs per host.
 _CLUSTER = re.compile(r"([a-z]+\d+):(?:(\d+)x)?(\d+)")
 # The single-chip slice each TPU generation's compiler accepts.
-_ONE_CHIP = {"v4": "1x1x1", "v5p": "1x1x1", "v5e": "1x1", "v6e": "1x1"}
+_ONE_CHIP = {"v4": "1x1x1", "v5p": "1x1x1", "v5e": "1x1", "v6e": "1x1", "tpu7x": "1x1x1"}
 # TPU passes of bf16 per float32 matmul at each precision: one pass at DEFAULT, three at HIGH
 # (bf16_3x), six at HIGHEST (bf16_6x). On a GPU, HIGH and DEFAULT are TF32, HIGHEST is float32.
 _TPU_F32_PASSES = {"default": 1, "high": 3, "highest": 6}
