@@ -57,6 +57,7 @@ LAYERS = (
         "inspection.plan_rows",
         "inspection.plan_collectives",
         "inspection.compile_only",  # tracing for devices this process lacks (AOT compiles)
+        "inspection.plan_arguments",  # the arguments a plan compiles, on the target's devices
         "inspection.plan",
         "inspection.matmul_gains",  # which GEMMs a narrow recipe speeds up, by the roofline
         "optim.gradient_checks",

@@ -1008,3 +1008,62 @@ def test_ironwood_and_v6e_slices_are_targets_with_their_devices_and_peaks():
     narrow = mpjax.plan(fp8, "tpu7x:2x2x1")(q, q)
     assert narrow.roofline_seconds == pytest.approx(bf16.roofline_seconds / 2)
     assert narrow.estimated_seconds >= 0.95 * bf16.estimated_seconds  # no faster by XLA's model
+
+
+def _fsdp_step_args(mesh, axis):
+    """An FSDP step's arguments on ``mesh``: weights sharded along ``axis``, the batch too."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def sharded(shape, spec):
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+
+    params = {
+        "w1": sharded((512, 1024), PartitionSpec(axis)),
+        "w2": sharded((1024, 512), PartitionSpec(axis)),
+    }
+    return params, sharded((64, 512), PartitionSpec(axis))
+
+
+def _fsdp_step(params, x):
+    def loss(p):
+        return jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])
+
+    grads = jax.grad(loss)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+@pytest.mark.skipif(TPU_REASON is not None, reason=f"the plan cannot compile: {TPU_REASON}")
+def test_a_step_sharded_on_the_users_own_topology_devices_keeps_its_shardings():
+    """The route of JAX's topologies guide (and MaxText's train_compile): devices from the
+    user's own get_topology_desc, other objects than plan_mesh's. The plan compiles the
+    shardings given, and finds the collectives of the step's own compile."""
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(topology_name="v5p:2x2x2", platform="tpu")
+    own = jax.sharding.Mesh(np.asarray(topology.devices), ("fsdp",))
+    args = _fsdp_step_args(own, "fsdp")
+    plan = mpjax.plan(_fsdp_step, "v5p:2x2x2")(*args)
+    ours = mpjax.plan(_fsdp_step, "v5p:2x2x2")(
+        *_fsdp_step_args(mpjax.plan_mesh("v5p:2x2x2"), "data")
+    )
+    assert plan.collective_bytes() and plan.collective_bytes() == ours.collective_bytes()
+    compiled = jax.jit(_fsdp_step).lower(*args).compile().as_text()
+    for kind in ("all-gather", "reduce-scatter"):
+        assert (kind in compiled) == any(c.kind == kind for c in plan.collectives), kind
+
+
+@pytest.mark.skipif(TPU_REASON is not None, reason=f"the plan cannot compile: {TPU_REASON}")
+def test_arguments_sharded_on_devices_that_cannot_be_the_targets_are_refused():
+    cpu = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:8]), ("data",))
+    with pytest.raises(
+        ValueError, match=r"argument args\[0\]\['w1'\] is sharded over 8 cpu devices"
+    ):
+        mpjax.plan(_fsdp_step, "v5p:2x2x2")(*_fsdp_step_args(cpu, "data"))
+    smaller = mpjax.plan_mesh("v5p:2x2x1")
+    with pytest.raises(ValueError, match=r"4 tpu devices .* cannot be the 8 compile-only"):
+        mpjax.plan(_fsdp_step, "v5p:2x2x2")(*_fsdp_step_args(smaller, "data"))
+    with pytest.raises(ValueError, match="mpjax.plan_mesh\\('v5p:2x2x2', shape, names\\)"):
+        mpjax.plan(_fsdp_step, "v5p:2x2x2")(*_fsdp_step_args(smaller, "data"))
+    # A plain array, on one device, is replicated.
+    plain = (jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype), _fsdp_step_args(cpu, "data")[0]),)
+    assert mpjax.plan(_fsdp_step, "v5p:2x2x2")(*plain, jnp.ones((64, 512))).compiled

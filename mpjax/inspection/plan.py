@@ -40,13 +40,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from mpjax import jax_compat
 from mpjax.inspection import plan_collectives
 from mpjax.inspection.compile_only import compile_only
 from mpjax.inspection.hlo_text import parse_module
 from mpjax.inspection.matmuls import check_function
+from mpjax.inspection.plan_arguments import on_target
 from mpjax.inspection.plan_collectives import PlanCollective
 from mpjax.inspection.plan_rows import (
     PlanAttention,
@@ -633,29 +634,6 @@ def plan_mesh(
     return Mesh(np.asarray(devices, dtype=object).reshape(shape), tuple(axis_names))
 
 
-def _abstract(tree: Any, devices: tuple[Any, ...]) -> Any:
-    """Array leaves as ``jax.ShapeDtypeStruct`` on the compile-only devices: a leaf whose
-    sharding already lies on them keeps it (the user's own sharding, made on a
-    :func:`plan_mesh`), any other is replicated over them. Other leaves (Python numbers,
-    ``None``) stay as they are, for ``jit`` to treat as it always does."""
-    mesh = Mesh(np.asarray(devices, dtype=object), ("devices",))
-    replicated = NamedSharding(mesh, PartitionSpec())
-    on_target = set(devices)
-
-    def leaf(x: Any) -> Any:
-        if hasattr(x, "shape") and hasattr(x, "dtype"):
-            weak = bool(getattr(x, "weak_type", False))
-            sharding = getattr(x, "sharding", None)
-            # By device, not by id: a CPU array's device 0 is not the target's device 0.
-            own = sharding is not None and set(sharding.device_set) <= on_target
-            return jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=sharding if own else replicated, weak_type=weak
-            )
-        return x
-
-    return jax.tree.map(leaf, tree)
-
-
 def _estimate(cost: Mapping[str, float]) -> float | None:
     """XLA's estimated seconds, or None where its cost model gave none it could stand by: a
     v5e compile with many custom calls has returned a negative time."""
@@ -765,7 +743,7 @@ def plan(
             "devices": len(devices),
             "peak_flops": peak,
         }
-        args, kwargs = _abstract((args, kwargs), devices)
+        args, kwargs = on_target(args, kwargs, devices, parsed.name)
         # No host callback lowers for a device this process lacks (a loss-scaled step is
         # planned without its overflow warning's), and the plan says itself whether the target
         # runs block-scaled GEMMs or emulates them.
