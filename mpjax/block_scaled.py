@@ -232,11 +232,6 @@ def dequantize(q: BlockQuantized, dtype: Any = jnp.float32) -> jax.Array:
 # --- The matmul -----------------------------------------------------------------------------
 
 
-def _kept(ndim: int, *removed: Sequence[int]) -> list[int]:
-    gone = {axis for axes in removed for axis in axes}
-    return [axis for axis in range(ndim) if axis not in gone]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """How an operand of a ``dot_general`` becomes the ``(B, M, K)`` of a scaled matmul:
@@ -249,7 +244,7 @@ class _Layout:
 
     @classmethod
     def of(cls, shape: tuple[int, ...], batch: Sequence[int], contract: Sequence[int]):
-        kept = _kept(len(shape), batch, contract)
+        kept = fp8.kept_axes(len(shape), batch, contract)
         permutation = (*batch, *kept, *contract)
         b, m, k = (math.prod(shape[a] for a in axes) for axes in (batch, kept, contract))
         return cls(tuple(permutation), tuple(shape[a] for a in permutation), (b, m, k))
@@ -319,8 +314,8 @@ def _forward(lhs, rhs, dimension_numbers, name):
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     shape = (
         *(lhs.shape[a] for a in lhs_batch),
-        *(lhs.shape[a] for a in _kept(lhs.ndim, lhs_batch, lhs_contract)),
-        *(rhs.shape[a] for a in _kept(rhs.ndim, rhs_batch, rhs_contract)),
+        *(lhs.shape[a] for a in fp8.kept_axes(lhs.ndim, lhs_batch, lhs_contract)),
+        *(rhs.shape[a] for a in fp8.kept_axes(rhs.ndim, rhs_batch, rhs_contract)),
     )
     return out.reshape(shape)
 

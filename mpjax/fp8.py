@@ -280,8 +280,9 @@ def _matmul(a: _Quantized, b: _Quantized, dimension_numbers, precision, compute)
     return (out * (a.scale * b.scale)).astype(compute)
 
 
-def _kept(ndim: int, *removed: Sequence[int]) -> list[int]:
-    """The axes of an ``ndim`` operand that are neither contracted nor batched."""
+def kept_axes(ndim: int, *removed: Sequence[int]) -> list[int]:
+    """The axes of an ``ndim`` operand of a ``dot_general`` that are neither contracted nor
+    batched (``removed``: its contracted and batch axes)."""
     gone = {axis for axes in removed for axis in axes}
     return [axis for axis in range(ndim) if axis not in gone]
 
@@ -292,8 +293,8 @@ def _transpose_lhs(lhs_ndim, rhs_ndim, dimension_numbers, swap_ans=False):
     ``transpose(dot_general(g, y, ...))``: the transposition
     ``jax.grad`` does for a ``dot_general``, written out so that both factors can stay fp8."""
     (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
-    x_kept = _kept(lhs_ndim, x_contract, x_batch)
-    y_kept = _kept(rhs_ndim, y_contract, y_batch)
+    x_kept = kept_axes(lhs_ndim, x_contract, x_batch)
+    y_kept = kept_axes(rhs_ndim, y_contract, y_batch)
     n_batch = len(x_batch)
     if swap_ans:  # g's axes: batch, y's kept, x's kept
         ans_y = range(n_batch, n_batch + len(y_kept))
@@ -400,7 +401,7 @@ def _rowwise_matmul(a, b, dimension_numbers, compute, margin):
     """A GEMM on e4m3 operands scaled per row, accumulated in f32, the outer product of the
     row scales applied to its output, rounded to ``compute``."""
     (a_contract, b_contract), (a_batch, b_batch) = dimension_numbers
-    a_kept, b_kept = _kept(a.ndim, a_contract, a_batch), _kept(b.ndim, b_contract, b_batch)
+    a_kept, b_kept = kept_axes(a.ndim, a_contract, a_batch), kept_axes(b.ndim, b_contract, b_batch)
     sa = rowwise_scale(a, a_contract, E4M3, margin)
     sb = rowwise_scale(b, b_contract, E4M3, margin)
     out = lax.dot_general(

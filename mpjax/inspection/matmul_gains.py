@@ -28,16 +28,15 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mpjax import jax_compat
 from mpjax.casting.regions import innermost
 from mpjax.fp8 import Fp8Recipe, fp8_recipe
-from mpjax.inspection.matmuls import call_on_leaves, check_function, is_array, walk_jaxpr
+from mpjax.inspection.matmuls import check_function, gradient_jaxpr, walk_jaxpr
 from mpjax.inspection.targets import Target, parse_target
-from mpjax.policy import Policy, is_floating
+from mpjax.policy import Policy
 from mpjax.table import format_table
 
 __all__ = ["GemmGain", "MatmulGains", "ModuleGain", "matmul_gains"]
@@ -212,17 +211,7 @@ def matmul_gains(
     recipe = fp8_recipe(recipe)
 
     def gains(*args: Any, **kwargs: Any) -> MatmulGains:
-        call, traced = call_on_leaves(fn, args, kwargs, lambda i, leaf: is_array(leaf))
-        floating = [i for i, leaf in enumerate(traced) if is_floating(leaf)]
-
-        def loss(wide: list) -> jax.Array:
-            leaves = list(traced)
-            for i, leaf in zip(floating, wide):
-                leaves[i] = leaf
-            outs = [x for x in jax.tree.leaves(call(leaves)) if is_floating(x)]
-            return sum((jnp.sum(x.astype(jnp.float32)) for x in outs), jnp.zeros(()))
-
-        closed = jax.make_jaxpr(jax.grad(loss))([traced[i] for i in floating])
+        closed = gradient_jaxpr(fn, args, kwargs)
         by_module: dict[str, list[GemmGain]] = collections.defaultdict(list)
         policies: dict[str, Policy | None] = {}
         for eqn, _, scopes in walk_jaxpr(closed.jaxpr):

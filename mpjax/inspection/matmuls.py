@@ -15,10 +15,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mpjax import jax_compat
 from mpjax.casting.regions import innermost
+from mpjax.policy import is_floating
 from mpjax.table import format_table
 
 MATMUL_PRIMITIVES = frozenset(
@@ -205,6 +207,23 @@ def _traced_equations(
     call, traced = call_on_leaves(fn, args, kwargs, lambda i, leaf: is_array(leaf) or scalar[i])
     closed = jax.make_jaxpr(call)(traced)
     yield from walk_jaxpr(closed.jaxpr)
+
+
+def gradient_jaxpr(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """The closed jaxpr of the gradient of the sum of ``fn``'s floating outputs with respect
+    to the floating array leaves of its arguments: forward and backward, nothing computed.
+    Other arrays are traced without a gradient; leaves that are not arrays are static."""
+    call, traced = call_on_leaves(fn, args, kwargs, lambda i, leaf: is_array(leaf))
+    floating = [i for i, leaf in enumerate(traced) if is_floating(leaf)]
+
+    def loss(wide: list) -> jax.Array:
+        leaves = list(traced)
+        for i, leaf in zip(floating, wide):
+            leaves[i] = leaf
+        outs = [x for x in jax.tree.leaves(call(leaves)) if is_floating(x)]
+        return sum((jnp.sum(x.astype(jnp.float32)) for x in outs), jnp.zeros((), jnp.float32))
+
+    return jax.make_jaxpr(jax.grad(loss))([traced[i] for i in floating])
 
 
 def iter_equations(

@@ -13,13 +13,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
 
 from mpjax import jax_compat
 from mpjax.casting.regions import innermost
 from mpjax.inspection.matmuls import (
     MATMUL_PRIMITIVES,
     call_on_leaves,
+    gradient_jaxpr,
     is_array,
     matmul_info,
     walk_jaxpr,
@@ -292,21 +292,7 @@ def dtypes_by_region(fn: Callable[..., Any], *args, **kwargs) -> dict[str, Regio
     this function's own (the sum it differentiates and the seed of its gradient), as every
     operation of a wrapped model runs in the region of one of its modules.
     """
-    leaves, tree = jax.tree.flatten((args, kwargs))
-    arrays = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
-    floating = [i for i in arrays if is_floating(leaves[i])]
-
-    def loss(float_leaves, array_leaves):
-        call_args, call_kwargs = unflatten_with(
-            tree, leaves, (arrays, array_leaves), (floating, float_leaves)
-        )
-        outs = jax.tree.leaves(fn(*call_args, **call_kwargs))
-        outs = [x for x in outs if is_floating(x)]
-        return sum((jnp.sum(x.astype(jnp.float32)) for x in outs), jnp.zeros((), jnp.float32))
-
-    closed = jax.make_jaxpr(jax.grad(loss))(
-        [leaves[i] for i in floating], [leaves[i] for i in arrays]
-    )
+    closed = gradient_jaxpr(fn, args, kwargs)
     computes: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     matmuls: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for eqn, context, scopes in walk_jaxpr(closed.jaxpr):
