@@ -40,6 +40,7 @@ from mpjax.inspection.plan import (
     plan_unavailable,
 )
 from mpjax.inspection.plan_collectives import PlanCollective
+from mpjax.inspection.plan_loops import PlanLoop
 from mpjax.inspection.plan_rows import PlanAttention, PlanGemm, PlanMemory, PlanScatter
 from mpjax.inspection.report import ModuleRow, PrecisionReport
 from mpjax.optim.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
@@ -148,6 +149,7 @@ __all__ = [
     "PlanAttention",
     "PlanCollective",
     "PlanGemm",
+    "PlanLoop",
     "PlanMemory",
     "PlanScatter",
     "PlanUnavailableError",

@@ -19,10 +19,11 @@ CI runs it on the oldest and the newest). The differences handled here:
   block-scaled GEMMs on the CPU, absent from jax 0.8.1 and in bf16 in 0.12 (:func:`emulate_block_scaled_matmuls_on_cpu`).
 * Pallas's TPU flash attention (:func:`pallas_flash_attention`) and
   ``force_tpu_interpret_mode`` (:func:`pallas_tpu_interpreted`) are the same in 0.8.1 and 0.12.
-* Compiling for a GPU without one (:func:`cuda_topology`, :func:`deviceless_compile`): the
-  CUDA plugin of jax 0.8 needs ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` to start without a GPU,
-  knows fewer fields of the GPU description, autotunes Triton GEMMs and cannot print a
-  deviceless executable's HLO; a deviceless GPU compile's ``cost_analysis()`` is None.
+* A step's loops (:func:`loops`, :func:`unrolled`): the ``scan`` param ``unroll`` and how
+  ``lax.scan`` lowers it (:func:`scan_copies`) are the same in 0.8.1 and 0.12.
+* The CUDA plugin of jax 0.8 needs ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` to start without a GPU
+  (set as mpjax is imported). The other differences of the CUDA plugin and libtpu in compiling
+  without the hardware, through public APIs, are in :mod:`mpjax.inspection.deviceless`.
 
 A param that is missing raises :class:`UnsupportedJaxError` naming it: an unknown JAX is never
 read by guesswork.
@@ -32,12 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
-import importlib.util
 import os
-import re
-import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -52,7 +48,6 @@ from jax._src.cudnn.scaled_matmul_stablehlo import (
     _scaled_matmul_p as scaled_matmul_p,  # the block-scaled GEMM, for its CPU lowering
 )
 from jax._src.interpreters import mlir as _mlir  # the CPU lowering of bf16 -> f32 dots
-from jax.experimental import topologies
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
 from jax.extend import core as jex_core
@@ -570,18 +565,95 @@ def ref_like(template: Any, value: Any) -> Any:
     return jax.new_ref(value) if is_ref(template) else value
 
 
-# --- Compiling for a GPU on a machine without one (mpjax.plan) -------------------------
-#
-# The CUDA plugin compiles for a GPU described by a GpuTargetConfigProto in text form, with no
-# GPU present ("deviceless"). What that takes differs between jaxlib versions; every difference
-# seen is handled below, by what the installed version does rather than by its number.
+# --- Loops: a step's scans, and the step with them unrolled (mpjax.plan's estimates) --------
 
-_CUDA_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
-_UNKNOWN_FIELD = re.compile(r'(\d+):\d+: Message type "[\w.]*?(\w+)" has no field named "(\w+)"')
-_NEEDS_AUTOTUNING = "autotune result cache hit for deviceless compilation"
-# What this process learned about the installed jaxlib's deviceless compiles: whether Triton
-# GEMMs need autotuning off, whether the HLO must be read from an XLA dump (deviceless_compile).
-_deviceless: dict[str, bool] = {}
+# The primitives whose jaxprs XLA compiles into the program around them (a Pallas kernel's
+# jaxpr, ``pallas_call``'s, becomes Mosaic code instead: its loops are no XLA loops).
+_INLINED = frozenset(
+    {"jit", "pjit", "closed_call", "call", "eval_jaxpr", "remat2", "checkpoint", "cond"}
+    | {"custom_jvp_call", "custom_vjp_call", "shard_map", "scan"}
+)
+
+
+class Loop(NamedTuple):
+    """A ``scan`` or ``while`` equation of a jaxpr (:func:`loops`): where it is (``path``, for
+    :func:`unrolled`), its trip count (None for a ``while``), its ``unroll`` param, the index
+    of the loop it runs in (None at the top), and its name stack."""
+
+    path: tuple[Any, ...]
+    length: int | None
+    unroll: int
+    parent: int | None
+    name: str
+
+
+def loops(jaxpr: Any) -> list[Loop]:
+    """The loops of ``jaxpr`` and of the jaxprs XLA compiles into it, outer ones first. A
+    ``while``'s body is not searched: it runs a number of times known only at run time."""
+    found: list[Loop] = []
+
+    def walk(j: Any, path: tuple[Any, ...], parent: int | None) -> None:
+        for i, eqn in enumerate(_open(j).eqns):
+            name = eqn.primitive.name
+            if name == "while":
+                found.append(Loop((*path, i), None, 1, parent, name_stack(eqn)))
+            if name not in _INLINED:
+                continue
+            here = parent
+            if name == "scan":
+                length, unroll = _param(eqn, "length"), int(_param(eqn, "unroll"))
+                found.append(Loop((*path, i), length, unroll, parent, name_stack(eqn)))
+                here = len(found) - 1
+            for key, value in eqn.params.items():
+                for k, sub in enumerate(value if isinstance(value, tuple) else (value,)):
+                    if isinstance(sub, (jex_core.Jaxpr, jex_core.ClosedJaxpr)):
+                        walk(sub, (*path, i, key, k), here)
+
+    walk(jaxpr, (), None)
+    return found
+
+
+def _open(j: Any) -> Any:
+    return j if isinstance(j, jex_core.Jaxpr) else j.jaxpr
+
+
+def unrolled(jaxpr: Any, unrolls: dict[tuple[Any, ...], int]) -> Any:
+    """``jaxpr`` with the ``unroll`` param of the scan at each path of ``unrolls`` (a
+    :attr:`Loop.path`) set to its value; the rest shared with ``jaxpr``."""
+
+    def replace(j: Any, path: tuple[Any, ...], unroll: int) -> Any:
+        inner, (i, *rest) = _open(j), path
+        eqn = inner.eqns[i]
+        params = {**eqn.params, "unroll": unroll}
+        if rest:
+            key, k, *rest = rest
+            value = eqn.params[key]
+            subs = list(value) if isinstance(value, tuple) else [value]
+            subs[k] = replace(subs[k], tuple(rest), unroll)
+            params = {**eqn.params, key: tuple(subs) if isinstance(value, tuple) else subs[0]}
+        eqns = [*inner.eqns[:i], eqn.replace(params=params), *inner.eqns[i + 1 :]]
+        new = inner.replace(eqns=eqns)
+        return new if isinstance(j, jex_core.Jaxpr) else j.replace(jaxpr=new)
+
+    for path, unroll in unrolls.items():
+        jaxpr = replace(jaxpr, path, unroll)
+    return jaxpr
+
+
+def scan_copies(length: int, unroll: int) -> int:
+    """How many copies of a scan's body its lowering writes (``lax.scan``'s implementation,
+    the same from jax 0.8.1 to 0.12): ``unroll`` in a loop of ``length // unroll`` trips and
+    the remainder after it, or all ``length`` where the loop would run at most once."""
+    trips, remainder = divmod(length, unroll) if unroll else (0, length)
+    return length if trips <= 1 else unroll + remainder
+
+
+def jaxpr_function(jaxpr: Any) -> Callable[..., list[Any]]:
+    """A function evaluating the closed ``jaxpr`` on its flat inputs (for ``jax.jit``)."""
+    return jex_core.jaxpr_as_fun(closed(jaxpr))
+
+
+# --- The environment of compile-only devices, set before JAX starts its backends -------
 
 
 def _compile_only_environment(platforms: str) -> None:
@@ -599,201 +671,3 @@ def _compile_only_environment(platforms: str) -> None:
 
 
 _compile_only_environment(getattr(jax.config, "jax_platforms", None) or "")
-
-
-def cuda_plugin_installed() -> bool:
-    """Whether a JAX CUDA plugin (``jax[cuda12]`` or ``jax[cuda13]``) is installed."""
-    for name in _CUDA_PLUGINS:
-        try:
-            if importlib.util.find_spec(name) is not None:
-                return True
-        except (ImportError, ValueError):  # no jax_plugins package, or a blocked module
-            return False
-    return False
-
-
-@contextlib.contextmanager
-def _stderr_to(log: Any) -> Any:
-    """Points file descriptor 2 at ``log`` while the block runs: XLA's C++ code logs there,
-    past ``sys.stderr``."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    os.dup2(log.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def _drop_field(text: str, line: int, field: str) -> str:
-    """``text`` without the field that starts on ``line`` (1-based), its ``{...}`` block
-    included; without the first field of that name if the line holds another one."""
-    lines = text.split("\n")
-    starts = re.compile(rf"^\s*{re.escape(field)}\s*[:{{]")
-    index = line - 1
-    if not (0 <= index < len(lines) and starts.match(lines[index])):
-        index = next(i for i, s in enumerate(lines) if starts.match(s))
-    end, depth = index, 0
-    for end in range(index, len(lines)):
-        depth += lines[end].count("{") - lines[end].count("}")
-        if depth <= 0:
-            break
-    return "\n".join(lines[:index] + lines[end + 1 :])
-
-
-def _version_block(text: str, field: str) -> str | None:
-    """The string field ``field: "12.8.0"`` of ``text`` as a ``{major minor patch}`` block."""
-    match = re.search(rf'^\s*{field}:\s*"(\d+)\.(\d+)(?:\.(\d+))?"', text, re.MULTILINE)
-    if match is None:
-        return None
-    major, minor, patch = match[1], match[2], match[3] or "0"
-    return f"{field} {{\n  major: {major}\n  minor: {minor}\n  patch: {patch}\n}}\n"
-
-
-class CudaTopology(NamedTuple):
-    """A compile-only CUDA topology and the fields of the target description that the
-    installed jaxlib did not know (``"GpuDeviceInfoProto.scalar_unit_description"``)."""
-
-    topology: Any
-    dropped: tuple[str, ...]
-
-
-def cuda_topology(target_config: str, topology: str = "1x1x1") -> CudaTopology:
-    """A compile-only topology of GPUs described by ``target_config``, a
-    ``GpuTargetConfigProto`` in text form (the spec files of openxla/xla): one GPU, or
-    ``topology`` as ``slices x hosts x GPUs per host`` (``"1x2x8"``: two hosts of eight).
-
-    The proto grows with XLA and jaxlib parses it strictly: jaxlib 0.10.2 lacks
-    ``collective_memory_granularity``, 0.8.1 about twenty fields of ``gpu_device_info``. The
-    parser names one unknown field per try, in XLA's log only, so each try captures that log,
-    drops the field named and parses again. Unknown fields describe the GPU more finely
-    (cost-model rates, driver strings); the compute capability and memory sizes that choose
-    kernels stay. ``gpu_device_info.runtime_version`` (a string) is moved instead, to the
-    older top-level ``{major minor patch}`` CUDA version, without which XLA refuses fp8 cuBLAS
-    GEMMs ("FP8 Custom Calls require CUDA 12.0 or newer").
-
-    Raises:
-      NotImplementedError: JAX's own error when no CUDA plugin is registered (it is absent,
-        or it failed to start).
-      Exception: jaxlib's error when the text does not parse for another reason.
-    """
-    text = target_config
-    dropped: list[str] = []
-    for _ in range(200):  # a bound, far above the fields of any spec
-        with tempfile.TemporaryFile() as log:
-            with _stderr_to(log):
-                try:
-                    made = topologies.get_topology_desc(
-                        platform="cuda", target_config=text, topology=topology
-                    )
-                except NotImplementedError:
-                    raise
-                except Exception as error:  # jaxlib's error types vary between versions
-                    failure = error
-                else:
-                    return CudaTopology(made, tuple(dropped))
-            log.seek(0)
-            logged = log.read().decode(errors="replace")
-        match = _UNKNOWN_FIELD.search(logged)
-        if match is None:
-            sys.stderr.write(logged)
-            raise failure
-        line, message, field = int(match[1]), match[2], match[3]
-        moved = (
-            _version_block(text, field)
-            if (message, field) == ("GpuDeviceInfoProto", "runtime_version")
-            else None
-        )
-        text = _drop_field(text, line, field)
-        if moved is not None:
-            text += moved
-        dropped.append(f"{message}.{field}")
-    raise RuntimeError(f"the GPU target description kept failing to parse: {dropped}")
-
-
-def _dumped_hlo(directory: str) -> str:
-    """The optimized HLO an XLA dump in ``directory`` holds."""
-    paths = sorted(glob.glob(os.path.join(directory, "*gpu_after_optimizations.txt")))
-    if not paths:
-        raise RuntimeError(f"XLA wrote no optimized HLO to {directory}: {os.listdir(directory)}")
-    with open(paths[-1]) as f:
-        return f.read()
-
-
-class DevicelessCompile(NamedTuple):
-    """What a compile for a compile-only device gives: the optimized HLO text, XLA's memory
-    analysis (None where the executable has none) and its cost analysis as a dict (None on a
-    GPU, where XLA fills none in without one)."""
-
-    hlo_text: str
-    memory: Any
-    cost: dict[str, float] | None
-
-
-def _cost_analysis(compiled: Any) -> dict[str, float] | None:
-    try:
-        cost = compiled.cost_analysis()
-    except Exception:  # a backend without a cost model raises rather than returning None
-        return None
-    if isinstance(cost, (list, tuple)):  # older JAX: one dict per executable
-        cost = cost[0] if cost else None
-    return {str(k): float(v) for k, v in cost.items()} if cost else None
-
-
-def _memory_analysis(compiled: Any) -> Any:
-    try:
-        return compiled.memory_analysis()
-    except Exception:  # old jaxlibs' deviceless GPU executables cannot report it
-        return None
-
-
-def deviceless_compile(lowered: Any, compiler_options: dict[str, Any]) -> DevicelessCompile:
-    """Compiles ``lowered`` (lowered for a :func:`cuda_topology` mesh or a TPU topology's)
-    with ``compiler_options``; returns the optimized HLO text and XLA's analyses.
-
-    Two differences of old jaxlibs (0.8.1, gone by 0.10.2) are handled, and remembered for the
-    process: Triton GEMMs autotuned by default, which needs a GPU ("Expect autotune result
-    cache hit for deviceless compilation"; retried with ``xla_gpu_autotune_level=0``, each
-    Triton GEMM's default tile, as later versions do without a GPU), and an executable that
-    cannot print its HLO (``as_text()`` None; repeated with an XLA dump, read from there).
-    """
-    while True:
-        options = dict(compiler_options)
-        if _deviceless.get("untuned"):
-            options.setdefault("xla_gpu_autotune_level", 0)
-        with tempfile.TemporaryDirectory() as directory:
-            if _deviceless.get("dump"):
-                options.update(xla_dump_to=directory, xla_dump_hlo_as_text=True)
-            try:
-                compiled = lowered.compile(options)
-            except Exception as error:
-                if _NEEDS_AUTOTUNING in str(error) and not _deviceless.get("untuned"):
-                    _deviceless["untuned"] = True
-                    continue
-                raise
-            text = _dumped_hlo(directory) if _deviceless.get("dump") else compiled.as_text()
-            if text:
-                return DevicelessCompile(text, _memory_analysis(compiled), _cost_analysis(compiled))
-            _deviceless["dump"] = True
-
-
-# --- Compiling for a TPU on a machine without one ---------------------------------------------
-
-
-def libtpu_installed() -> bool:
-    """Whether ``libtpu`` (``jax[tpu]``) is installed: it compiles for TPUs on any machine."""
-    try:
-        return importlib.util.find_spec("libtpu") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def tpu_topology(name: str) -> Any:
-    """The compile-only devices of the TPU slice ``name`` (``"v5p:2x2x1"``), from libtpu.
-
-    A slice of one chip is asked for with one chip per host: the libtpu of jax 0.8 assumes a
-    host of 2x2x1 chips and refuses a smaller slice, where newer ones assume what fits."""
-    one_chip = all(d == "1" for d in name.partition(":")[2].split("x"))
-    options = {"chips_per_host_bounds": (1, 1, 1)} if one_chip else {}
-    return topologies.get_topology_desc(topology_name=name, platform="tpu", **options)

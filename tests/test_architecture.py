@@ -56,7 +56,9 @@ LAYERS = (
         "inspection.targets",
         "inspection.plan_rows",
         "inspection.plan_collectives",
+        "inspection.deviceless",  # compile-only GPUs and TPUs, and their compiles
         "inspection.compile_only",  # tracing for devices this process lacks (AOT compiles)
+        "inspection.plan_loops",  # the estimate of a step's loops, each body its trips times
         "inspection.plan_arguments",  # the arguments a plan compiles, on the target's devices
         "inspection.plan",
         "inspection.matmul_gains",  # which GEMMs a narrow recipe speeds up, by the roofline

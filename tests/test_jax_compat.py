@@ -523,16 +523,6 @@ def test_the_devices_a_value_spans_as_traced_come_from_the_jit_input_shardings()
     assert jax_compat.traced_devices(jnp.ones(3)) == 1
 
 
-@pytest.mark.skipif(not jax_compat.libtpu_installed(), reason="needs libtpu (the tpu extra)")
-def test_tpu_topology_gives_one_chip_and_a_slice():
-    # The libtpu of jax 0.8 refuses a slice smaller than its default host of 2x2x1 chips
-    # unless it is told the host's size; newer ones assume it.
-    devices = jax_compat.tpu_topology("v5p:1x1x1").devices
-    assert len(devices) == 1 and devices[0].device_kind == "TPU v5"
-    assert len(jax_compat.tpu_topology("v5e:1x1").devices) == 1
-    assert len(jax_compat.tpu_topology("v5p:2x2x1").devices) == 4
-
-
 def test_a_bf16_dot_with_an_f32_result_runs_on_the_cpu_on_widened_operands():
     """XLA's CPU runtime lacks some bf16 x bf16 -> f32 dots (a gradient the reduce dtype
     writes in f32): the weight gradients of this Flax model failed with "Unsupported element
@@ -606,3 +596,61 @@ def test_block_scaled_matmuls_run_on_the_cpu_accumulating_in_float32():
     # GEMM inside a larger jit) is test_block_scaled's quantized-arithmetic test.
     bound = 2.0**-8 * np.abs(exact) + 1e-6 * np.abs(exact).max()
     assert (np.abs(got - exact) <= bound).all()
+
+
+# --- Loops (mpjax.plan's estimates of steps that scan) ---------------------------------------
+
+
+def _loop_step(ws, x):
+    def body(h, w):
+        inner = jax.lax.scan(lambda g, v: (jnp.sin(g * v), None), h, w)[0]
+        return jax.checkpoint(jnp.tanh)(inner), None
+
+    def loss(ws):
+        h = jax.lax.scan(body, x, ws, unroll=2)[0]
+        return jax.lax.cond(h.sum() > 0, jnp.sum, lambda h: -jnp.sum(h), h)
+
+    return jax.jit(jax.grad(loss))(ws)
+
+
+def test_loops_finds_every_scan_with_its_trips_unroll_and_parent():
+    ws, x = jnp.linspace(0.1, 1.0, 5 * 3 * 4).reshape(5, 3, 4), jnp.ones(4)
+    jaxpr = jax.make_jaxpr(_loop_step)(ws, x)
+    loops = jax_compat.loops(jaxpr)
+    outer = [i for i, loop in enumerate(loops) if loop.length == 5]
+    inner = [loop for loop in loops if loop.length == 3]
+    # The forward scan over blocks and its transpose, each with a scan over the inner three.
+    assert len(outer) == 2 and all(loops[i].unroll == 2 for i in outer)
+    assert len(inner) == 2 and {loop.parent for loop in inner} == set(outer)
+    assert all(loops[i].parent is None for i in outer)
+    assert any("transpose" in loops[i].name for i in outer)
+
+
+def test_unrolled_sets_unroll_where_asked_and_computes_the_same():
+    ws, x = jnp.linspace(0.1, 1.0, 5 * 3 * 4).reshape(5, 3, 4), jnp.ones(4)
+    jaxpr = jax.make_jaxpr(_loop_step)(ws, x)
+    loops = jax_compat.loops(jaxpr)
+    new = jax_compat.unrolled(jaxpr, {loop.path: loop.length for loop in loops})
+    assert [loop.unroll for loop in jax_compat.loops(new)] == [loop.length for loop in loops]
+    # The jaxpr given is left as it was.
+    assert [loop.unroll for loop in jax_compat.loops(jaxpr)] == [loop.unroll for loop in loops]
+    np.testing.assert_allclose(
+        jax_compat.jaxpr_function(new)(ws, x)[0], _loop_step(ws, x), rtol=1e-6
+    )
+    # Unrolled, the scans lower to no while loop.
+    lowered = jax.jit(jax_compat.jaxpr_function(new)).lower(ws, x).as_text()
+    assert "stablehlo.while" not in lowered
+
+
+@pytest.mark.parametrize("length, unroll", [(6, 1), (6, 2), (7, 2), (6, 4), (6, 6), (5, 9), (4, 0)])
+def test_scan_copies_counts_the_bodies_the_lowering_writes(length, unroll):
+    """``scan_copies`` mirrors lax.scan's lowering; each copy of this body has one sine, written
+    in place (jax 0.12) or as a call of one function that has it (jax 0.8.1)."""
+
+    def f(x):
+        return jax.lax.scan(lambda c, _: (jnp.sin(c), None), x, None, length, unroll=unroll)[0]
+
+    text = jax.jit(f).lower(jnp.ones(3)).as_text()
+    calls = re.findall(r"\bcall @(\w+)\(", text)
+    copies = len(calls) if calls else text.count("stablehlo.sine")
+    assert copies == jax_compat.scan_copies(length, unroll)

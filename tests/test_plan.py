@@ -21,6 +21,7 @@ from jax import lax
 
 import mpjax
 from mpjax import jax_compat
+from mpjax.inspection import deviceless
 from mpjax.inspection.hlo_text import HloShape, parse_module
 from mpjax.inspection.plan import PlanUnavailableError, plan_unavailable
 from mpjax.inspection.plan_rows import loop_trip_counts, read_module
@@ -304,7 +305,7 @@ def fresh_devices():
 
 
 def test_without_the_cuda_plugin_the_error_says_how_to_install_it(monkeypatch, fresh_devices):
-    monkeypatch.setattr(jax_compat, "cuda_plugin_installed", lambda: False)
+    monkeypatch.setattr(deviceless, "cuda_plugin_installed", lambda: False)
     x = sds((M, K), jnp.bfloat16)
     with pytest.raises(PlanUnavailableError) as error:
         mpjax.plan(jnp.matmul)(x, sds((K, N), jnp.bfloat16))
@@ -319,14 +320,24 @@ def test_a_plugin_that_did_not_start_gets_the_environment_variables(monkeypatch,
     def not_registered(spec, topology):
         raise NotImplementedError("topology not implemented for cuda")
 
-    monkeypatch.setattr(jax_compat, "cuda_plugin_installed", lambda: True)
-    monkeypatch.setattr(jax_compat, "cuda_topology", not_registered)
+    monkeypatch.setattr(deviceless, "cuda_plugin_installed", lambda: True)
+    monkeypatch.setattr(deviceless, "cuda_topology", not_registered)
     reason = plan_unavailable("a100")
     assert "did not start" in reason and "topology not implemented for cuda" in reason
     assert "JAX_PLATFORMS=cpu" in reason and "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1" in reason
 
 
-# --- What differs between JAX versions (mpjax.jax_compat) ---------------------------------------
+# --- What differs between JAX versions (mpjax.jax_compat, mpjax.inspection.deviceless) ---------
+
+
+@pytest.mark.skipif(not deviceless.libtpu_installed(), reason="needs libtpu (the tpu extra)")
+def test_tpu_topology_gives_one_chip_and_a_slice():
+    # The libtpu of jax 0.8 refuses a slice smaller than its default host of 2x2x1 chips
+    # unless it is told the host's size; newer ones assume it.
+    devices = deviceless.tpu_topology("v5p:1x1x1").devices
+    assert len(devices) == 1 and devices[0].device_kind == "TPU v5"
+    assert len(deviceless.tpu_topology("v5e:1x1").devices) == 1
+    assert len(deviceless.tpu_topology("v5p:2x2x1").devices) == 4
 
 
 def test_cuda_version_checks_are_skipped_only_where_no_cuda_platform_is_asked_for(monkeypatch):
@@ -364,11 +375,11 @@ platform_name: "CUDA"
 
 
 def test_fields_an_old_jaxlib_lacks_are_dropped_blocks_included():
-    no_block = jax_compat._drop_field(SPEC, 3, "scalar_unit_description")
+    no_block = deviceless._drop_field(SPEC, 3, "scalar_unit_description")
     assert "rate_infos" not in no_block and "core_count: 132\n  runtime_version" in no_block
     # A line number that does not hold the field (a shifted text) falls back to its name.
-    assert jax_compat._drop_field(SPEC, 1, "name") == SPEC.replace('  name: "GPU"\n', "")
-    assert jax_compat._version_block(SPEC, "runtime_version") == (
+    assert deviceless._drop_field(SPEC, 1, "name") == SPEC.replace('  name: "GPU"\n', "")
+    assert deviceless._version_block(SPEC, "runtime_version") == (
         "runtime_version {\n  major: 12\n  minor: 8\n  patch: 0\n}\n"
     )
 
@@ -378,14 +389,14 @@ def test_an_unknown_field_of_the_target_description_is_dropped_and_named():
     spec = plan_module._spec(CHIPS["h100"].spec).replace(
         "  core_count: 132\n", "  core_count: 132\n  no_such_field: 3\n  no_such_block {\n  }\n"
     )
-    made = jax_compat.cuda_topology(spec)
+    made = deviceless.cuda_topology(spec)
     assert made.topology is not None
     assert {"GpuDeviceInfoProto.no_such_field", "GpuDeviceInfoProto.no_such_block"} <= set(
         made.dropped
     )
     # jaxlib 0.8.1 knows neither the finer GPU description nor where the CUDA version moved;
     # jax 0.12 knows the whole shipped spec.
-    dropped = jax_compat.cuda_topology(plan_module._spec(CHIPS["h100"].spec)).dropped
+    dropped = deviceless.cuda_topology(plan_module._spec(CHIPS["h100"].spec)).dropped
     if JAX_VERSION < (0, 9):
         assert "GpuDeviceInfoProto.runtime_version" in dropped
     if JAX_VERSION >= (0, 12):
@@ -395,7 +406,7 @@ def test_an_unknown_field_of_the_target_description_is_dropped_and_named():
 @needs_compiler
 def test_old_jaxlibs_compile_untuned_and_print_through_a_dump():
     mpjax.plan(jnp.matmul)(sds((M, K), jnp.bfloat16), sds((K, N), jnp.bfloat16))
-    learned = jax_compat._deviceless
+    learned = deviceless._deviceless
     # Seen in jax 0.8.1: Triton GEMMs want autotuning and the executable has no HLO text;
     # jax 0.10.2 and later need neither workaround.
     if JAX_VERSION < (0, 9):
@@ -609,13 +620,13 @@ def test_a_tpu_plan_finds_pallas_attention_and_says_what_its_estimate_leaves_out
 def test_a_cost_model_figure_that_is_no_time_is_no_estimate(monkeypatch):
     # XLA's cost model has returned a negative time (a v5e step with many custom calls): the
     # plan then has no estimate rather than a nonsense one.
-    compile_for = jax_compat.deviceless_compile
+    compile_for = deviceless.deviceless_compile
 
     def negative(lowered, options):
         result = compile_for(lowered, options)
         return result._replace(cost={**result.cost, "optimal_seconds": -483.0})
 
-    monkeypatch.setattr(jax_compat, "deviceless_compile", negative)
+    monkeypatch.setattr(deviceless, "deviceless_compile", negative)
     p = mpjax.plan(jnp.matmul, "v5e")(sds((M, K), jnp.bfloat16), sds((K, N), jnp.bfloat16))
     assert p.estimated_seconds is None and p.mfu() is None
     assert "estimated time" not in p.summary() and "roofline bound" in p.summary()
@@ -654,7 +665,7 @@ def test_tpu_targets_are_checked_at_the_call():
 
 
 def test_without_libtpu_the_error_says_how_to_install_it(monkeypatch, fresh_devices):
-    monkeypatch.setattr(jax_compat, "libtpu_installed", lambda: False)
+    monkeypatch.setattr(deviceless, "libtpu_installed", lambda: False)
     reason = plan_unavailable("v6e")
     assert 'pip install "mpjax[tpu]"' in reason and "JAX_PLATFORMS=cpu" in reason
     with pytest.raises(PlanUnavailableError, match="libtpu, which is not installed"):
@@ -758,20 +769,6 @@ def test_a_loop_without_a_known_trip_count_is_counted_from_its_condition(start, 
             "body=%body", f'body=%body, metadata={{op_name="{op_name}"}}'
         )
         assert loop_trip_counts(parse_module(text)) == loops
-
-
-@needs_libtpu
-def test_a_tpu_plan_of_a_loop_counts_every_iteration_and_gives_no_estimate():
-    def layers(x, ws):
-        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
-
-    x, ws = sds((256, 512), jnp.bfloat16), sds((6, 512, 512), jnp.bfloat16)
-    p = mpjax.plan(layers, "v5p")(x, ws)
-    assert p.loop_trips == (6,) and p.total_flops == 6 * 2 * 256 * 512 * 512
-    # XLA's cost model counts the body once: no estimate rather than one six times too short.
-    assert p.estimated_seconds is None and p.mfu() is None
-    assert "no time estimate: XLA's cost model counts a loop's body once" in p.summary()
-    assert p.roofline_seconds == pytest.approx(p.total_flops / CHIPS["v5p"].peak_flops["bf16"])
 
 
 @needs_libtpu

@@ -21,6 +21,7 @@ PUBLIC = {
         "PlanUnavailableError",
         "PlanGemm",
         "Plan",
+        "PlanLoop",
         "PlanMemory",
         "PlanScatter",
         "HloDot",

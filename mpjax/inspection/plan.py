@@ -25,7 +25,8 @@ The GPU descriptions are XLA's own (``GpuTargetConfigProto`` text files from ope
 ``xla/backends/gpu/target_config/specs/`` at commit ``4336d12e``, B200's and GB200's at
 ``300ec95a``, Apache-2.0, shipped in ``mpjax/inspection/gpu_targets/``); the chips' figures are
 in :mod:`mpjax.inspection.targets`.
-What differs between JAX versions in this path is handled in :mod:`mpjax.jax_compat`.
+What differs between JAX versions in this path is handled in :mod:`mpjax.jax_compat` and
+:mod:`mpjax.inspection.deviceless`.
 """
 
 from __future__ import annotations
@@ -42,13 +43,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from mpjax import jax_compat
-from mpjax.inspection import plan_collectives
+from mpjax.inspection import deviceless, plan_collectives
 from mpjax.inspection.compile_only import compile_only
 from mpjax.inspection.hlo_text import parse_module
 from mpjax.inspection.matmuls import check_function
 from mpjax.inspection.plan_arguments import on_target
 from mpjax.inspection.plan_collectives import PlanCollective
+from mpjax.inspection.plan_loops import PlanLoop, loop_costs, loop_lines
 from mpjax.inspection.plan_rows import (
     PlanAttention,
     PlanGemm,
@@ -147,9 +148,12 @@ class Plan:
         how much, and nothing else was read.
       collectives: what the step sends between devices (:class:`PlanCollective`), in HLO
         order; empty for one device.
-      loop_trips: the trip count of each loop the step's code runs (``scan`` over layers,
-        ``fori_loop``). XLA's TPU cost model counts a loop's body once, so a TPU plan of such
-        a step gives no estimate (the cost fields are None); its FLOPs count every iteration.
+      loop_trips: the trip count of each loop of the optimized HLO (``scan`` over layers,
+        ``fori_loop``, and loops XLA makes itself); the plan's FLOPs count every iteration.
+      loops: the step's scans as the TPU estimate counts them (:class:`PlanLoop`): XLA's cost
+        model counts a loop's body once, so the plan compiles the step again with each kind of
+        loop unrolled further and counts each body its trip count times
+        (:mod:`mpjax.inspection.plan_loops`). A step with a ``while_loop`` gets no estimate.
     """
 
     target: str
@@ -173,6 +177,7 @@ class Plan:
     compiled: bool = True
     collectives: tuple[PlanCollective, ...] = ()
     loop_trips: tuple[int, ...] = ()
+    loops: tuple[PlanLoop, ...] = ()
 
     @classmethod
     def from_hlo_text(cls, hlo_text: str, *, device: str, target: str = "") -> Plan:
@@ -356,13 +361,7 @@ class Plan:
                 f"{seconds_text(self.estimated_seconds)}"
                 + (f", estimated MFU {mfu:.1%} of the bf16 peak" if mfu is not None else "")
             )
-        loops = [t for t in self.loop_trips if t > 1]
-        if self.platform == "tpu" and loops:
-            lines.append(
-                f"no time estimate: XLA's cost model counts a loop's body once, and this step "
-                f"runs {len(loops)} loop{'s' * (len(loops) != 1)} of up to {max(loops)} "
-                "iterations (a scan, over layers or not); plan it unrolled for an estimate"
-            )
+        lines += loop_lines(self.loops)
         if self.modelled_flops is not None and self.modelled_flops < 0.95 * self.total_flops:
             lines.append(
                 f"XLA's cost model counts {flops_text(int(self.modelled_flops))} FLOPs in all, "
@@ -513,6 +512,7 @@ class Plan:
             "estimated_mfu": self.mfu(),
             "bytes_accessed": self.bytes_accessed,
             "modelled_flops": self.modelled_flops,
+            "loops": [{**_row(loop), "modelled": loop.modelled} for loop in self.loops],
             "roofline_seconds": self.roofline_seconds,
             "peak_flops": self.peak_flops,
             "autotuned": self.autotuned,
@@ -555,11 +555,11 @@ def _devices(name: str) -> tuple[tuple[Any, ...], str, int]:
     devices share a chip."""
     target = parse_target(name)
     if target.platform == "gpu":
-        if not jax_compat.cuda_plugin_installed():
+        if not deviceless.cuda_plugin_installed():
             raise PlanUnavailableError(_NOT_INSTALLED["gpu"])
         spec = _spec(target.chip.spec)
         try:
-            topology = jax_compat.cuda_topology(spec, target.topology).topology
+            topology = deviceless.cuda_topology(spec, target.topology).topology
         except NotImplementedError as error:
             raise PlanUnavailableError(_NOT_STARTED.format(error=error)) from error
         except Exception as error:
@@ -568,10 +568,10 @@ def _devices(name: str) -> tuple[tuple[Any, ...], str, int]:
             ) from error
         match = re.search(r'device_description_str:\s*"([^"]*)"', spec)
         return tuple(topology.devices), match[1] if match else name, 1
-    if not jax_compat.libtpu_installed():
+    if not deviceless.libtpu_installed():
         raise PlanUnavailableError(_NOT_INSTALLED["tpu"])
     try:
-        devices = tuple(jax_compat.tpu_topology(target.topology).devices)
+        devices = tuple(deviceless.tpu_topology(target.topology).devices)
     except Exception as error:
         if "INVALID_ARGUMENT" in str(error):  # a slice that cannot exist
             raise ValueError(f"{target.topology!r} is not a TPU slice: {error}") from error
@@ -728,7 +728,7 @@ def plan(
                 f"plan: triton_gemm={triton_gemm} but compiler_options sets "
                 f"xla_gpu_enable_triton_gemm={given!r}; set one of them."
             )
-    lower = fn.lower if hasattr(fn, "lower") else jax.jit(fn).lower
+    trace = fn.trace if hasattr(fn, "trace") else jax.jit(fn).trace
 
     def compile_plan(*args: Any, **kwargs: Any) -> Plan:
         devices, device, per_chip = _devices(parsed.name)
@@ -748,9 +748,10 @@ def plan(
         # planned without its overflow warning's), and the plan says itself whether the target
         # runs block-scaled GEMMs or emulates them.
         with compile_only():
-            lowered = lower(*args, **kwargs)
+            traced = trace(*args, **kwargs)
+            lowered = traced.lower()
         try:
-            result = jax_compat.deviceless_compile(lowered, options)
+            result = deviceless.deviceless_compile(lowered, options)
         except Exception as error:
             memory = out_of_memory(error, capacity)
             if memory is None:
@@ -758,14 +759,18 @@ def plan(
             empty: dict[str, Any] = {"gemms": (), "attention": (), "scatters": ()}
             return Plan(**common, **empty, fusions=0, custom_calls=0, memory=memory, compiled=False)
         read = _read(result.hlo_text, parsed.platform)
-        # XLA's cost model counts a loop's body once: no estimate for a step that loops.
-        modelled = parsed.platform == "tpu" and all(t <= 1 for t in read["loop_trips"])
-        cost = (result.cost or {}) if modelled else {}
+        # XLA's cost model counts a loop's body once: each body is counted its trip count
+        # times from compiles with the loops unrolled further (none for a while_loop).
+        cost, loops = (
+            loop_costs(traced, result, options) if parsed.platform == "tpu" else (None, ())
+        )
+        cost = cost or {}
         return Plan(
             **common,
             hlo_text=result.hlo_text,
             memory=memory_of(result.memory, capacity),
-            estimated_seconds=_estimate(cost) if modelled else None,
+            loops=loops,
+            estimated_seconds=_estimate(cost),
             bytes_accessed=cost.get("bytes accessed"),
             modelled_flops=cost.get("flops"),
             **read,
