@@ -32,14 +32,9 @@ from mpjax.inspection.matmuls import (
     hlo_op_counts,
     inspect_matmuls,
 )
-from mpjax.inspection.plan import (
-    Plan,
-    PlanUnavailableError,
-    plan,
-    plan_mesh,
-    plan_unavailable,
-)
+from mpjax.inspection.plan import Plan, plan
 from mpjax.inspection.plan_collectives import PlanCollective
+from mpjax.inspection.plan_devices import PlanUnavailableError, plan_mesh, plan_unavailable
 from mpjax.inspection.plan_loops import PlanLoop
 from mpjax.inspection.plan_rows import PlanAttention, PlanGemm, PlanMemory, PlanScatter
 from mpjax.inspection.report import ModuleRow, PrecisionReport

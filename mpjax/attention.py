@@ -22,11 +22,14 @@ composition elsewhere:
   whose matmuls run at the policy's float32 precision), as many key/value heads as query heads,
   sequence lengths that are multiples of 128 (its block size), a head size below 128 or a
   multiple of it, causal or no mask, and no bias (:func:`pallas_refusal`).
-  ``implementation="pallas"`` forces it. Its Mosaic kernels cannot be partitioned by XLA, so
-  the default takes them only for a query traced on one device; in a step whose input
-  shardings span several devices it is XLA's path. Splash attention, which also takes grouped-query heads and
-  arbitrary mask patterns, is built from NumPy masks for fixed lengths when it is traced; the
-  flash kernel takes the shapes it is traced with, as this function does.
+  ``implementation="pallas"`` forces it. XLA cannot partition its Mosaic kernels: in a step
+  whose input shardings span several devices, they run under a ``jax.shard_map`` on each
+  device's share, the batch split over the mesh axes that divide it and the heads over the
+  rest, in the mesh's order (a data-parallel or FSDP step splits the batch only, as its
+  activations are split already); a mesh axis that divides neither keeps XLA's path. Splash
+  attention, which also takes grouped-query heads and arbitrary mask patterns, is built from
+  NumPy masks for fixed lengths when it is traced; the flash kernel takes the shapes it is
+  traced with, as this function does.
 - **In the compute dtype**: under an mpjax policy (a wrapped Flax model, :func:`mpjax.autocast`)
   the query, key and value are cast to the compute dtype of the region the attention is called
   in *when it is traced*, so a model whose Dense layers return float32 still reaches cuDNN in
@@ -56,12 +59,13 @@ matmuls in the compute dtype, and strict promotion compiles.
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from mpjax import jax_compat as compat
 from mpjax.casting.trace_context import traced_compute_dtype
@@ -209,7 +213,12 @@ def dot_product_attention(
     # promotion forbids; the promotion is the intended one, whatever the caller's setting.
     with jax.numpy_dtype_promotion("standard"):
         cudnn = functools.partial(_cudnn, is_causal=is_causal)
-        pallas = functools.partial(_pallas, is_causal=is_causal)
+        shares = _pallas_shares(query, key)
+        pallas = functools.partial(
+            _pallas,
+            is_causal=is_causal,
+            shares=None if isinstance(shares, str) else shares,
+        )
         xla = functools.partial(_xla, is_causal=is_causal)
         operands = (query, key, value, bias, mask)
         if implementation == "cudnn":
@@ -290,9 +299,11 @@ def pallas_refusal(
     Takes arrays or ``jax.ShapeDtypeStruct`` values of rank 4, already in the dtype to compute
     in. Checks the dtype (bfloat16 or float32), the heads (as many for the key and value as for
     the query), the sequence lengths (multiples of the kernel's block size, 128), the head
-    size (below 128 or a multiple of it), and that there is no mask (causal attention is
-    ``is_causal``) and no bias; then traces the kernels, forward and backward, whose own checks
-    cover the rest.
+    size (below 128 or a multiple of it), that there is no mask (causal attention is
+    ``is_causal``) and no bias, and, for a query traced over several devices, that each mesh
+    axis the step is partitioned over splits the batch or the heads (the kernels then run on
+    each device's share, under a ``shard_map``); then traces the kernels on one device's share,
+    forward and backward, whose own checks cover the rest.
 
     >>> import jax, jax.numpy as jnp
     >>> pallas_refusal(*[jax.ShapeDtypeStruct((1, 200, 2, 64), jnp.bfloat16)] * 3)
@@ -301,11 +312,6 @@ def pallas_refusal(
     dtype = np.dtype(query.dtype)
     if dtype not in _PALLAS_DTYPES:
         return f"Pallas runs attention in bfloat16 or float32, not {dtype.name}"
-    devices = compat.traced_devices(query)
-    if devices > 1:
-        return (
-            f"Pallas's kernels cannot be partitioned by XLA, and the query spans {devices} devices"
-        )
     if mask is not None:
         return "Pallas takes no boolean mask (only is_causal)"
     if bias is not None:
@@ -321,12 +327,66 @@ def pallas_refusal(
         return f"Pallas takes sequence lengths that are multiples of {block}; got {t} and {s}"
     if head > block and head % block:
         return f"Pallas takes head sizes below {block} or multiples of it; got {head}"
-    kernel = functools.partial(_pallas, bias=None, mask=None, is_causal=is_causal)
+    shares = _pallas_shares(query, key)
+    if isinstance(shares, str):
+        return shares
+    local = [jax.ShapeDtypeStruct(shares.local(x.shape), x.dtype) for x in (query, key, value)]
+    kernel = functools.partial(_pallas, bias=None, mask=None, is_causal=is_causal, shares=None)
     try:
-        jax.eval_shape(lambda q, k, v: jax.vjp(kernel, q, k, v), query, key, value)
+        jax.eval_shape(lambda q, k, v: jax.vjp(kernel, q, k, v), *local)
     except _REFUSALS as error:
         return f"Pallas refused: {error}"
     return None
+
+
+class _Shares(NamedTuple):
+    """How a sharded step's attention is split for Pallas's kernels: the mesh axes (of the
+    traced mesh) the batch is split over, and those the heads are split over; each device runs
+    the kernels on its share."""
+
+    mesh: Any
+    batch: tuple[str, ...]
+    heads: tuple[str, ...]
+
+    def spec(self) -> P:
+        """The ``shard_map`` spec of a ``[batch, length, heads, head_dim]`` operand."""
+        return P(self.batch or None, None, self.heads or None, None)
+
+    def local(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """One device's share of a ``[batch, length, heads, head_dim]`` shape."""
+        sizes = dict(self.mesh.shape) if self.mesh is not None else {}
+        b = int(np.prod([sizes[a] for a in self.batch], dtype=int))
+        h = int(np.prod([sizes[a] for a in self.heads], dtype=int))
+        return (shape[0] // b, shape[1], shape[2] // h, *shape[3:])
+
+
+def _pallas_shares(query: Any, key: Any) -> _Shares | str:
+    """How Pallas's kernels split attention traced over several devices, or why they cannot.
+
+    XLA cannot partition a Mosaic kernel: in a sharded step, the kernels run under a
+    ``shard_map`` on each device's share of the batch and of the heads, as MaxText runs them.
+    Each mesh axis XLA partitions the step over (:func:`mpjax.jax_compat.partitioned_axes`), in
+    the mesh's order, splits the batch if it divides what is left of it, else the heads if it
+    divides what is left of them; an axis that divides neither would have each of its devices
+    compute the same attention, and is a refusal. A query traced on one device needs no split.
+    """
+    axes = compat.partitioned_axes(query)
+    batch, heads = [], []
+    left_batch, left_heads = query.shape[0], query.shape[2]
+    for name, size in axes.items():
+        if left_batch % size == 0:
+            batch.append(name)
+            left_batch //= size
+        elif left_heads % size == 0 and key.shape[2] == query.shape[2]:
+            heads.append(name)
+            left_heads //= size
+        else:
+            return (
+                "Pallas's kernels run on each device's share of the batch and heads (XLA cannot "
+                f"partition them), and mesh axis {name!r} of {size} devices divides neither the "
+                f"batch's {left_batch} sequences nor the {left_heads} heads left to split"
+            )
+    return _Shares(compat.traced_mesh(query) if axes else None, tuple(batch), tuple(heads))
 
 
 def _cudnn(query, key, value, bias, mask, *, is_causal):
@@ -335,13 +395,27 @@ def _cudnn(query, key, value, bias, mask, *, is_causal):
     )
 
 
-def _pallas(query, key, value, bias, mask, *, is_causal):
-    """Pallas's flash attention on ``[batch, length, heads, head_dim]`` operands."""
+def _pallas(query, key, value, bias, mask, *, is_causal, shares):
+    """Pallas's flash attention on ``[batch, length, heads, head_dim]`` operands; under a
+    ``shard_map`` on each device's share where ``shares`` splits them (:func:`_pallas_shares`).
+    """
     del bias, mask  # None: pallas_refusal refuses them
-    heads_first = [jnp.swapaxes(x, 1, 2) for x in (query, key, value)]
     scale = 1.0 / float(np.sqrt(query.shape[-1]))
-    out = compat.pallas_flash_attention(*heads_first, is_causal=is_causal, scale=scale)
-    return jnp.swapaxes(out, 1, 2)
+
+    def kernel(query, key, value):
+        heads_first = [jnp.swapaxes(x, 1, 2) for x in (query, key, value)]
+        out = compat.pallas_flash_attention(*heads_first, is_causal=is_causal, scale=scale)
+        return jnp.swapaxes(out, 1, 2)
+
+    if shares is None or shares.mesh is None:
+        return kernel(query, key, value)
+    spec = shares.spec()
+    # Inside a shard_map already, the axes it made manual stay so: this one takes the rest.
+    manual = {"axis_names": {*shares.batch, *shares.heads}} if compat.manual_axes(query) else {}
+    # The kernels declare no varying mesh axes, so the per-device check is off.
+    return jax.shard_map(
+        kernel, mesh=shares.mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False, **manual
+    )(query, key, value)
 
 
 def _xla(query, key, value, bias, mask, *, is_causal):

@@ -464,14 +464,47 @@ def pallas_flash_attention(
     )
 
 
-def traced_devices(x: Any) -> int:
-    """How many devices the mesh of ``x``'s sharding spans as it is traced: the input
-    shardings of a ``jax.jit`` reach every value computed from them (an unsharded value, or
-    one traced outside ``jit``, counts 1). XLA partitions a step over that many devices, which
-    a Mosaic kernel (Pallas) cannot follow."""
+def partitioned_axes(x: Any) -> dict[str, int]:
+    """The axes of the mesh of ``x``'s sharding as it is traced that XLA partitions the step
+    over, by name, with their sizes: the input shardings of a ``jax.jit`` reach every value
+    computed from them, on an abstract mesh of all the step's devices. Axes of one device and
+    the manual axes of an enclosing ``shard_map`` (whose values are one device's share
+    already) are left out; an unsharded value, or one traced outside ``jit``, has none. A Mosaic
+    kernel (Pallas) cannot be partitioned by XLA: it runs on these axes under a ``shard_map``
+    of :func:`traced_mesh`."""
+    mesh = traced_mesh(x)
+    if mesh is None:
+        return {}
+    manual = manual_axes(x)
+    return {name: int(size) for name, size in mesh.shape.items() if size > 1 and name not in manual}
+
+
+def manual_axes(x: Any) -> frozenset[str]:
+    """The axes of the mesh of ``x``'s sharding as it is traced that an enclosing ``shard_map``
+    made manual (none outside one)."""
+    mesh = traced_mesh(x)
+    if mesh is None:
+        return frozenset()
+    types = zip(mesh.axis_names, getattr(mesh, "axis_types", ()), strict=False)
+    return frozenset(name for name, kind in types if kind == jax.sharding.AxisType.Manual)
+
+
+def traced_mesh(x: Any) -> Any:
+    """The abstract mesh of ``x``'s sharding as it is traced (``jax.sharding.AbstractMesh``,
+    which ``jax.shard_map`` takes), or None where it has none."""
     sharding = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
-    return max(int(getattr(mesh, "size", 1) or 1), 1)
+    if mesh is None or not getattr(mesh, "axis_names", ()):
+        return None
+    return mesh
+
+
+def pallas_interpreter_runs_sharded() -> bool:
+    """Whether Pallas's TPU interpreter (:func:`pallas_tpu_interpreted`) runs kernels under a
+    ``shard_map`` of several CPU devices. Seen: jax 0.12 runs them; jax 0.8.1's interpreter
+    waits on a barrier of every device from host callbacks XLA's CPU runtime runs one at a
+    time, and hangs. On TPUs the kernels run under ``shard_map`` on either."""
+    return _JAX_VERSION >= (0, 12)
 
 
 def pallas_tpu_interpreted() -> contextlib.AbstractContextManager[None]:

@@ -60,6 +60,7 @@ LAYERS = (
         "inspection.compile_only",  # tracing for devices this process lacks (AOT compiles)
         "inspection.plan_loops",  # the estimate of a step's loops, each body its trips times
         "inspection.plan_arguments",  # the arguments a plan compiles, on the target's devices
+        "inspection.plan_devices",  # a target's compile-only devices, or why there are none
         "inspection.plan",
         "inspection.matmul_gains",  # which GEMMs a narrow recipe speeds up, by the roofline
         "optim.gradient_checks",

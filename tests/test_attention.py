@@ -505,6 +505,133 @@ def test_under_a_policy_the_pallas_kernels_run_in_the_compute_dtype_as_traced():
     assert {np.dtype(x.aval.dtype) for e in kernels for x in e.invars[:3]} == {BF16}
 
 
+# --- Pallas in a sharded step: each device's share, under a shard_map -------------------------
+
+# A batch of 2 and 4 heads over 8 CPU devices: "data" (2) splits the batch, "model" (4) the heads.
+SHARDED_SHAPE = (2, PALLAS_T, 4, 64)
+
+
+def _cpu_mesh(shape, names):
+    return jax.sharding.Mesh(np.asarray(jax.devices("cpu")[: np.prod(shape)]).reshape(shape), names)
+
+
+def _sharded_qkvc(mesh, spec, shape=SHARDED_SHAPE, dtype=jnp.bfloat16):
+    keys = jax.random.split(jax.random.key(2), 4)
+    placed = NamedSharding(mesh, spec)
+    return tuple(jax.device_put(jax.random.normal(kk, shape).astype(dtype), placed) for kk in keys)
+
+
+def _shard_maps(fn, *args):
+    """The ``shard_map`` equations of ``fn`` traced (``jax.jit(fn).trace``) on ``args``, as
+    their input specs and the number of Pallas kernels inside."""
+    walk = mpjax.inspection.matmuls.walk_jaxpr
+    with jax.numpy_dtype_promotion("standard"):
+        jaxpr = jax.jit(fn).trace(*args).jaxpr.jaxpr
+    found = []
+    for eqn, *_ in walk(jaxpr):
+        if eqn.primitive.name == "shard_map":
+            params = jax_compat.shard_map_params(eqn)
+            inside = walk(params.jaxpr.jaxpr)
+            kernels = sum(e.primitive.name == "pallas_call" for e, *_ in inside)
+            found.append((params.kwargs["in_specs"], kernels))
+    return found
+
+
+def test_a_sharded_step_runs_pallas_on_each_devices_share_forward_and_backward():
+    """Traced over 8 devices, the batch on "data" and nothing on "model", the kernels the
+    default stages for TPUs run under a shard_map that gives each device one sequence and one
+    head: "data" splits the batch, "model" what the batch leaves, the heads. The forward
+    kernel, and the backward's two (dK/dV, dQ), each in their own shard_map."""
+    mesh = _cpu_mesh((2, 4), ("data", "model"))
+    q, k, v, _ = _sharded_qkvc(mesh, P("data"))
+    fn = functools.partial(mpjax.dot_product_attention, is_causal=True)
+    spec = P("data", None, "model", None)
+    assert mpjax.attention.pallas_refusal(q, k, v, is_causal=True) is None
+    assert _shard_maps(fn, q, k, v) == [((spec,) * 3, 1)]
+    gradient = jax.grad(lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    maps = _shard_maps(gradient, q, k, v)
+    # The backward's shard_map takes the output's cotangent split as above, and the forward's
+    # residuals as JAX splits them (over both axes, on their first): every operand of every
+    # shard_map is split over all 8 devices, none gathered whole.
+    assert [kernels for _, kernels in maps] == [1, 2] and maps[1][0][0] == spec
+    for specs, _ in maps:
+        for operand in specs:
+            assert set(jax.tree.leaves(tuple(operand))) == {"data", "model"}, maps
+
+    # Inside a shard_map over "data" (each device's sequence already), "model" splits the heads.
+    def in_manual_data(q, k, v):
+        inner = jax.shard_map(
+            fn,
+            mesh=jax_compat.traced_mesh(q),
+            in_specs=P("data"),
+            out_specs=P("data"),
+            axis_names={"data"},
+            check_vma=False,
+        )
+        return inner(q, k, v)
+
+    heads = (P(None, None, "model", None),) * 3
+    assert _shard_maps(in_manual_data, q, k, v) == [((P("data"),) * 3, 1), (heads, 1)]
+    # Unsharded, no shard_map: one device runs the kernel on the whole batch.
+    whole = [jnp.asarray(np.asarray(x)) for x in (q, k, v)]
+    assert _shard_maps(functools.partial(fn), *whole) == []
+
+
+def test_a_mesh_axis_that_splits_neither_batch_nor_heads_keeps_xla_attention():
+    # 8 devices on one axis, a batch of 2 and 2 heads: each device would compute the same
+    # attention. XLA's path partitions it instead; forcing Pallas is a clear error.
+    mesh = _cpu_mesh((8,), ("data",))
+    q, k, v, _ = _sharded_qkvc(mesh, P(), shape=(2, PALLAS_T, 2, 64))
+    refusal = mpjax.attention.pallas_refusal(q, k, v, is_causal=True)
+    assert refusal == (
+        "Pallas's kernels run on each device's share of the batch and heads (XLA cannot "
+        "partition them), and mesh axis 'data' of 8 devices divides neither the batch's 2 "
+        "sequences nor the 2 heads left to split"
+    )
+
+    def traced(**kwargs):
+        fn = functools.partial(mpjax.dot_product_attention, is_causal=True, **kwargs)
+        with jax.numpy_dtype_promotion("standard"):
+            return jax.jit(fn).trace(q, k, v).jaxpr
+
+    assert (
+        "pallas_call" not in str(traced())
+        and _shard_maps(functools.partial(mpjax.dot_product_attention, is_causal=True), q, k, v)
+        == []
+    )
+    with pytest.raises(ValueError, match="implementation='pallas'.*mesh axis 'data' of 8"):
+        traced(implementation="pallas")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not jax_compat.pallas_interpreter_runs_sharded(),
+    reason=f"Pallas's TPU interpreter hangs under a shard_map on jax {jax.__version__}",
+)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_sharded_pallas_matches_xla_forward_and_backward_in_the_interpreter(dtype):
+    """The kernels on each device's share, run by Pallas's TPU interpreter over 8 CPU devices,
+    against XLA's path partitioned by XLA: within the tolerances of the one-device test, the
+    function and its gradients gathered whole."""
+    mesh = _cpu_mesh((2, 4), ("data", "model"))
+    qkvc = _sharded_qkvc(mesh, P("data"), dtype=dtype)
+    run = functools.partial(_forward_and_gradients, is_causal=True)
+    with jax.numpy_dtype_promotion("standard"):
+        with jax_compat.pallas_tpu_interpreted():
+            out, grads = jax.jit(functools.partial(run, implementation="pallas"))(*qkvc)
+        want_out, want_grads = jax.jit(functools.partial(run, implementation="xla"))(*qkvc)
+    assert out.dtype == np.dtype(dtype) and out.sharding.is_equivalent_to(
+        NamedSharding(mesh, P("data", None, "model", None)), out.ndim
+    )
+    rounding = 0.0 if np.dtype(dtype) == np.float32 else float(jnp.finfo(dtype).eps)
+    f32 = [np.asarray(x, np.float32) for x in qkvc[:3]]
+    atol = _reordered_atol(*f32) + 2 * rounding * float(np.abs(f32[2]).max())
+    np.testing.assert_allclose(np.asarray(out, np.float64), want_out, atol=atol, rtol=0)
+    for name, got, want in zip("qkv", grads, want_grads, strict=True):
+        assert got.dtype == np.dtype(dtype)
+        assert_close_in_norm(got, want, 2 * _reordered_rtol(*f32[:2]) + 3 * rounding, name)
+
+
 TPU_REASON = mpjax.plan_unavailable("v5p")
 
 
@@ -552,13 +679,12 @@ def _tpu_hlo(shape, policy, implementation):
     TPU_REASON is not None and not os.environ.get("MPJAX_REQUIRE_TPU_PLAN"),
     reason=f"cannot compile for a TPU here: {TPU_REASON}",
 )
-def test_a_step_over_several_tpu_devices_takes_xla_attention_and_compiles():
-    # XLA cannot partition Pallas's Mosaic kernels: traced for a slice of four chips (the
-    # batch sharded over them), the default keeps XLA's path, and the step compiles.
+def test_a_step_over_several_tpu_devices_runs_pallas_on_each_chips_share():
+    """Traced for a slice of four chips, the batch sharded over them, each chip runs Pallas's
+    three kernels on its two sequences, and nothing crosses between chips: the query, key and
+    value stay where they are. The backward kernels declare no cost to XLA, and the plan says
+    what that leaves out. A batch and heads the four chips cannot split keep XLA's path."""
     mesh = mpjax.plan_mesh("v5p:2x2x1", (4,), ("data",))
-    arg = jax.ShapeDtypeStruct(
-        (8, 256, 2, 64), jnp.bfloat16, sharding=NamedSharding(mesh, P("data"))
-    )
 
     def step(q, k, v):
         def loss(*qkv):
@@ -566,6 +692,22 @@ def test_a_step_over_several_tpu_devices_takes_xla_attention_and_compiles():
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
-    with jax.numpy_dtype_promotion("standard"):
-        plan = mpjax.plan(step, "v5p:2x2x1")(arg, arg, arg)
-    assert plan.compiled and plan.attention == () and plan.custom_calls == 0
+    def plan(shape, spec):
+        arg = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+        with jax.numpy_dtype_promotion("standard"):
+            return mpjax.plan(step, "v5p:2x2x1")(arg, arg, arg)
+
+    sharded = plan((8, 256, 2, 64), P("data"))
+    assert sharded.compiled and sharded.collectives == (), sharded.summary()
+    assert [(a.backward, a.declares_cost) for a in sharded.attention] == [
+        (False, True),
+        (True, False),
+        (True, False),
+    ]
+    assert {a.flops for a in sharded.attention} == {4 * 2 * 2 * 256 * 256 * 64}  # 2 sequences
+    backward = sum(a.flops for a in sharded.attention if a.backward)
+    assert sharded.uncosted_seconds == pytest.approx(backward / sharded.peak_flops)
+    assert "leaves out 2 attention kernel runs that declare no cost" in sharded.summary()
+    unsplit = plan((2, 256, 2, 64), P())
+    assert unsplit.compiled and unsplit.attention == () and unsplit.custom_calls == 0
+    assert unsplit.uncosted_seconds == 0.0

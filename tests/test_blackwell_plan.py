@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import mpjax
-from mpjax.inspection.plan import plan_unavailable
+from mpjax.inspection.plan_devices import plan_unavailable
 from mpjax.inspection.targets import CHIPS, parse_target
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))

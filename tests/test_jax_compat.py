@@ -506,21 +506,36 @@ def test_pallas_flash_attention_is_a_forward_and_two_backward_kernels_interprete
     assert jax_compat.PALLAS_BLOCK == 128
 
 
-def test_the_devices_a_value_spans_as_traced_come_from_the_jit_input_shardings():
-    # On jax 0.8.1 and 0.12 alike, a value traced from an input sharded over 4 devices (its
-    # computed descendants too) spans 4; a value traced from nothing sharded spans 1.
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]), ("d",))
-    sharded = jax.device_put(jnp.ones((8, 2)), jax.sharding.NamedSharding(mesh, P("d")))
+def test_the_axes_a_value_is_partitioned_over_as_traced_come_from_the_jit_input_shardings():
+    # On jax 0.8.1 and 0.12 alike, a value traced from an input sharded on a 2 x 2 mesh (its
+    # computed descendants too) is partitioned over both axes, an axis of one device left out;
+    # inside a shard_map over one axis, only the other; a value traced from nothing sharded,
+    # over none.
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2, 1), ("a", "b", "c"))
+    sharded = jax.device_put(jnp.ones((8, 2)), jax.sharding.NamedSharding(mesh, P("a")))
     seen = []
 
     def f(x):
-        seen.append(jax_compat.traced_devices(jnp.tanh(x) * 2))
+        seen.append(jax_compat.partitioned_axes(jnp.tanh(x) * 2))
         return x
 
+    def manual_a(x):
+        inner = jax.shard_map(
+            f,
+            mesh=jax_compat.traced_mesh(x),
+            in_specs=P("a"),
+            out_specs=P("a"),
+            axis_names={"a"},
+            check_vma=False,
+        )
+        return inner(x)
+
     jax.jit(f)(sharded)
+    jax.jit(manual_a)(sharded)
     jax.jit(f)(jnp.ones((8, 2)))
-    assert seen == [4, 1]
-    assert jax_compat.traced_devices(jnp.ones(3)) == 1
+    assert seen == [{"a": 2, "b": 2}, {"b": 2}, {}]
+    assert jax_compat.partitioned_axes(jnp.ones(3)) == {}
+    assert jax_compat.traced_mesh(jnp.ones(3)) is None
 
 
 def test_a_bf16_dot_with_an_f32_result_runs_on_the_cpu_on_widened_operands():

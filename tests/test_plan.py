@@ -21,9 +21,9 @@ from jax import lax
 
 import mpjax
 from mpjax import jax_compat
-from mpjax.inspection import deviceless
+from mpjax.inspection import deviceless, plan_devices
 from mpjax.inspection.hlo_text import HloShape, parse_module
-from mpjax.inspection.plan import PlanUnavailableError, plan_unavailable
+from mpjax.inspection.plan_devices import PlanUnavailableError, plan_unavailable
 from mpjax.inspection.plan_rows import loop_trip_counts, read_module
 from mpjax.inspection.targets import CHIPS, parse_target
 
@@ -299,9 +299,9 @@ def test_flop_share_names_its_valid_choices():
 
 @pytest.fixture
 def fresh_devices():
-    plan_module._devices.cache_clear()
+    plan_devices.target_devices.cache_clear()
     yield
-    plan_module._devices.cache_clear()
+    plan_devices.target_devices.cache_clear()
 
 
 def test_without_the_cuda_plugin_the_error_says_how_to_install_it(monkeypatch, fresh_devices):
@@ -386,7 +386,7 @@ def test_fields_an_old_jaxlib_lacks_are_dropped_blocks_included():
 
 @needs_compiler
 def test_an_unknown_field_of_the_target_description_is_dropped_and_named():
-    spec = plan_module._spec(CHIPS["h100"].spec).replace(
+    spec = plan_devices._spec(CHIPS["h100"].spec).replace(
         "  core_count: 132\n", "  core_count: 132\n  no_such_field: 3\n  no_such_block {\n  }\n"
     )
     made = deviceless.cuda_topology(spec)
@@ -396,7 +396,7 @@ def test_an_unknown_field_of_the_target_description_is_dropped_and_named():
     )
     # jaxlib 0.8.1 knows neither the finer GPU description nor where the CUDA version moved;
     # jax 0.12 knows the whole shipped spec.
-    dropped = deviceless.cuda_topology(plan_module._spec(CHIPS["h100"].spec)).dropped
+    dropped = deviceless.cuda_topology(plan_devices._spec(CHIPS["h100"].spec)).dropped
     if JAX_VERSION < (0, 9):
         assert "GpuDeviceInfoProto.runtime_version" in dropped
     if JAX_VERSION >= (0, 12):

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import mpjax
 from mpjax.inspection import plan_loops
-from mpjax.inspection.plan import plan_unavailable
+from mpjax.inspection.plan_devices import plan_unavailable
 
 TPU_REASON = plan_unavailable("v5p")
 needs_libtpu = pytest.mark.skipif(

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mpjax.inspection.plan import plan_unavailable
+from mpjax.inspection.plan_devices import plan_unavailable
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import train_transformer as tt  # noqa: E402
@@ -105,3 +105,14 @@ def test_the_example_fsdp_step_on_a_slice_gathers_weights_not_activations():
     bound = plan.collective_seconds()
     assert 0 < bound < 0.2 * plan.estimated_seconds, plan.summary()
     assert "of the estimated step" in plan.summary() and "of the estimate" in plan.table()
+    # Pallas's attention runs on each chip's share of the batch (a shard_map), forward and
+    # backward in every layer, where XLA's materialized softmax ran before (28.3% MFU). With
+    # the backward kernels' time, which XLA's estimate leaves out, at their nominal FLOPs at the
+    # peak, the step is still above 40% MFU of the model FLOPs (42.5% with jax 0.12.0.1).
+    forward = sum(a.executions for a in plan.attention if not a.backward)
+    backward = sum(a.executions for a in plan.attention if a.backward)
+    assert forward == config.n_layer and backward == 2 * config.n_layer, plan.summary()
+    model_flops = cfg.batch_size * config.block_size * config.flops_per_token() / plan.devices
+    fuller = plan.estimated_seconds + plan.uncosted_seconds
+    assert plan.uncosted_seconds > 0, plan.summary()
+    assert plan.mfu(model_flops) * plan.estimated_seconds / fuller > 0.4, plan.summary()

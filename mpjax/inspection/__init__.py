@@ -13,6 +13,8 @@
 - :mod:`mpjax.inspection.plan_rows`: the parts of a plan read from the optimized HLO (GEMMs,
   attention, scatters) and from XLA's memory analysis, with :mod:`mpjax.inspection.hlo_text`
   parsing the HLO.
+- :mod:`mpjax.inspection.plan_devices`: a target's compile-only devices, ``plan_unavailable``
+  (why there are none here, with what to install) and ``plan_mesh``.
 - :mod:`mpjax.inspection.plan_arguments`: the arguments a plan compiles, kept on the target's
   compile-only devices with the shardings they were given (or refused, when they cannot be).
 - :mod:`mpjax.inspection.plan_loops`: XLA's estimate of a step that scans, with each loop's

@@ -32,16 +32,12 @@ What differs between JAX versions in this path is handled in :mod:`mpjax.jax_com
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.resources
-import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
 from mpjax.inspection import deviceless, plan_collectives
 from mpjax.inspection.compile_only import compile_only
@@ -49,6 +45,9 @@ from mpjax.inspection.hlo_text import parse_module
 from mpjax.inspection.matmuls import check_function
 from mpjax.inspection.plan_arguments import on_target
 from mpjax.inspection.plan_collectives import PlanCollective
+from mpjax.inspection.plan_devices import (
+    target_devices,
+)
 from mpjax.inspection.plan_loops import PlanLoop, loop_costs, loop_lines
 from mpjax.inspection.plan_rows import (
     PlanAttention,
@@ -63,21 +62,10 @@ from mpjax.inspection.plan_rows import (
     out_of_memory,
     read_module,
 )
-from mpjax.inspection.targets import CHIPS, known_target, parse_target
+from mpjax.inspection.targets import known_target, parse_target
 from mpjax.table import flops_text, format_table, seconds_text, shape_text
 
-__all__ = [
-    "Plan",
-    "PlanUnavailableError",
-    "plan",
-    "plan_mesh",
-    "plan_unavailable",
-]
-
-
-class PlanUnavailableError(RuntimeError):
-    """Raised by :func:`plan` when this machine's JAX cannot compile for the target: the CUDA
-    plugin or libtpu is not installed, or did not start. The message says what to do."""
+__all__ = ["Plan", "plan"]
 
 
 def _row(item: Any) -> dict[str, Any]:
@@ -305,6 +293,24 @@ class Plan:
             for lhs, rhs, flops, precision in self._matmuls()
         )
 
+    @property
+    def uncosted_seconds(self) -> float | None:
+        """The time XLA's estimate leaves out for the fused attention kernels that declare no
+        cost (``PlanAttention.declares_cost``: Pallas's backward kernels), taken as their
+        nominal FLOPs at the device's published peak: a causal mask's skipped blocks are not
+        discounted, nor the scores' recomputation added. 0.0 where every kernel declares its
+        cost; None without an estimate or target figures. Added to
+        ``estimated_seconds``, it gives the fuller estimate the summary shows."""
+        target = known_target(self.target)
+        if self.estimated_seconds is None or target is None:
+            return None
+        share = self.peak_flops / target.chip.peak_flops["bf16"] if self.peak_flops else 1
+        return sum(
+            a.flops * a.executions / (target.peak_flops(a.dtype.name, a.dtype.name) * share)
+            for a in self.attention
+            if not a.declares_cost
+        )
+
     def mfu(self, model_flops: float | None = None) -> float | None:
         """The estimated model FLOPs utilization: ``model_flops`` (per device per call; by
         default the plan's own matmul FLOPs, which count recomputation too) over XLA's
@@ -360,6 +366,22 @@ class Plan:
                 f"estimated time per call (XLA's cost model, an estimate): "
                 f"{seconds_text(self.estimated_seconds)}"
                 + (f", estimated MFU {mfu:.1%} of the bf16 peak" if mfu is not None else "")
+            )
+        uncosted = self.uncosted_seconds
+        if uncosted and self.estimated_seconds:
+            kernels = sum(a.executions for a in self.attention if not a.declares_cost)
+            fuller = self.estimated_seconds + uncosted
+            mfu = self.mfu()
+            lines.append(
+                f"the estimate leaves out {kernels} attention kernel run"
+                f"{'s' * (kernels != 1)} that declare no cost to XLA (Pallas's backward): at "
+                f"their nominal FLOPs at the peak, {seconds_text(uncosted)} more, "
+                f"{seconds_text(fuller)} in all"
+                + (
+                    f", estimated MFU {mfu * self.estimated_seconds / fuller:.1%}"
+                    if mfu is not None
+                    else ""
+                )
             )
         lines += loop_lines(self.loops)
         if self.modelled_flops is not None and self.modelled_flops < 0.95 * self.total_flops:
@@ -509,6 +531,7 @@ class Plan:
             "block_scaled_flops": self.block_scaled_flops,
             "memory": memory,
             "estimated_seconds": self.estimated_seconds,
+            "uncosted_seconds": self.uncosted_seconds,
             "estimated_mfu": self.mfu(),
             "bytes_accessed": self.bytes_accessed,
             "modelled_flops": self.modelled_flops,
@@ -521,117 +544,6 @@ class Plan:
 
 
 # --- Compiling ------------------------------------------------------------------------------
-
-
-def _spec(name: str) -> str:
-    return (importlib.resources.files("mpjax.inspection") / "gpu_targets" / name).read_text()
-
-
-_NOT_INSTALLED = {
-    "gpu": (
-        "mpjax.plan compiles for a GPU with JAX's CUDA plugin, which is not installed. It "
-        'installs on a machine without a GPU too: pip install "mpjax[cuda12]" (which is '
-        "jax[cuda12]). Set JAX_PLATFORMS=cpu in the environment so that JAX keeps computing on "
-        "the CPU."
-    ),
-    "tpu": (
-        "mpjax.plan compiles for a TPU with libtpu, which is not installed. It installs on a "
-        'machine without a TPU too: pip install "mpjax[tpu]" (which is jax[tpu]). Set '
-        "JAX_PLATFORMS=cpu in the environment so that JAX keeps computing on the CPU."
-    ),
-}
-_NOT_STARTED = (
-    "JAX's CUDA plugin is installed but did not start, so JAX cannot compile for a GPU: {error}\n"
-    "Without a GPU the plugin's check of the local CUDA installation fails. Set "
-    "JAX_PLATFORMS=cpu in the environment before starting Python (or before the first JAX "
-    "computation); with jax 0.8 set JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 as well, unless mpjax is "
-    "imported before that first computation (it sets it then)."
-)
-
-
-@functools.cache
-def _devices(name: str) -> tuple[tuple[Any, ...], str, int]:
-    """The compile-only devices of the target ``name``, the device's name, and how many
-    devices share a chip."""
-    target = parse_target(name)
-    if target.platform == "gpu":
-        if not deviceless.cuda_plugin_installed():
-            raise PlanUnavailableError(_NOT_INSTALLED["gpu"])
-        spec = _spec(target.chip.spec)
-        try:
-            topology = deviceless.cuda_topology(spec, target.topology).topology
-        except NotImplementedError as error:
-            raise PlanUnavailableError(_NOT_STARTED.format(error=error)) from error
-        except Exception as error:
-            raise PlanUnavailableError(
-                f"JAX's CUDA plugin could not make a compile-only {name} device: {error}"
-            ) from error
-        match = re.search(r'device_description_str:\s*"([^"]*)"', spec)
-        return tuple(topology.devices), match[1] if match else name, 1
-    if not deviceless.libtpu_installed():
-        raise PlanUnavailableError(_NOT_INSTALLED["tpu"])
-    try:
-        devices = tuple(deviceless.tpu_topology(target.topology).devices)
-    except Exception as error:
-        if "INVALID_ARGUMENT" in str(error):  # a slice that cannot exist
-            raise ValueError(f"{target.topology!r} is not a TPU slice: {error}") from error
-        raise PlanUnavailableError(
-            f"libtpu could not make the compile-only TPU slice {target.topology!r}: {error}"
-        ) from error
-    # A chip whose cores are devices of their own (v4's two) shares its HBM and peak among
-    # them; a plan for one chip compiles for its first device.
-    first = tuple(getattr(devices[0], "coords", ()))
-    per_chip = sum(tuple(getattr(d, "coords", ())) == first for d in devices)
-    if target.name in CHIPS:
-        devices = devices[:1]
-    return devices, devices[0].device_kind, max(per_chip, 1)
-
-
-def plan_unavailable(target: str = "h100") -> str | None:
-    """Why :func:`plan` cannot compile for ``target`` on this machine, or None when it can.
-
-    It makes the compile-only devices that :func:`plan` uses (once per process and target),
-    so it answers for this process as it is now.
-
-    >>> reason = plan_unavailable()  # None where "mpjax[cuda12]" is installed
-    >>> reason = plan_unavailable("v5p")  # None where "mpjax[tpu]" is installed
-    """
-    name = parse_target(target, caller="plan_unavailable").name
-    try:
-        _devices(name)
-    except PlanUnavailableError as error:
-        return str(error)
-    return None
-
-
-def plan_mesh(
-    target: str, axis_shapes: Sequence[int] | None = None, axis_names: Sequence[str] = ("data",)
-) -> Mesh:
-    """A mesh over ``target``'s compile-only devices, for sharding code to run unchanged
-    against a TPU slice or GPUs this machine does not have: build ``NamedSharding(mesh, spec)`` from
-    it and give :func:`plan` ``jax.ShapeDtypeStruct`` values (or arrays) with those
-    shardings.
-
-    Args:
-      target: a TPU slice (``"v5p:2x2x2"``), GPUs on hosts (``"h100:2x8"``) or any
-        :func:`plan` target.
-      axis_shapes: the mesh's shape; by default one axis over every device.
-      axis_names: the mesh's axis names, one per axis.
-
-    Raises:
-      ValueError: if the target is unknown or no slice libtpu can make, or the axes do not
-        multiply to its device count.
-      PlanUnavailableError: if this machine cannot compile for it.
-    """
-    name = parse_target(target, caller="plan_mesh").name
-    devices, _, _ = _devices(name)
-    shape = tuple(axis_shapes) if axis_shapes is not None else (len(devices),)
-    if len(shape) != len(tuple(axis_names)) or int(np.prod(shape)) != len(devices):
-        raise ValueError(
-            f"plan_mesh: axis_shapes {shape} with axis_names {tuple(axis_names)} must have one "
-            f"name per axis and multiply to the {len(devices)} devices of {name!r}."
-        )
-    return Mesh(np.asarray(devices, dtype=object).reshape(shape), tuple(axis_names))
 
 
 def _estimate(cost: Mapping[str, float]) -> float | None:
@@ -731,7 +643,7 @@ def plan(
     trace = fn.trace if hasattr(fn, "trace") else jax.jit(fn).trace
 
     def compile_plan(*args: Any, **kwargs: Any) -> Plan:
-        devices, device, per_chip = _devices(parsed.name)
+        devices, device, per_chip = target_devices(parsed.name)
         capacity = parsed.chip.hbm_bytes // per_chip
         peak = parsed.chip.peak_flops["bf16"] / per_chip
         common: dict[str, Any] = {

@@ -170,6 +170,11 @@ class PlanAttention:
         discounted, and the backward pass's recomputation of the scores not added.
       executions: as for :class:`PlanGemm`.
       op_name: as for :class:`PlanGemm`.
+      declares_cost: whether the kernel declares its cost to XLA's cost model, which counts
+        a custom call only by what it declares: Pallas's forward kernel does, its two backward
+        kernels do not, so a TPU estimate leaves their time out
+        (``Plan.uncosted_seconds``). True for cuDNN's calls (a GPU plan has no
+        estimate).
     """
 
     name: str
@@ -179,6 +184,7 @@ class PlanAttention:
     flops: int
     executions: int = 1
     op_name: str = ""
+    declares_cost: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -576,6 +582,9 @@ def _tpu_attention(
     batch, heads, tq, head_dim = q.dims
     tk = k.dims[2]
     backward = bool(_TPU_BACKWARD.search(op_name_of(inst)))
+    # Mosaic's backend config holds the cost a kernel declares (pallas_call's cost_estimate);
+    # a config that does not parse says nothing either way.
+    config = inst.backend_config().get("custom_call_config")
     return PlanAttention(
         name=kernel.name,
         target="tpu_custom_call",
@@ -584,6 +593,7 @@ def _tpu_attention(
         flops=4 * batch * heads * tq * tk * head_dim,
         executions=executions,
         op_name=op_name_of(inst),
+        declares_cost=not isinstance(config, dict) or "cost_estimate" in config,
     )
 
 
