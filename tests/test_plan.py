@@ -445,6 +445,13 @@ ENTRY %main.1 (a.1: bf16[2,4]) -> bf16[2,2] {
     assert entry.operand_shape(c, 1) == HloShape("bf16", (2, 4))
     assert entry["f"].called_computations() == ("fused",) and entry["g"].root
     assert module.computations["fused"]["p"].operands == ()
+    # A computation may close with its attributes (a TPU7x's SparseCore ones do).
+    threaded = parse_module(
+        "%sc (p: f32[2]) -> f32[2] {\n  ROOT %p = f32[2]{0} parameter(0)\n}, "
+        'execution_thread="sparsecore"\n\nENTRY %main (a: f32[2]) -> f32[2] {\n'
+        "  ROOT %a = f32[2]{0} parameter(0)\n}\n"
+    )
+    assert set(threaded.computations) == {"sc", "main"} and threaded.entry == "main"
 
 
 @needs_compiler
@@ -628,8 +635,22 @@ def test_a_cost_model_figure_that_is_no_time_is_no_estimate(monkeypatch):
 
     monkeypatch.setattr(deviceless, "deviceless_compile", negative)
     p = mpjax.plan(jnp.matmul, "v5e")(sds((M, K), jnp.bfloat16), sds((K, N), jnp.bfloat16))
-    assert p.estimated_seconds is None and p.mfu() is None
+    assert p.estimated_seconds is None and p.mfu() is None and p.rejected_seconds == -483.0
     assert "estimated time" not in p.summary() and "roofline bound" in p.summary()
+    assert "no time estimate: XLA's cost model gave -483 s for one call" in p.summary()
+    # A scanned step's estimate comes from its compile unrolled (seen negative for the 1b
+    # step on 64 TPU7x chips): its loops are then not modelled, and the summary says why.
+    w = sds((K, K), jnp.bfloat16)
+
+    def scanned(x, w):
+        return lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None, length=4)[0]
+
+    looped = mpjax.plan(scanned, "v5e")(sds((M, K), jnp.bfloat16), w)
+    assert looped.estimated_seconds is None and not any(loop.modelled for loop in looped.loops)
+    assert (
+        "no time estimate: XLA's cost model counts a loop's body once, and for the step's 1 scan "
+        "XLA's cost model gave -483 s for the step with them unrolled"
+    ) in looped.summary()
 
 
 @pytest.mark.parametrize(
@@ -1005,6 +1026,26 @@ def test_ironwood_and_v6e_slices_are_targets_with_their_devices_and_peaks():
     narrow = mpjax.plan(fp8, "tpu7x:2x2x1")(q, q)
     assert narrow.roofline_seconds == pytest.approx(bf16.roofline_seconds / 2)
     assert narrow.estimated_seconds >= 0.95 * bf16.estimated_seconds  # no faster by XLA's model
+
+
+@pytest.mark.skipif(TPU_REASON is not None, reason=f"the plan cannot compile: {TPU_REASON}")
+def test_a_tpu7x_plan_reads_the_collectives_its_sparsecores_run():
+    """A TPU7x offloads collectives to its SparseCores: the entry launches them with
+    call-start/call-update/call-done, the all-gather or reduce-scatter itself in a computation
+    of the SparseCore thread (closed by ``}, execution_thread="sparsecore"``). The plan reads
+    them there, as it reads a v5p's in the entry: the FSDP step's weights gathered and its
+    gradients reduce-scattered."""
+    mesh = mpjax.plan_mesh("tpu7x:2x2x1")
+    plan = mpjax.plan(_fsdp_step, "tpu7x:2x2x1")(*_fsdp_step_args(mesh, "data"))
+    assert "call-start()" in plan.hlo_text and 'execution_thread="sparsecore"' in plan.hlo_text
+    offloaded = {
+        c.kind for c in plan.collectives if c.computation != parse_module(plan.hlo_text).entry
+    }
+    assert {"all-gather", "reduce-scatter"} <= offloaded, plan.summary()
+    v5p = mpjax.plan(_fsdp_step, "v5p:2x2x1")(
+        *_fsdp_step_args(mpjax.plan_mesh("v5p:2x2x1"), "data")
+    )
+    assert {c.kind for c in v5p.collectives} <= {c.kind for c in plan.collectives}
 
 
 def _fsdp_step_args(mesh, axis):

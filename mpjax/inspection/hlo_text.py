@@ -292,7 +292,9 @@ def parse_module(text: str) -> HloModule:
     current: tuple[str, bool, list[HloInstruction]] | None = None
     for line in text.splitlines():
         if current is not None:
-            if line.strip() == "}":
+            # A computation ends at a bare brace, or one with its attributes (a TPU7x's
+            # SparseCore computations close with `}, execution_thread="sparsecore"`).
+            if line.strip() == "}" or line.startswith("}, "):
                 name, is_entry, instructions = current
                 computations[name] = HloComputation(name, tuple(instructions), is_entry)
                 current = None

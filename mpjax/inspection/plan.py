@@ -127,6 +127,9 @@ class Plan:
         ``optimal_seconds``; None on a GPU, and where the cost model's figure is not positive).
         An estimate, not a measurement.
       bytes_accessed: the memory traffic XLA's cost model counts for one call (TPU only).
+      rejected_seconds: XLA's cost model's time for one call where it is no time (zero or
+        negative, seen for large steps on a v5e and a TPU7x), which the plan does not take as
+        an estimate; None otherwise.
       modelled_flops: the FLOPs XLA's cost model counts for one call (TPU only): fewer than the
         plan's matmul FLOPs where a custom call (a Pallas kernel) declares less than it does, or
         nothing, so the estimate leaves that work out.
@@ -161,6 +164,7 @@ class Plan:
     estimated_seconds: float | None = None
     bytes_accessed: float | None = None
     modelled_flops: float | None = None
+    rejected_seconds: float | None = None
     peak_flops: float | None = None
     compiled: bool = True
     collectives: tuple[PlanCollective, ...] = ()
@@ -384,6 +388,11 @@ class Plan:
                 )
             )
         lines += loop_lines(self.loops)
+        if self.rejected_seconds is not None and not self.loops:
+            lines.append(
+                f"no time estimate: XLA's cost model gave {self.rejected_seconds:.3g} s for one "
+                "call, which is no time"
+            )
         if self.modelled_flops is not None and self.modelled_flops < 0.95 * self.total_flops:
             lines.append(
                 f"XLA's cost model counts {flops_text(int(self.modelled_flops))} FLOPs in all, "
@@ -535,6 +544,7 @@ class Plan:
             "estimated_mfu": self.mfu(),
             "bytes_accessed": self.bytes_accessed,
             "modelled_flops": self.modelled_flops,
+            "rejected_seconds": self.rejected_seconds,
             "loops": [{**_row(loop), "modelled": loop.modelled} for loop in self.loops],
             "roofline_seconds": self.roofline_seconds,
             "peak_flops": self.peak_flops,
@@ -677,12 +687,17 @@ def plan(
             loop_costs(traced, result, options) if parsed.platform == "tpu" else (None, ())
         )
         cost = cost or {}
+        seconds = cost.get("optimal_seconds")
+        if seconds is not None and _estimate(cost) is None:
+            why = f"XLA's cost model gave {seconds:.3g} s for the step with them unrolled"
+            loops = tuple(dataclasses.replace(loop, modelled=False, why=why) for loop in loops)
         return Plan(
             **common,
             hlo_text=result.hlo_text,
             memory=memory_of(result.memory, capacity),
             loops=loops,
             estimated_seconds=_estimate(cost),
+            rejected_seconds=seconds if _estimate(cost) is None else None,
             bytes_accessed=cost.get("bytes accessed"),
             modelled_flops=cost.get("flops"),
             **read,

@@ -49,7 +49,7 @@ class PlanLoop:
       modelled: whether the estimate counts every iteration (from the step compiled with its
         scans unrolled).
       why: why not, where it is not modelled for a reason other than a ``while_loop``'s (the
-        unrolled step's compile error).
+        unrolled step's compile error, or a figure of XLA's cost model that is no time).
     """
 
     name: str
@@ -95,7 +95,9 @@ def loop_costs(
         try:
             cost = _compile(unrolled, traced, step, compiler_options)
         except jax.errors.JaxRuntimeError as error:  # out of memory, unrolled: no estimate
-            why = str(error).strip().splitlines()[0]
+            why = (
+                f"the step with them unrolled did not compile: {str(error).strip().splitlines()[0]}"
+            )
     return cost, tuple(
         PlanLoop(
             loop.name,
@@ -156,7 +158,7 @@ def loop_lines(loops: tuple[PlanLoop, ...]) -> list[str]:
         )
     elif scans:
         lines.append(
-            f"no time estimate: XLA's cost model counts a loop's body once, and the step with "
-            f"its {len(scans)} scans unrolled did not compile ({scans[0].why})"
+            f"no time estimate: XLA's cost model counts a loop's body once, and for the step's "
+            f"{len(scans)} scan{'s' * (len(scans) != 1)} {scans[0].why}"
         )
     return lines

@@ -75,7 +75,8 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 # Instructions whose called computations run as part of the caller's own sequence of kernels;
 # every other called computation (a fusion's body, a reducer) runs inside one kernel.
-_CONTROL_FLOW = frozenset({"while", "conditional", "call", "async-start"})
+# A TPU7x runs its collectives on its SparseCores, in computations a call-start launches.
+_CONTROL_FLOW = frozenset({"while", "conditional", "call", "async-start", "call-start"})
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _HLO_DTYPES = {"pred": "bool", "bf16": "bfloat16", "c64": "complex64", "c128": "complex128"}
 # Words in a TPU custom call's JAX name that make it an attention kernel (Pallas's flash and
