@@ -32,7 +32,7 @@ What differs between JAX versions in this path is handled in :mod:`mpjax.jax_com
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -45,9 +45,7 @@ from mpjax.inspection.hlo_text import parse_module
 from mpjax.inspection.matmuls import check_function
 from mpjax.inspection.plan_arguments import on_target
 from mpjax.inspection.plan_collectives import PlanCollective
-from mpjax.inspection.plan_devices import (
-    target_devices,
-)
+from mpjax.inspection.plan_devices import target_devices
 from mpjax.inspection.plan_loops import PlanLoop, loop_costs, loop_lines
 from mpjax.inspection.plan_rows import (
     PlanAttention,
@@ -141,9 +139,9 @@ class Plan:
         order; empty for one device.
       loop_trips: the trip count of each loop of the optimized HLO (``scan`` over layers,
         ``fori_loop``, and loops XLA makes itself); the plan's FLOPs count every iteration.
-      loops: the step's scans as the TPU estimate counts them (:class:`PlanLoop`): XLA's cost
-        model counts a loop's body once, so the plan compiles the step again with each kind of
-        loop unrolled further and counts each body its trip count times
+      loops: the step's loops as the TPU estimate counts them (:class:`PlanLoop`): XLA's cost
+        model counts a loop's body once, so the plan compiles the step again with its scans
+        unrolled and takes that compile's estimate, each body counted its trip count times
         (:mod:`mpjax.inspection.plan_loops`). A step with a ``while_loop`` gets no estimate.
     """
 
@@ -288,13 +286,20 @@ class Plan:
         peak for its operand dtypes and float32 precision, summed; memory traffic and
         everything that is no matmul taken as free. None for a plan read from HLO text alone
         (no target figures). A bound computed from the plan, not a measurement."""
+        return self._seconds_at_peak(self._matmuls())
+
+    def _seconds_at_peak(
+        self, matmuls: Iterable[tuple[np.dtype, np.dtype, int, str]]
+    ) -> float | None:
+        """``matmuls`` (as :meth:`_matmuls` gives them) at the device's published peaks for
+        their operand dtypes and precision, summed; None without target figures."""
         target = known_target(self.target)
         if target is None:
             return None
         share = self.peak_flops / target.chip.peak_flops["bf16"] if self.peak_flops else 1
         return sum(
             flops / (target.peak_flops(lhs.name, rhs.name, precision) * share)
-            for lhs, rhs, flops, precision in self._matmuls()
+            for lhs, rhs, flops, precision in matmuls
         )
 
     @property
@@ -305,12 +310,10 @@ class Plan:
         discounted, nor the scores' recomputation added. 0.0 where every kernel declares its
         cost; None without an estimate or target figures. Added to
         ``estimated_seconds``, it gives the fuller estimate the summary shows."""
-        target = known_target(self.target)
-        if self.estimated_seconds is None or target is None:
+        if self.estimated_seconds is None:
             return None
-        share = self.peak_flops / target.chip.peak_flops["bf16"] if self.peak_flops else 1
-        return sum(
-            a.flops * a.executions / (target.peak_flops(a.dtype.name, a.dtype.name) * share)
+        return self._seconds_at_peak(
+            (a.dtype, a.dtype, a.flops * a.executions, "kernel")
             for a in self.attention
             if not a.declares_cost
         )
@@ -687,17 +690,18 @@ def plan(
             loop_costs(traced, result, options) if parsed.platform == "tpu" else (None, ())
         )
         cost = cost or {}
-        seconds = cost.get("optimal_seconds")
-        if seconds is not None and _estimate(cost) is None:
-            why = f"XLA's cost model gave {seconds:.3g} s for the step with them unrolled"
+        estimate = _estimate(cost)
+        rejected = cost.get("optimal_seconds") if estimate is None else None
+        if rejected is not None:
+            why = f"XLA's cost model gave {rejected:.3g} s for the step with them unrolled"
             loops = tuple(dataclasses.replace(loop, modelled=False, why=why) for loop in loops)
         return Plan(
             **common,
             hlo_text=result.hlo_text,
             memory=memory_of(result.memory, capacity),
             loops=loops,
-            estimated_seconds=_estimate(cost),
-            rejected_seconds=seconds if _estimate(cost) is None else None,
+            estimated_seconds=estimate,
+            rejected_seconds=rejected,
             bytes_accessed=cost.get("bytes accessed"),
             modelled_flops=cost.get("flops"),
             **read,
