@@ -40,7 +40,7 @@ def pytest_sessionstart(session):
             f"the tests need at least 8 CPU devices; XLA_FLAGS gives {_cpu_device_count()}: "
             f"{os.environ['XLA_FLAGS']!r}"
         )
-    from mpjax.inspection.plan_devices import plan_unavailable  # after jax is configured above
+    from mpjax.planning.devices import plan_unavailable  # after jax is configured above
 
     for variable, target in _REQUIRED_PLANS.items():
         if not os.environ.get(variable):

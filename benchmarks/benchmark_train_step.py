@@ -507,7 +507,7 @@ PLAN_DTYPES = ("bfloat16", "float16", "fp8", "float32")
 def plan_target(value: str) -> str:
     """``--plan``'s value: auto, none, or a target of ``mpjax.plan`` (a GPU, a TPU chip or a
     TPU slice)."""
-    from mpjax.inspection.targets import parse_target
+    from mpjax.planning.targets import parse_target
 
     if value in ("auto", "none"):
         return value

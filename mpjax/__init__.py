@@ -19,9 +19,7 @@ from mpjax.doctor.diagnosis import Doctor, diagnose
 from mpjax.doctor.diagnosis_report import DiagnosisReport
 from mpjax.doctor.monitor import ModuleCheck, PrecisionMonitor
 from mpjax.fp8 import Fp8Recipe
-from mpjax.inspection.compile_only import compile_only
 from mpjax.inspection.describe import describe
-from mpjax.inspection.matmul_gains import MatmulGains, matmul_gains
 from mpjax.inspection.matmuls import (
     HloDot,
     HloDotReport,
@@ -32,11 +30,6 @@ from mpjax.inspection.matmuls import (
     hlo_op_counts,
     inspect_matmuls,
 )
-from mpjax.inspection.plan import Plan, plan
-from mpjax.inspection.plan_collectives import PlanCollective
-from mpjax.inspection.plan_devices import PlanUnavailableError, plan_mesh, plan_unavailable
-from mpjax.inspection.plan_loops import PlanLoop
-from mpjax.inspection.plan_rows import PlanAttention, PlanGemm, PlanMemory, PlanScatter
 from mpjax.inspection.report import ModuleRow, PrecisionReport
 from mpjax.optim.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from mpjax.optim.loss_scaling import LossScalingState, LossScalingWarning, loss_scaling
@@ -73,6 +66,13 @@ from mpjax.optim.quantized_state import (
 )
 from mpjax.optim.rounding import stochastic_round
 from mpjax.optim.state_precision import StatePrecisionState, state_precision
+from mpjax.planning.collectives import PlanCollective
+from mpjax.planning.compile_only import compile_only
+from mpjax.planning.devices import PlanUnavailableError, plan_mesh, plan_unavailable
+from mpjax.planning.loops import PlanLoop
+from mpjax.planning.matmul_gains import MatmulGains, matmul_gains
+from mpjax.planning.plan import Plan, plan
+from mpjax.planning.rows import PlanAttention, PlanGemm, PlanMemory, PlanScatter
 from mpjax.policy import (
     MIXED_BFLOAT16,
     MIXED_BFLOAT16_FP8,

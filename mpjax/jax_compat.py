@@ -23,7 +23,7 @@ CI runs it on the oldest and the newest). The differences handled here:
   ``lax.scan`` lowers it (:func:`scan_copies`) are the same in 0.8.1 and 0.12.
 * The CUDA plugin of jax 0.8 needs ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` to start without a GPU
   (set as mpjax is imported). The other differences of the CUDA plugin and libtpu in compiling
-  without the hardware, through public APIs, are in :mod:`mpjax.inspection.deviceless`.
+  without the hardware, through public APIs, are in :mod:`mpjax.planning.deviceless`.
 
 A param that is missing raises :class:`UnsupportedJaxError` naming it: an unknown JAX is never
 read by guesswork.

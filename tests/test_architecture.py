@@ -28,7 +28,8 @@ ROOMS = (
     "casting",  # the casting engine: regions, op categories, the trace context, fp8 sites
     "autocast",  # the public transform on the engine
     "attention",  # an operation that asks the engine for its region's compute dtype
-    "inspection",  # describe, reports, HLO reading, the GPU plan and its targets
+    "inspection",  # describe and the reports of a traced function
+    "planning",  # plans of a compiled function: GPU and TPU targets, their HLO, collectives
     "doctor",  # the precision doctor and the monitor
     "linen",  # the integrations
     "nnx",
@@ -52,17 +53,17 @@ LAYERS = (
         "casting.op_categories",
         "table",
         "inspection.matmuls",
-        "inspection.hlo_text",
-        "inspection.targets",
-        "inspection.plan_rows",
-        "inspection.plan_collectives",
-        "inspection.deviceless",  # compile-only GPUs and TPUs, and their compiles
-        "inspection.compile_only",  # tracing for devices this process lacks (AOT compiles)
-        "inspection.plan_loops",  # the estimate of a step's loops, each body its trips times
-        "inspection.plan_arguments",  # the arguments a plan compiles, on the target's devices
-        "inspection.plan_devices",  # a target's compile-only devices, or why there are none
-        "inspection.plan",
-        "inspection.matmul_gains",  # which GEMMs a narrow recipe speeds up, by the roofline
+        "planning.hlo_text",
+        "planning.targets",
+        "planning.rows",
+        "planning.collectives",
+        "planning.deviceless",  # compile-only GPUs and TPUs, and their compiles
+        "planning.compile_only",  # tracing for devices this process lacks (AOT compiles)
+        "planning.loops",  # the estimate of a step's loops, each body its trips times
+        "planning.arguments",  # the arguments a plan compiles, on the target's devices
+        "planning.devices",  # a target's compile-only devices, or why there are none
+        "planning.plan",
+        "planning.matmul_gains",  # which GEMMs a narrow recipe speeds up, by the roofline
         "optim.gradient_checks",
         "optim.loss_scale",
         "optim.loss_scaling",
@@ -95,7 +96,7 @@ LAYERS = (
     {"doctor.recommendations"},  # what the doctor recommends from the measures
     {"doctor.diagnosis"},  # runs what describe takes, side by side under a policy and in f32
     {"linen", "nnx", "flax_serialization", "equinox"},  # the Flax and Equinox integrations
-    {"casting", "optim", "inspection", "doctor"},  # the subpackages' docstring-only __init__s
+    {"casting", "optim", "inspection", "planning", "doctor"},  # docstring-only __init__s
     {"__init__"},
 )
 LAYER = {module: i for i, layer in enumerate(LAYERS) for module in layer}
@@ -262,7 +263,7 @@ def test_the_top_level_shows_the_rooms():
     entries = {path.stem if path.suffix == ".py" else path.name for path in PACKAGE.iterdir()}
     entries -= {"__pycache__", "py.typed"}
     assert entries == set(ROOMS)
-    assert len(entries) <= 17
+    assert len(entries) <= 18
 
 
 def test_no_room_imports_a_room_above_it():
@@ -275,7 +276,7 @@ def test_no_room_imports_a_room_above_it():
     assert upward == []
 
 
-@pytest.mark.parametrize("subpackage", ["casting", "optim", "inspection", "doctor"])
+@pytest.mark.parametrize("subpackage", ["casting", "optim", "inspection", "planning", "doctor"])
 def test_each_subpackage_says_what_it_holds(subpackage):
     # Its __init__ is a docstring naming each module it holds, and imports nothing (importing
     # one module of it must not import the others).

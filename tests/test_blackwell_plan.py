@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 import mpjax
-from mpjax.inspection.plan_devices import plan_unavailable
-from mpjax.inspection.targets import CHIPS, parse_target
+from mpjax.planning.devices import plan_unavailable
+from mpjax.planning.targets import CHIPS, parse_target
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from test_h100_plan import example_plan  # noqa: E402  (the example's step, planned)

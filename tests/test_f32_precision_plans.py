@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from tpu_compile import on_tpu, tpu_compile_unavailable, tpu_hlo
 
 import mpjax
-from mpjax.inspection.plan_devices import plan_unavailable
+from mpjax.planning.devices import plan_unavailable
 
 TPU_REASON = tpu_compile_unavailable()
 GPU_REASON = plan_unavailable()

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import mpjax
-from mpjax.inspection.plan_devices import plan_unavailable
+from mpjax.planning.devices import plan_unavailable
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import train_transformer as tt  # noqa: E402

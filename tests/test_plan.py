@@ -21,14 +21,15 @@ from jax import lax
 
 import mpjax
 from mpjax import jax_compat
-from mpjax.inspection import deviceless, plan_devices
-from mpjax.inspection.hlo_text import HloShape, parse_module
-from mpjax.inspection.plan_devices import PlanUnavailableError, plan_unavailable
-from mpjax.inspection.plan_rows import loop_trip_counts, read_module
-from mpjax.inspection.targets import CHIPS, parse_target
+from mpjax.planning import deviceless
+from mpjax.planning import devices as planning_devices
+from mpjax.planning.devices import PlanUnavailableError, plan_unavailable
+from mpjax.planning.hlo_text import HloShape, parse_module
+from mpjax.planning.rows import loop_trip_counts, read_module
+from mpjax.planning.targets import CHIPS, parse_target
 
 # `mpjax.plan` is the function; the module is reached through sys.modules.
-plan_module = sys.modules["mpjax.inspection.plan"]
+plan_module = sys.modules["mpjax.planning.plan"]
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 E4M3 = np.dtype(jnp.float8_e4m3fn)
@@ -299,9 +300,9 @@ def test_flop_share_names_its_valid_choices():
 
 @pytest.fixture
 def fresh_devices():
-    plan_devices.target_devices.cache_clear()
+    planning_devices.target_devices.cache_clear()
     yield
-    plan_devices.target_devices.cache_clear()
+    planning_devices.target_devices.cache_clear()
 
 
 def test_without_the_cuda_plugin_the_error_says_how_to_install_it(monkeypatch, fresh_devices):
@@ -327,7 +328,7 @@ def test_a_plugin_that_did_not_start_gets_the_environment_variables(monkeypatch,
     assert "JAX_PLATFORMS=cpu" in reason and "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1" in reason
 
 
-# --- What differs between JAX versions (mpjax.jax_compat, mpjax.inspection.deviceless) ---------
+# --- What differs between JAX versions (mpjax.jax_compat, mpjax.planning.deviceless) ---------
 
 
 @pytest.mark.skipif(not deviceless.libtpu_installed(), reason="needs libtpu (the tpu extra)")
@@ -386,7 +387,7 @@ def test_fields_an_old_jaxlib_lacks_are_dropped_blocks_included():
 
 @needs_compiler
 def test_an_unknown_field_of_the_target_description_is_dropped_and_named():
-    spec = plan_devices._spec(CHIPS["h100"].spec).replace(
+    spec = planning_devices._spec(CHIPS["h100"].spec).replace(
         "  core_count: 132\n", "  core_count: 132\n  no_such_field: 3\n  no_such_block {\n  }\n"
     )
     made = deviceless.cuda_topology(spec)
@@ -396,7 +397,7 @@ def test_an_unknown_field_of_the_target_description_is_dropped_and_named():
     )
     # jaxlib 0.8.1 knows neither the finer GPU description nor where the CUDA version moved;
     # jax 0.12 knows the whole shipped spec.
-    dropped = deviceless.cuda_topology(plan_devices._spec(CHIPS["h100"].spec)).dropped
+    dropped = deviceless.cuda_topology(planning_devices._spec(CHIPS["h100"].spec)).dropped
     if JAX_VERSION < (0, 9):
         assert "GpuDeviceInfoProto.runtime_version" in dropped
     if JAX_VERSION >= (0, 12):
@@ -719,7 +720,7 @@ ENTRY %main (p0: bf16[32,128], p1: f32[128,128], p2: f32[64], p3: bf16[16,8]) ->
 
 
 def test_a_plan_reads_collectives_with_their_kind_dtype_bytes_groups_and_module():
-    from mpjax.inspection.plan_collectives import read_collectives
+    from mpjax.planning.collectives import read_collectives
 
     rows = {c.name: c for c in read_collectives(parse_module(_COLLECTIVES_HLO))}
     assert set(rows) == {"gather", "scatter", "start", "permute"}  # a -done moves nothing more
@@ -842,7 +843,7 @@ def test_peak_flops_follow_the_operand_dtypes_fp4_included():
     """fp4 operand pairs run at the chip's fp4 peak, falling back to fp8 and then bf16 where
     it has none; an fp8 operand with an fp4 one at the slower of the two; a bf16 operand with
     a narrower one at the bf16 peak."""
-    from mpjax.inspection.targets import parse_target
+    from mpjax.planning.targets import parse_target
 
     e2m1, e4m3, e5m2 = "float4_e2m1fn", "float8_e4m3fn", "float8_e5m2"
     b200, h100, a100 = (parse_target(t) for t in ("b200", "h100", "a100"))
@@ -876,7 +877,7 @@ def test_a_gpu_cluster_plans_each_device_of_a_sharded_step_and_what_it_sends():
 
 
 def test_a_combined_collective_names_the_modules_of_each_operand():
-    from mpjax.inspection.plan_collectives import read_collectives
+    from mpjax.planning.collectives import read_collectives
 
     region = "mpjax[p=f32,c=bf16,o=f32]"
     text = f"""HloModule m, entry_computation_layout={{}}
@@ -899,7 +900,7 @@ ENTRY %main (p0: f32[8], p1: f32[8], p2: f32[8], p3: f32[8]) -> (bf16[32], bf16[
 def test_an_async_combined_collective_counts_every_value_by_dtype():
     """A GPU's combined collectives are async: ``((operands...), (results...))``. Each value
     counts, and one collective of two dtypes is two rows (the table of bytes by dtype)."""
-    from mpjax.inspection.plan_collectives import read_collectives
+    from mpjax.planning.collectives import read_collectives
 
     region = "mpjax[p=f32,c=bf16,o=f32]"
     text = f"""HloModule m, entry_computation_layout={{}}
@@ -929,7 +930,7 @@ ENTRY %main (p0: f32[2], p1: s32[2], p2: f32[64,8], p3: f32[32]) -> f32[8,8] {{
 
 
 def test_a_collective_sends_its_ring_share_and_its_time_is_bounded_by_the_interconnect():
-    from mpjax.inspection.plan_collectives import PlanCollective, seconds_bound, table_rows
+    from mpjax.planning.collectives import PlanCollective, seconds_bound, table_rows
 
     mib = 2**20
     gather = PlanCollective("g", "main", "all-gather", BF16, 8 * mib, devices=8, executions=2)
@@ -948,7 +949,7 @@ def test_a_collective_sends_its_ring_share_and_its_time_is_bounded_by_the_interc
     assert rows[0][-2:] == (f"{14 * mib / 600e9 * 1e3:.3g} ms", f"{14 * mib / 600e9 / 0.01:.1%}")
     header, rows = table_rows([gather], 0.0, estimate=None)  # a GPU: no bandwidth to bound by
     assert header[-1] == "runs" and len(rows[0]) == len(header)
-    assert mpjax.inspection.targets.CHIPS["h100"].interconnect_bandwidth == 0.0
+    assert mpjax.planning.targets.CHIPS["h100"].interconnect_bandwidth == 0.0
 
 
 @needs_libtpu

@@ -1,4 +1,4 @@
-"""TPU estimates of steps that loop (mpjax.inspection.plan_loops): each scan's body counted its
+"""TPU estimates of steps that loop (mpjax.planning.loops): each scan's body counted its
 trip count times, checked against the same step with its scans unrolled by `unroll=True` or by
 hand; no estimate for a loop whose trip count is known only when it runs."""
 
@@ -11,8 +11,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpjax
-from mpjax.inspection import plan_loops
-from mpjax.inspection.plan_devices import plan_unavailable
+from mpjax.planning import loops
+from mpjax.planning.devices import plan_unavailable
 
 TPU_REASON = plan_unavailable("v5p")
 needs_libtpu = pytest.mark.skipif(
@@ -108,7 +108,7 @@ def test_a_sharded_scanned_step_is_estimated_with_its_shardings_and_donation():
 @needs_libtpu
 def test_a_scan_unrolled_already_needs_no_second_compile(monkeypatch):
     compiles = []
-    monkeypatch.setattr(plan_loops, "_compile", lambda *a: compiles.append(a) or {})
+    monkeypatch.setattr(loops, "_compile", lambda *a: compiles.append(a) or {})
     p = planned(True)
     assert p.loops == () and compiles == [] and p.estimated_seconds is not None
 

@@ -35,7 +35,7 @@ from mpjax import jax_compat
 from mpjax.casting.regions import innermost
 from mpjax.fp8 import Fp8Recipe, fp8_recipe
 from mpjax.inspection.matmuls import check_function, gradient_jaxpr, walk_jaxpr
-from mpjax.inspection.targets import Target, parse_target
+from mpjax.planning.targets import Target, parse_target
 from mpjax.policy import Policy
 from mpjax.table import format_table
 

@@ -22,8 +22,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from mpjax.casting import regions
-from mpjax.inspection.hlo_text import HloComputation, HloInstruction, HloModule, HloShape
-from mpjax.inspection.plan_rows import bytes_text, kernel_computations, np_dtype, op_name_of
+from mpjax.planning.hlo_text import HloComputation, HloInstruction, HloModule, HloShape
+from mpjax.planning.rows import bytes_text, kernel_computations, np_dtype, op_name_of
 
 __all__ = [
     "COLLECTIVE_KINDS",

@@ -22,8 +22,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax.inspection.hlo_text import HloComputation, HloInstruction, HloModule, HloShape
-from mpjax.inspection.targets import Target
+from mpjax.planning.hlo_text import HloComputation, HloInstruction, HloModule, HloShape
+from mpjax.planning.targets import Target
 from mpjax.table import flops_text
 
 __all__ = [

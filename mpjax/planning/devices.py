@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from mpjax.inspection import deviceless
-from mpjax.inspection.targets import CHIPS, parse_target
+from mpjax.planning import deviceless
+from mpjax.planning.targets import CHIPS, parse_target
 
 __all__ = ["PlanUnavailableError", "plan_mesh", "plan_unavailable", "target_devices"]
 
@@ -27,7 +27,7 @@ class PlanUnavailableError(RuntimeError):
 
 
 def _spec(name: str) -> str:
-    return (importlib.resources.files("mpjax.inspection") / "gpu_targets" / name).read_text()
+    return (importlib.resources.files("mpjax.planning") / "gpu_targets" / name).read_text()
 
 
 _NOT_INSTALLED = {

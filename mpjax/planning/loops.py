@@ -30,7 +30,7 @@ from typing import Any
 import jax
 
 from mpjax import jax_compat
-from mpjax.inspection import deviceless
+from mpjax.planning import deviceless
 
 __all__ = ["PlanLoop", "loop_costs", "loop_lines"]
 
@@ -74,7 +74,7 @@ def loop_costs(
 
     Args:
       traced: the step, traced for the target's devices (``jax.jit(fn).trace(*args)``).
-      step: what :func:`mpjax.inspection.deviceless.deviceless_compile` gave for it.
+      step: what :func:`mpjax.planning.deviceless.deviceless_compile` gave for it.
       compiler_options: the XLA options it was compiled with.
     """
     found = jax_compat.loops(traced.jaxpr)

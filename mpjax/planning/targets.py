@@ -79,7 +79,7 @@ _CAPABILITY = re.compile(r"cuda_compute_capability\s*\{([^}]*)\}")
 @functools.cache
 def _compute_capability(spec: str) -> tuple[int, int]:
     """The compute capability the description ``spec`` (a file in ``gpu_targets/``) gives."""
-    text = (importlib.resources.files("mpjax.inspection") / "gpu_targets" / spec).read_text()
+    text = (importlib.resources.files("mpjax.planning") / "gpu_targets" / spec).read_text()
     block = _CAPABILITY.search(text)
     fields = dict(re.findall(r"(major|minor):\s*(\d+)", block[1] if block else ""))
     return int(fields.get("major", 0)), int(fields.get("minor", 0))

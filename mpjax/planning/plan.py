@@ -23,10 +23,10 @@ dequantizes them into ordinary GEMMs, and the plan's summary says they are emula
 
 The GPU descriptions are XLA's own (``GpuTargetConfigProto`` text files from openxla/xla,
 ``xla/backends/gpu/target_config/specs/`` at commit ``4336d12e``, B200's and GB200's at
-``300ec95a``, Apache-2.0, shipped in ``mpjax/inspection/gpu_targets/``); the chips' figures are
-in :mod:`mpjax.inspection.targets`.
+``300ec95a``, Apache-2.0, shipped in ``mpjax/planning/gpu_targets/``); the chips' figures are
+in :mod:`mpjax.planning.targets`.
 What differs between JAX versions in this path is handled in :mod:`mpjax.jax_compat` and
-:mod:`mpjax.inspection.deviceless`.
+:mod:`mpjax.planning.deviceless`.
 """
 
 from __future__ import annotations
@@ -39,15 +39,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax.inspection import deviceless, plan_collectives
-from mpjax.inspection.compile_only import compile_only
-from mpjax.inspection.hlo_text import parse_module
 from mpjax.inspection.matmuls import check_function
-from mpjax.inspection.plan_arguments import on_target
-from mpjax.inspection.plan_collectives import PlanCollective
-from mpjax.inspection.plan_devices import target_devices
-from mpjax.inspection.plan_loops import PlanLoop, loop_costs, loop_lines
-from mpjax.inspection.plan_rows import (
+from mpjax.planning import deviceless
+from mpjax.planning.arguments import on_target
+from mpjax.planning.collectives import (
+    PlanCollective,
+    bytes_by_kind,
+    read_collectives,
+    seconds_bound,
+    table_rows,
+)
+from mpjax.planning.compile_only import compile_only
+from mpjax.planning.devices import target_devices
+from mpjax.planning.hlo_text import parse_module
+from mpjax.planning.loops import PlanLoop, loop_costs, loop_lines
+from mpjax.planning.rows import (
     PlanAttention,
     PlanGemm,
     PlanMemory,
@@ -60,7 +66,7 @@ from mpjax.inspection.plan_rows import (
     out_of_memory,
     read_module,
 )
-from mpjax.inspection.targets import known_target, parse_target
+from mpjax.planning.targets import known_target, parse_target
 from mpjax.table import flops_text, format_table, seconds_text, shape_text
 
 __all__ = ["Plan", "plan"]
@@ -88,7 +94,7 @@ def _read(hlo_text: str, platform: str) -> dict[str, Any]:
     """The fields of a :class:`Plan` read from an optimized HLO module's text."""
     module = parse_module(hlo_text)
     loops = {
-        "collectives": plan_collectives.read_collectives(module),
+        "collectives": read_collectives(module),
         "loop_trips": loop_trip_counts(module),
     }
     return {**read_module(module, platform), **loops}
@@ -142,7 +148,7 @@ class Plan:
       loops: the step's loops as the TPU estimate counts them (:class:`PlanLoop`): XLA's cost
         model counts a loop's body once, so the plan compiles the step again with its scans
         unrolled and takes that compile's estimate, each body counted its trip count times
-        (:mod:`mpjax.inspection.plan_loops`). A step with a ``while_loop`` gets no estimate.
+        (:mod:`mpjax.planning.loops`). A step with a ``while_loop`` gets no estimate.
     """
 
     target: str
@@ -346,8 +352,8 @@ class Plan:
     def collective_bytes(self) -> dict[str, int]:
         """Bytes per device and call that the collectives move, by kind and dtype
         (``"all-gather bfloat16"``; ``PlanCollective.bytes`` says what is counted), in the
-        order of :data:`~mpjax.inspection.plan_collectives.COLLECTIVE_KINDS`."""
-        return plan_collectives.bytes_by_kind(self.collectives)
+        order of :data:`~mpjax.planning.collectives.COLLECTIVE_KINDS`."""
+        return bytes_by_kind(self.collectives)
 
     def collective_seconds(self) -> float | None:
         """A lower bound on the time the collectives take (TPU): what each device sends at its
@@ -356,7 +362,7 @@ class Plan:
         target = known_target(self.target)
         if target is None or not target.chip.interconnect_bandwidth or not self.collectives:
             return None
-        return plan_collectives.seconds_bound(self.collectives, target.chip.interconnect_bandwidth)
+        return seconds_bound(self.collectives, target.chip.interconnect_bandwidth)
 
     def summary(self) -> str:
         """The verdict lines: memory against the device's, the estimated time and MFU, the
@@ -482,7 +488,7 @@ class Plan:
             known.chip.interconnect_bandwidth if known else 0.0,
             self.estimated_seconds,
         )
-        parts += _section(*plan_collectives.table_rows(self.collectives, bandwidth, estimate))
+        parts += _section(*table_rows(self.collectives, bandwidth, estimate))
         if self.compiled:
             fusions = f"{self.fusions} fusion{'s' * (self.fusions != 1)}"
             calls = f"{self.custom_calls} custom call{'s' * (self.custom_calls != 1)}"
