@@ -119,12 +119,17 @@ def _settings(fn, policy, rules, categories) -> Settings:
             f"autocast(fn) needs a callable fn, got {fn!r} of type {type(fn).__name__}. Pass the "
             "function itself: mpjax.autocast(loss_fn), not mpjax.autocast(loss_fn(x))."
         )
+    if isinstance(policy, Rules):
+        raise TypeError(
+            "autocast(fn, policy) got mpjax.Rules as its policy: rules go by keyword, "
+            "mpjax.autocast(fn, rules=rules) (their default is then the policy)."
+        )
     if policy is None:
         policy = rules.default if isinstance(rules, Rules) else "mixed_bfloat16"
     try:
         policy = get_policy(policy)
     except (TypeError, ValueError) as error:
-        raise type(error)(f"autocast(policy={policy!r}): {error}") from None
+        raise type(error)(f"autocast(fn, policy): {error}") from None
     if rules is None:
         user_rules: tuple[Rule, ...] = ()
     else:

@@ -10,6 +10,8 @@ through it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import reprlib
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import jax
@@ -133,13 +135,25 @@ def _valid_names() -> str:
     return ", ".join(_DTYPE_NAMES)
 
 
+def _did_you_mean(text: str, names: Any) -> str:
+    """``" Did you mean 'a' or 'b'?"`` for the names closest to a misspelled ``text``, or
+    ``""`` when none is close.
+
+    >>> _did_you_mean("mixed_bfloa16", ["mixed_bfloat16", "mixed_float16", "float32"])
+    " Did you mean 'mixed_bfloat16' or 'mixed_float16'?"
+    """
+    close = difflib.get_close_matches(text, list(names), n=2, cutoff=0.6)
+    return f" Did you mean {' or '.join(repr(name) for name in close)}?" if close else ""
+
+
 def _to_dtype(value: Any, role: str) -> np.dtype:
     """Normalizes a dtype-like ``value`` (a name, numpy/jax dtype or scalar type) to np.dtype."""
     if isinstance(value, str):
         name = value.strip()
         if name not in _DTYPE_NAMES:
             raise ValueError(
-                f"Unknown dtype name {value!r} for {role}. Valid names: {_valid_names()}."
+                f"Unknown dtype name {value!r} for {role}.{_did_you_mean(name, _DTYPE_NAMES)} "
+                f"Valid names: {_valid_names()}."
             )
         return _DTYPE_NAMES[name]
     if value is None:  # np.dtype(None) is float64: never what a caller passing None meant
@@ -569,9 +583,10 @@ def _parse(spec: str) -> Policy:
         return _PRESETS[text]
     if "=" not in text:
         if text not in _DTYPE_NAMES:
+            close = _did_you_mean(text, [*_PRESETS, *_DTYPE_NAMES])
             raise ValueError(
-                f"Unknown policy {spec!r}. Use a preset ({', '.join(_PRESETS)}), a dtype name "
-                f"({_valid_names()}) or jmp's grammar, for example 'p=f32,c=bf16,o=f32'."
+                f"Unknown policy {spec!r}.{close} Use a preset ({', '.join(_PRESETS)}), a dtype "
+                f"name ({_valid_names()}) or jmp's grammar, for example 'p=f32,c=bf16,o=f32'."
             )
         dtype = _DTYPE_NAMES[text]
         return Policy(dtype, dtype, dtype)
@@ -687,6 +702,6 @@ def get_policy(spec: PolicyLike) -> Policy:
         dtype = _to_dtype(spec, "policy dtype")
         return Policy(dtype, dtype, dtype)
     raise TypeError(
-        f"Cannot make a policy from spec={spec!r} of type {type(spec).__name__}. Pass a Policy, "
+        f"Cannot make a policy from {reprlib.repr(spec)} of type {type(spec).__name__}. Pass a Policy, "
         "a jmp.Policy, a dtype, or a string such as 'mixed_bfloat16' or 'p=f32,c=bf16,o=f32'."
     )

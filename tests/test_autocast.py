@@ -615,8 +615,12 @@ def test_category_overrides_apply_per_primitive():
 def test_bad_arguments_raise_errors_naming_them():
     with pytest.raises(TypeError, match="fn"):
         mpjax.autocast(3)
-    with pytest.raises(ValueError, match="policy"):
+    with pytest.raises(ValueError, match=r"autocast\(fn, policy\): Unknown policy"):
         mpjax.autocast(jnp.sin, "mixed_bfloat17")
+    # Rules given where the policy goes: named as such, not spelled out in the error.
+    with pytest.raises(TypeError, match=r"mpjax.autocast\(fn, rules=rules\)") as error:
+        mpjax.autocast(jnp.sin, mpjax.Rules({"head": "float32"}))
+    assert len(str(error.value)) < 200
     with pytest.raises(ValueError, match="categories.*lower, f32, promote, keep, original"):
         mpjax.autocast(jnp.sin, categories={"tanh": "f64"})
     with pytest.raises(TypeError, match="categories"):

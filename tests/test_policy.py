@@ -292,6 +292,28 @@ def test_grammar_errors_name_the_bad_part(spec, message):
 
 
 @pytest.mark.parametrize(
+    "spec, suggested",
+    [
+        ("mixed_bfloa16", "'mixed_bfloat16'"),
+        ("mixed_bf16", "'mixed_bfloat16'"),
+        ("mixed_bfloat16_mxpf8", "'mixed_bfloat16_mxfp8'"),
+        ("bfloat61", "'bfloat16'"),
+        ("p=f32,c=bflaot16", "'bfloat16'"),
+    ],
+)
+def test_a_misspelled_policy_gets_the_closest_names(spec, suggested):
+    with pytest.raises(ValueError, match=f"Did you mean {suggested}") as error:
+        get_policy(spec)
+    assert "Use a preset" in str(error.value) or "Valid names" in str(error.value)
+
+
+def test_a_policy_far_from_every_name_gets_no_guess():
+    with pytest.raises(ValueError) as error:
+        get_policy("xyz")
+    assert "Did you mean" not in str(error.value)
+
+
+@pytest.mark.parametrize(
     "args, message",
     [
         (
@@ -320,9 +342,15 @@ def test_constructor_rejects_non_dtypes_with_type_error():
 @pytest.mark.parametrize("value", [3, None, ["p=f32"], {"p": "f32"}])
 def test_get_policy_rejects_other_types(value):
     with pytest.raises(
-        TypeError, match=r"Cannot make a policy from spec=.* of type .*Pass a Policy, a jmp.Policy"
+        TypeError, match=r"Cannot make a policy from .* of type .*Pass a Policy, a jmp.Policy"
     ):
         get_policy(value)
+
+
+def test_a_large_object_is_not_spelled_out_in_the_error():
+    with pytest.raises(TypeError) as error:
+        get_policy(list(range(10_000)))
+    assert len(str(error.value)) < 300
 
 
 @pytest.mark.parametrize("value", [3, None, "p=f32,c=bf16,o=f32", {"param_dtype": "f32"}])
