@@ -349,6 +349,22 @@ def _resolve(nodes: list[_Node], rules: Rules) -> dict[str, Resolution]:
     return {n.path: rules.resolve(n.path, _base_class(n.module)) for n in nodes}
 
 
+def _check_rules(model: nnx.Module, nodes: list[_Node], rules: Rules) -> list[tuple[str, type]]:
+    """Refuses a user's rule that matches no module of ``model`` (:func:`check_unmatched`);
+    returns the ``(path, class)`` of each module, which the rules were checked against."""
+    modules = [(n.path, _base_class(n.module)) for n in nodes]
+    check_unmatched(
+        rules,
+        modules,
+        where="mpjax.nnx.set_policy()",
+        what=f"module of the {type(model).__name__}",
+        syntax="NNX paths join attribute names with '/' and write list indices as names "
+        "('layers/2/attn').",
+        listing="mpjax.describe(model)() lists every module path.",
+    )
+    return modules
+
+
 def set_policy(model: nnx.Module, policy_or_rules: RulesLike) -> None:
     """Runs an existing NNX model under a policy or rules, configuring it **in place**.
 
@@ -406,16 +422,7 @@ def set_policy(model: nnx.Module, policy_or_rules: RulesLike) -> None:
     rules = as_rules(policy_or_rules)
     nodes = _walk(model)
     resolved = _resolve(nodes, rules)
-    modules = [(n.path, _base_class(n.module)) for n in nodes]
-    check_unmatched(
-        rules,
-        modules,
-        where="mpjax.nnx.set_policy()",
-        what=f"module of the {type(model).__name__}",
-        syntax="NNX paths join attribute names with '/' and write list indices as names "
-        "('layers/2/attn').",
-        listing="mpjax.describe(model)() lists every module path.",
-    )
+    modules = _check_rules(model, nodes, rules)
     for problem in rules.problems(modules, unmatched=False):
         warnings.warn(problem, RuleWarning, stacklevel=2)
     for node in nodes:
@@ -526,7 +533,11 @@ def _report_of(
             f"the model first: mpjax.describe({model.__name__}(..., rngs=nnx.Rngs(0)))(x)."
         )
     _check_model(model, "describe")
-    rules = _applied_rules(model) if rules is None else as_rules(rules)
+    if rules is None:
+        rules = _applied_rules(model)
+    else:
+        rules = as_rules(rules)
+        _check_rules(model, _walk(model), rules)  # at the call, inputs or none
 
     def report(*args, **kwargs) -> PrecisionReport:
         traced = bool(args or kwargs)

@@ -16,11 +16,14 @@ compute dtype. This module knows no module library: it matches classes it is giv
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 import fnmatch
+import functools
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Union, cast
 
 import jax.numpy as jnp
@@ -549,6 +552,56 @@ def as_rules(spec: RulesLike, argument: str = "policy_or_rules") -> Rules:
     return Rules(default=policy)
 
 
+# The public call the user made (``"mpjax.describe()"``) while it runs an integration's own
+# functions (``mpjax.nnx.set_policy()`` on a copy of the model): rule errors name it.
+_PUBLIC_CALL: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "mpjax_public_call", default=None
+)
+
+
+@contextlib.contextmanager
+def reported_as(call: str) -> Iterator[None]:
+    """A context in which the errors :func:`check_unmatched` raises name ``call``, the public
+    call the user made, instead of the integration function it runs on the user's behalf
+    (``mpjax.describe(model, rules=...)`` sets the rules on a copy with
+    ``mpjax.nnx.set_policy()``, which the user never called). The outermost call wins.
+
+    >>> with reported_as("mpjax.describe()"):
+    ...     try:
+    ...         check_unmatched(Rules({"haed": "float32"}), [("head", object)],
+    ...                         where="mpjax.nnx.set_policy()", what="module", syntax="",
+    ...                         listing="")
+    ...     except UnmatchedRuleError as error:
+    ...         print(str(error).split(":")[0])
+    mpjax.describe()
+    """
+    if _PUBLIC_CALL.get() is not None:
+        yield
+        return
+    token = _PUBLIC_CALL.set(call)
+    try:
+        yield
+    finally:
+        _PUBLIC_CALL.reset(token)
+
+
+def reporting_as(call: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run inside :func:`reported_as` ``(call)``: for the functions a public call
+    returns (``describe(model)`` returns the function of the inputs that runs the model)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with reported_as(call):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+class UnmatchedRuleError(ValueError):
+    """A user's rule matches no module (:func:`check_unmatched`): a ``ValueError`` that code
+    running a model on the user's behalf (the precision doctor) passes on as it is."""
+
+
 def check_unmatched(
     rules: Rules,
     modules: Iterable[tuple[str, type]],
@@ -571,13 +624,14 @@ def check_unmatched(
       rules: the rules, matched as the caller matches them (names are what the error shows).
       modules: the ``(path, class)`` pairs that exist (for autocast, every scope path and its
         ancestors, with ``object`` as the class).
-      where: the caller, as the error starts (``"mpjax.linen.apply_policy()"``).
+      where: the caller, as the error starts (``"mpjax.linen.apply_policy()"``), unless a
+        public call the user made runs it (:func:`reported_as`): then that call.
       what: what a rule should match (``"module of the MLP"``).
       syntax: a sentence on the caller's path syntax.
       listing: a sentence saying how to list every path.
 
     Raises:
-      ValueError: naming every user rule that matches no module.
+      UnmatchedRuleError: a ``ValueError`` naming every user rule that matches no module.
 
     >>> import flax.linen as nn
     >>> try:
@@ -609,7 +663,8 @@ def check_unmatched(
     if not found:
         return
     shown = ", ".join(repr(p) for p in paths[:12]) + (", ..." if len(paths) > 12 else "")
-    raise ValueError(
+    where = _PUBLIC_CALL.get() or where
+    raise UnmatchedRuleError(
         f"{where}: {'; '.join(found)}. A rule that matches nothing would leave that part in the "
         f"default policy. Paths: {shown or 'only the root'}. {syntax} {listing} For rules "
         "meant for parts that only run in some calls, pass Rules(..., allow_unmatched=True)."

@@ -6,6 +6,7 @@ import sys
 
 import equinox as eqx
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -402,3 +403,62 @@ def test_with_keys_rewrites_keys_in_order_even_where_a_user_rule_shares_a_builti
     assert [r.builtin for r in upper.rules] == [r.builtin for r in rules.rules]
     assert upper.resolve("x", nn.Embed).policy == get_policy("float32")  # the user's rule first
     assert upper.default == rules.default
+
+
+class _LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2, name="fc2")(nn.relu(nn.Dense(8, name="fc1")(x)))
+
+
+class _NnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.fc1 = nnx.Linear(4, 8, rngs=rngs)
+        self.fc2 = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(jax.nn.relu(self.fc1(x)))
+
+
+_MODELS = {
+    "linen": lambda: _LinenMLP(),
+    "nnx": lambda: _NnxMLP(nnx.Rngs(0)),
+    "equinox": lambda: eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0)),
+}
+_MISSPELLED = {"linen": "fc3", "nnx": "fc3", "equinox": "layers[3]"}
+
+
+@pytest.mark.parametrize("library", sorted(_MODELS))
+@pytest.mark.parametrize(
+    "call, public",
+    [
+        (lambda model, rules, x: mpjax.describe(model, rules=rules)(x), "mpjax.describe()"),
+        (lambda model, rules, x: mpjax.diagnose(model, policy=rules)(x), "mpjax.diagnose()"),
+    ],
+    ids=["describe", "diagnose"],
+)
+def test_a_rule_matching_nothing_names_the_call_the_user_made(library, call, public):
+    # describe and diagnose set the rules on a copy with the integration's own function
+    # (mpjax.nnx.set_policy, mpjax.linen.apply_policy...): the error names the user's call, and
+    # the doctor passes it on as it is, not as inputs the model cannot run on.
+    x = jnp.ones((4,)) if library == "equinox" else jnp.ones((3, 4))
+    rules = Rules({_MISSPELLED[library]: "float32"}, default="mixed_float16")
+    with pytest.raises(rules_module.UnmatchedRuleError) as error:
+        call(_MODELS[library](), rules, x)
+    message = str(error.value)
+    assert message.startswith(f"{public}: rule {_MISSPELLED[library]!r} matches no module")
+    assert "set_policy" not in message and "apply_policy" not in message
+    assert "cannot run on these inputs" not in message
+
+
+def test_describe_checks_an_nnx_models_rules_without_inputs():
+    with pytest.raises(ValueError, match=r"^mpjax.describe\(\): rule 'fc3'.*closest paths"):
+        mpjax.describe(_NnxMLP(nnx.Rngs(0)), rules=Rules({"fc3": "float32"}))
+
+
+def test_the_integrations_own_calls_still_name_themselves():
+    with pytest.raises(ValueError, match=r"^mpjax.nnx.set_policy\(\): rule 'fc3'"):
+        mpjax.nnx.set_policy(_NnxMLP(nnx.Rngs(0)), Rules({"fc3": "float32"}))
+    model = mpjax.linen.apply_policy(_LinenMLP(), Rules({"fc3": "float32"}))
+    with pytest.raises(ValueError, match=r"^mpjax.linen.apply_policy\(\): rule 'fc3'"):
+        model.init(jax.random.key(0), jnp.ones((3, 4)))

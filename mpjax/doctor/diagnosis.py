@@ -33,7 +33,7 @@ from mpjax.doctor.side_by_side import STRUCTURAL, Evaluation, Kernels, to_exact
 from mpjax.inspection.describe import Runner, runner_of
 from mpjax.inspection.report import unflatten_with
 from mpjax.policy import is_floating
-from mpjax.rules import Rules, RulesLike, as_rules
+from mpjax.rules import Rules, RulesLike, UnmatchedRuleError, as_rules, reported_as
 
 
 def _is_array(leaf: Any) -> bool:
@@ -110,7 +110,8 @@ class Doctor:
                 prefix = args[: len(args) - len(inputs)]
             else:
                 args = (*prefix, *inputs)
-            results.append(self._run(args, kwargs))
+            with reported_as("mpjax.diagnose()"):
+                results.append(self._run(args, kwargs))
         if not results:
             raise ValueError("diagnose(...).over(batches): batches is empty; give at least one.")
         return _report(results, results[0][0].rules, self._dtypes, self._max_error)
@@ -154,6 +155,8 @@ class Doctor:
         def shape_of() -> Any:
             try:
                 return jax.eval_shape(value, float_leaves, array_leaves)
+            except UnmatchedRuleError:  # the rules' fault, not the inputs': it says so itself
+                raise
             except (TypeError, ValueError) as error:
                 raise ValueError(
                     f"diagnose(...)(*inputs): {self._name} cannot run on these inputs: {error}"
@@ -402,7 +405,10 @@ def diagnose(
         raise TypeError(
             f"diagnose(loss=...) must be a function of the target's output; got {loss!r}."
         )
-    runner: Runner = runner_of(target, "diagnose", variables=variables, rngs=rngs, method=method)
+    with reported_as("mpjax.diagnose()"):
+        runner: Runner = runner_of(
+            target, "diagnose", variables=variables, rngs=rngs, method=method
+        )
     name = getattr(target, "__name__", None) or type(target).__name__
     if policy is None:
         if runner.rules is None and runner.as_is is None:

@@ -17,7 +17,7 @@ import jax
 
 from mpjax.autocast import autocast_runner, describe_autocast, is_autocast
 from mpjax.inspection.report import Report
-from mpjax.rules import Rules
+from mpjax.rules import Rules, reported_as, reporting_as
 
 # The options describe() takes, in the order its signature lists them.
 _OPTIONS = ("rules", "variables", "rngs", "method")
@@ -226,7 +226,9 @@ def describe(
     describer = _describer(target, given, "describe")
     if describer is None:
         raise TypeError(f"describe() takes {_kinds()}; got {_got(target)}." + _flax_hint(target))
-    return describer.build(target, **{name: given[name] for name in describer.options})
+    with reported_as("mpjax.describe()"):
+        report = describer.build(target, **{name: given[name] for name in describer.options})
+    return reporting_as("mpjax.describe()", report)
 
 
 def _got(target: Any) -> str:
