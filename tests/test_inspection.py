@@ -1,9 +1,11 @@
 """inspect_matmuls and hlo_op_counts read the real jaxpr / HLO, nested jaxprs included."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax import shard_map
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -143,11 +145,76 @@ def test_report_prints_a_table():
         "f32",
         "precision",
         "context",
-        "scope",
+        "pass",
+        "module",
+        "policy",
     ]
     assert set(rule.replace(" ", "")) == {"-"}
     assert row.split()[:4] == ["dot_general", "bfloat16[2,", "4]", "bfloat16[4,"]
+    assert row.split()[-3:] == ["forward", "-", "-"]  # no region: the function's own dtypes
     assert str(mpjax.inspect_matmuls(jnp.sin)(jnp.ones(2))) == "no matmuls or convolutions"
+
+
+class _TwoLayersNNX(nnx.Module):
+    def __init__(self, rngs):
+        self.fc1 = nnx.Linear(4, 8, rngs=rngs)
+        self.fc2 = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(jax.nn.relu(self.fc1(x)))
+
+
+class _TwoLayersLinen(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2, name="fc2")(nn.relu(nn.Dense(8, name="fc1")(x)))
+
+
+def _rows(report):
+    return [line.split()[-3:] for line in str(report).splitlines()[2:]]
+
+
+def test_the_table_names_each_module_and_its_policy_once():
+    # JAX's name stack holds mpjax's region names, which repeat the policy and the path
+    # (linen: 'jvp(L)/mpjax[p=f32,c=f16,o=f32]/fc1/mpjax[p=f32,c=f16,o=f32]fc1'); the table
+    # shows the pass, the module's path and its policy, each once.
+    x = jnp.ones((3, 4))
+    policy = "p=f32,c=f16,o=f32"
+    model = _TwoLayersNNX(nnx.Rngs(0))
+    mpjax.nnx.set_policy(model, mpjax.Rules({"fc2": "float32"}, default="mixed_float16"))
+    rows = _rows(mpjax.inspect_matmuls(nnx.grad(lambda m, x: m(x).sum()))(model, x))
+    f32 = "p=f32,c=f32,o=f32"
+    assert rows == [
+        ["forward", "fc1", policy],
+        ["forward", "fc2", f32],
+        ["backward", "fc2", f32],
+        ["backward", "fc2", f32],
+        ["backward", "fc1", policy],
+    ]
+    wrapped = mpjax.linen.apply_policy(_TwoLayersLinen(), "mixed_float16")
+    variables = wrapped.init(jax.random.key(0), x)
+    report = mpjax.inspect_matmuls(jax.grad(lambda v: wrapped.apply(v, x).sum()))(variables)
+    assert [row[1:] for row in _rows(report)] == [["fc1", policy], ["fc2", policy]] + [
+        ["fc2", policy]
+    ] * 2 + [["fc1", policy]]
+    assert "mpjax[" not in str(report)
+    assert report[0].scope.count("mpjax[") == 2  # the name stack itself is kept as data
+    # Outside any region: the user's own scopes (here Flax's module names under autocast).
+    plain = mpjax.autocast(lambda v: _TwoLayersLinen().apply(v, x), "mixed_float16")
+    unwrapped = _TwoLayersLinen().init(jax.random.key(0), x)
+    assert [m.module for m in mpjax.inspect_matmuls(plain)(unwrapped)] == [
+        "_TwoLayersLinen/fc1",
+        "_TwoLayersLinen/fc2",
+    ]
+
+
+def test_a_gradient_inside_a_jit_is_still_the_backward_pass():
+    # JAX starts a fresh name stack inside a jit, so the transposed jit's own equations carry
+    # no transpose: the pass is read from the equation that holds them.
+    inner = jax.jit(lambda w, x: jnp.tanh(x @ w).sum())
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    report = mpjax.inspect_matmuls(jax.grad(inner))(w, x)
+    assert [(m.backward, bool(m.context)) for m in report] == [(False, True), (True, True)]
 
 
 def test_accepts_shape_dtype_structs():

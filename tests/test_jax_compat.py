@@ -582,7 +582,7 @@ def test_the_block_scaled_matmul_primitive_is_what_scaled_matmul_traces_to():
     data = jnp.ones((1, 32, 64), jnp.float8_e4m3fn)
     scales = jnp.ones((1, 32, 2), jnp.float8_e8m0fnu)
     jaxpr = jax.make_jaxpr(jax.nn.scaled_matmul)(data, data, scales, scales)
-    names = {eqn.primitive.name for eqn, _, _ in mpjax.inspection.matmuls.walk_jaxpr(jaxpr.jaxpr)}
+    names = {eqn.primitive.name for eqn, *_ in mpjax.inspection.matmuls.walk_jaxpr(jaxpr.jaxpr)}
     assert jax_compat.BLOCK_SCALED_MATMUL in names
 
 

@@ -96,6 +96,15 @@ def _parse(name: str) -> Region | None:
     return Region(get_policy(match.group("policy")), match.group("path"))
 
 
+def is_region(name: str) -> bool:
+    """Whether the named scope ``name`` is a precision region's (or :func:`full_precision`'s).
+
+    >>> is_region("mpjax[p=f32,c=bf16,o=f32]block/attn"), is_region("attn")
+    (True, False)
+    """
+    return _parse(name) is not None
+
+
 def innermost(scopes: Sequence[str]) -> Region | None:
     """The region of a computation under the named scopes ``scopes`` (outermost first), or None.
 

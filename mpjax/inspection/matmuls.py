@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpjax import jax_compat
-from mpjax.casting.regions import innermost
-from mpjax.policy import is_floating
+from mpjax.casting.regions import innermost, is_region
+from mpjax.policy import Policy, is_floating
 from mpjax.table import format_table
 
 MATMUL_PRIMITIVES = frozenset(
@@ -60,7 +60,9 @@ class MatmulInfo:
       rhs_shape: the right operand's shape.
       out_shape: the output's shape.
       scope: JAX's name stack for the equation, for example ``"transpose(jvp(MLP))"``; empty
-        when the function sets no names.
+        when the function sets no names. It holds mpjax's region names as JAX records them
+        (``mpjax[p=f32,c=bf16,o=f32]block/fc1``); :attr:`module`, :attr:`policy` and
+        :attr:`backward` say the same once each, as the table shows them.
       context: the higher-order primitives enclosing it, outermost first, for example
         ``("pjit", "scan")``.
       region: the path of the module whose precision region it ran in (``"block/attn"``,
@@ -74,6 +76,12 @@ class MatmulInfo:
       block_format: for a block-scaled GEMM (:mod:`mpjax.block_scaled`), its format by the
         dtypes of its values and scales: ``"mxfp8"``, ``"nvfp4"`` (or ``"mxfp4"``); its
         operands are ``(B, M, K)`` and ``(B, N, K)``, blocked along K. None for other matmuls.
+      policy: the policy of its precision region; None outside any region and inside
+        :func:`mpjax.full_precision` (where :attr:`region` is not None).
+      backward: whether it computes a gradient (it lies in a ``transpose`` of JAX's, in the
+        equation's name stack or around a nested jaxpr holding it).
+      user_scopes: the named scopes around it that are not mpjax's regions, outermost first
+        (Flax module names, ``jax.named_scope``), those around a nested jaxpr included.
     """
 
     primitive: str
@@ -89,10 +97,30 @@ class MatmulInfo:
     region: str | None = None
     f32_precision: str | None = None
     block_format: str | None = None
+    policy: Policy | None = None
+    backward: bool = False
+    user_scopes: tuple[str, ...] = ()
 
     @property
     def operand_dtypes(self) -> tuple[np.dtype, np.dtype]:
         return (self.lhs_dtype, self.rhs_dtype)
+
+    @property
+    def module(self) -> str:
+        """Where it ran, once: the path of its module's region (``"<root>"`` for the root of a
+        wrapped model), else the ``/``-joined :attr:`user_scopes`, else ``"-"``."""
+        if self.region is not None:
+            return self.region or "<root>"
+        return "/".join(self.user_scopes) or "-"
+
+    @property
+    def policy_text(self) -> str:
+        """The region's policy as the table shows it: ``"p=f32,c=bf16,o=f32"``,
+        ``"full precision"``, or ``"-"`` outside any region (the function's own dtypes, or
+        autocast's policy)."""
+        if self.region is None:
+            return "-"
+        return "full precision" if self.policy is None else str(self.policy)
 
 
 class MatmulReport(tuple):
@@ -107,7 +135,9 @@ class MatmulReport(tuple):
             "preferred",
             "f32 precision",
             "context",
-            "scope",
+            "pass",
+            "module",
+            "policy",
         )
         rows = [
             (
@@ -118,7 +148,9 @@ class MatmulReport(tuple):
                 m.preferred_element_type.name if m.preferred_element_type is not None else "-",
                 m.f32_precision or "-",
                 "/".join(m.context) or "-",
-                m.scope or "-",
+                "backward" if m.backward else "forward",
+                m.module,
+                m.policy_text,
             )
             for m in self
         ]
@@ -149,9 +181,9 @@ def check_function(caller: str, fn: Any) -> None:
 
 
 def walk_jaxpr(
-    jaxpr: Any, context: tuple[str, ...] = (), scopes: tuple[str, ...] = ()
-) -> Iterator[tuple[Any, tuple[str, ...], tuple[str, ...]]]:
-    """Yields ``(equation, context, scopes)`` for every equation of ``jaxpr`` (a
+    jaxpr: Any, context: tuple[str, ...] = (), scopes: tuple[str, ...] = (), backward: bool = False
+) -> Iterator[tuple[Any, tuple[str, ...], tuple[str, ...], bool]]:
+    """Yields ``(equation, context, scopes, backward)`` for every equation of ``jaxpr`` (a
     ``jax.extend.core.Jaxpr``), nested ones included.
 
     ``context`` names the enclosing higher-order primitives, outermost first. ``scopes`` are
@@ -160,13 +192,18 @@ def walk_jaxpr(
     (``jit``, ``checkpoint``, a loop's body), so an equation inside a ``jax.jit`` called in a
     module's code records none of the module's scopes itself. The casting engine reads the
     region of a nested equation the same way, so :func:`mpjax.casting.regions.innermost` of
-    ``scopes`` is the region whose policy it ran under.
+    ``scopes`` is the region whose policy it ran under. ``backward`` says whether the
+    equation computes a gradient: it, or an equation enclosing it, lies in a ``transpose``.
     """
     for eqn in jaxpr.eqns:
-        names = (*scopes, *jax_compat.scope_names(eqn))
-        yield eqn, context, names
+        own = jax_compat.scope_names(eqn)
+        # The casting engine binds a nested jaxpr's equations again under the scopes of the
+        # equation that holds it, so they may record those scopes themselves: counted once.
+        names = own if scopes and own[: len(scopes)] == scopes else (*scopes, *own)
+        in_backward = backward or jax_compat.is_backward(eqn)
+        yield eqn, context, names, in_backward
         for sub in jax_compat.sub_jaxprs(eqn):
-            yield from walk_jaxpr(sub, (*context, eqn.primitive.name), names)
+            yield from walk_jaxpr(sub, (*context, eqn.primitive.name), names, in_backward)
 
 
 def is_array(leaf: Any) -> bool:
@@ -196,7 +233,7 @@ def call_on_leaves(
 
 def _traced_equations(
     fn: Callable[..., Any], args: tuple, kwargs: dict
-) -> Iterator[tuple[Any, tuple[str, ...], tuple[str, ...]]]:
+) -> Iterator[tuple[Any, tuple[str, ...], tuple[str, ...], bool]]:
     top = (
         tuple(isinstance(a, (float, complex)) for a in args),
         {name: isinstance(a, (float, complex)) for name, a in kwargs.items()},
@@ -237,13 +274,15 @@ def iter_equations(
     ``eqx.filter_jit`` treats them (the activation function, ``inference`` flag or dropout
     rate an Equinox module holds).
     """
-    for eqn, context, _ in _traced_equations(fn, args, kwargs):
+    for eqn, context, _, _ in _traced_equations(fn, args, kwargs):
         yield eqn, context
 
 
-def matmul_info(eqn: Any, context: tuple[str, ...], scopes: tuple[str, ...]) -> MatmulInfo:
+def matmul_info(
+    eqn: Any, context: tuple[str, ...], scopes: tuple[str, ...], backward: bool
+) -> MatmulInfo:
     """The :class:`MatmulInfo` of a matmul or convolution equation, as :func:`walk_jaxpr`
-    yields it with its ``context`` and ``scopes``."""
+    yields it with its ``context``, ``scopes`` and ``backward``."""
     lhs, rhs = (v.aval for v in eqn.invars[:2])
     out = eqn.outvars[0].aval
     region = innermost(scopes)
@@ -266,6 +305,9 @@ def matmul_info(eqn: Any, context: tuple[str, ...], scopes: tuple[str, ...]) -> 
         region=None if region is None else region.path,
         f32_precision=jax_compat.precision_name(eqn) if f32 else None,
         block_format=block_format,
+        policy=None if region is None else region.policy,
+        backward=backward,
+        user_scopes=tuple(name for name in scopes if not is_region(name)),
     )
 
 
@@ -273,8 +315,8 @@ def _matmuls(
     fn: Callable[..., Any], primitives: frozenset[str], args: tuple, kwargs: dict
 ) -> MatmulReport:
     return MatmulReport(
-        matmul_info(eqn, context, scopes)
-        for eqn, context, scopes in _traced_equations(fn, args, kwargs)
+        matmul_info(eqn, context, scopes, backward)
+        for eqn, context, scopes, backward in _traced_equations(fn, args, kwargs)
         if eqn.primitive.name in primitives
     )
 

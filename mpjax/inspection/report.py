@@ -295,7 +295,7 @@ def dtypes_by_region(fn: Callable[..., Any], *args, **kwargs) -> dict[str, Regio
     closed = gradient_jaxpr(fn, args, kwargs)
     computes: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     matmuls: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for eqn, context, scopes in walk_jaxpr(closed.jaxpr):
+    for eqn, context, scopes, backward in walk_jaxpr(closed.jaxpr):
         if not _is_compute(eqn):
             continue
         region = innermost(scopes)
@@ -303,7 +303,7 @@ def dtypes_by_region(fn: Callable[..., Any], *args, **kwargs) -> dict[str, Regio
         if region is not None:
             computes[path].update(_floating_dtypes(eqn))
         if eqn.primitive.name in MATMUL_PRIMITIVES:
-            m = matmul_info(eqn, context, scopes)
+            m = matmul_info(eqn, context, scopes, backward)
             dtypes = ",".join(short_dtype_name(d) for d in m.operand_dtypes)
             if m.f32_precision is not None:
                 dtypes += f"@{m.f32_precision}"

@@ -147,7 +147,9 @@ def _time(target: Target, flops: float, bytes_moved: float, peak: float) -> floa
     return max(flops / peak, bytes_moved / target.chip.hbm_bandwidth)
 
 
-def _gemm(eqn: Any, target: Target, recipe: Fp8Recipe, path: str) -> GemmGain | None:
+def _gemm(
+    eqn: Any, target: Target, recipe: Fp8Recipe, path: str, backward: bool
+) -> GemmGain | None:
     lhs, rhs = (v.aval for v in eqn.invars[:2])
     if {np.dtype(lhs.dtype), np.dtype(rhs.dtype)} - _NARROW_COMPUTE:
         return None
@@ -159,7 +161,6 @@ def _gemm(eqn: Any, target: Target, recipe: Fp8Recipe, path: str) -> GemmGain | 
     k = math.prod(lhs.shape[a] for a in lc)
     m = math.prod(lhs.shape) // (batch * k)
     n = math.prod(rhs.shape) // (batch * k)
-    backward = jax_compat.is_backward(eqn)
     fmt = _format(recipe)
     if fmt == "nvfp4" and backward:  # NVFP4's gradient GEMMs run in MXFP8
         fmt = "mxfp8"
@@ -214,14 +215,14 @@ def matmul_gains(
         closed = gradient_jaxpr(fn, args, kwargs)
         by_module: dict[str, list[GemmGain]] = collections.defaultdict(list)
         policies: dict[str, Policy | None] = {}
-        for eqn, _, scopes in walk_jaxpr(closed.jaxpr):
+        for eqn, _, scopes, backward in walk_jaxpr(closed.jaxpr):
             if eqn.primitive.name != "dot_general":
                 continue
             region = innermost(scopes)
             if region is not None and region.policy is None:
                 continue  # full precision: no recipe reaches it
             path = "" if region is None else region.path
-            gemm = _gemm(eqn, parsed, recipe, path)
+            gemm = _gemm(eqn, parsed, recipe, path, backward)
             if gemm is not None:
                 by_module[path].append(gemm)
                 policies[path] = None if region is None else region.policy
