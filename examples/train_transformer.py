@@ -15,9 +15,11 @@ the optimizer update and, with several devices, data parallelism over a `jax.sha
 Every logged step goes to `<out>/log.jsonl`, the run's summary to `<out>/summary.json`, and
 checkpoints (params, optimizer state, data-sampler state and step, and the fp8 scales and amax
 histories under a delayed-scaling fp8 policy) to `<out>/checkpoints`.
-A run never mixes with another: a fresh run refuses a folder that holds one (pass `--resume` to
-continue it or `--overwrite` to delete those three), and `--resume` refuses a folder without a
-checkpoint. It resumes from the newest checkpoint that restores, saying which ones it skipped
+A run never mixes with another. Without `--out`, the folder is named after the settings that
+decide the run, so the same command run again finds its own run: a finished one is reported
+again, an interrupted one continues from its newest checkpoint. A folder chosen with `--out`
+that holds a run needs `--resume` to continue it or `--overwrite` to delete those three, and
+`--resume` refuses a folder without a checkpoint. It resumes from the newest checkpoint that restores, saying which ones it skipped
 as corrupt, on any number of devices: arrays are resliced onto the new mesh.
 """
 
@@ -207,8 +209,8 @@ class TrainConfig:
         that decides the trajectory and differs from its default (``--mode autocast`` adds
         ``_mode-autocast``, ``--no-master-weights`` ``_no-master-weights``), and ``--fsdp`` and ``--num-processes``
         where they are not 1. Runs with other
-        settings train into folders of their own; the same command again finds its own run,
-        which it refuses to overwrite without ``--overwrite``."""
+        settings train into folders of their own; the same command again finds its own run and
+        continues it (:func:`continues_own_run`), or starts afresh with ``--overwrite``."""
         defaults = TrainConfig()
         parts = [self.preset, self.policy]
         for name in _TRAJECTORY_FIELDS:
@@ -609,6 +611,9 @@ def describe_optimizer(cfg: TrainConfig, policy: mpjax.Policy) -> str:
         params = "f32 master weights"
     elif uses_low_precision_params(cfg, policy):
         params = f"no master weights, {cfg.param_rounding} param updates"
+    elif cfg.master_weights:  # asked for (the default), but the params are their own f32 copy
+        stored = mpjax.policy.short_dtype_name(policy.param_dtype)
+        params = f"no master weights needed ({stored} params)"
     else:
         params = "no master weights"
     moments = "".join(
@@ -981,7 +986,8 @@ def resumed_config(cfg: TrainConfig, meta: dict, where: pathlib.Path) -> TrainCo
         raise ValueError(
             f"--resume: the checkpoint in {where} was made with other settings "
             f"({'; '.join(conflicts)}). Leave those flags out to continue the run as it was "
-            "(--resume --out is enough), or train into another --out."
+            "(--resume --out is enough), pass --overwrite to start it afresh, or train into "
+            "another --out."
         )
     # The flags given, kept: later checks tell the checkpoint's settings from the user's.
     return dataclasses.replace(cfg, **changes, steps=steps, explicit=tuple(sorted(explicit)))
@@ -1288,6 +1294,20 @@ def _run_files(out_dir: pathlib.Path) -> list[str]:
     return found
 
 
+def continues_own_run(cfg: TrainConfig, out_dir: pathlib.Path) -> bool:
+    """Whether this run continues the one in ``out_dir`` without ``--resume``: the default
+    folder (no ``--out``) is named after the settings that decide the run, so a checkpoint
+    there is this command's own run, finished or interrupted. Running the same command again
+    then reports a finished run, or continues an interrupted one, instead of failing; a folder
+    chosen with ``--out`` is the user's, and needs ``--resume`` or ``--overwrite``."""
+    return (
+        cfg.out is None
+        and not cfg.resume
+        and not cfg.overwrite
+        and bool(_checkpoint_steps(out_dir / "checkpoints"))
+    )
+
+
 def prepare_out(cfg: TrainConfig, out_dir: pathlib.Path) -> None:
     """Keeps runs apart: ``--resume`` needs a checkpoint in ``out_dir``, and a fresh run a
     folder without a run, unless ``--overwrite`` deletes that run's files (checkpoints, log and
@@ -1439,6 +1459,12 @@ def train(cfg: TrainConfig) -> dict:
     out_dir = cfg.out_dir()
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} is a file; give a folder for the run.")
+    if continues_own_run(cfg, out_dir):
+        print(
+            f"{out_dir} holds this command's run (its settings name the folder): continuing it "
+            "as --resume does. --overwrite starts it afresh; --out trains into another folder."
+        )
+        cfg = dataclasses.replace(cfg, resume=True)
     # Checkpoints first: a resumed run takes its settings from its checkpoint, and a fresh run
     # must not mix with an old one.
     prepare_out(cfg, out_dir)
@@ -1645,6 +1671,10 @@ def train(cfg: TrainConfig) -> dict:
         "unigram_baseline": baseline,
         "skipped_steps": history[-1]["skipped_steps"] if history else 0,
         "final_loss_scale": history[-1]["loss_scale"] if history else None,
+        # What ran, in the banner's words; "config" holds the settings as given, where
+        # master_weights asks for an f32 copy of params stored narrower than f32.
+        "optimizer": describe_optimizer(cfg, policy),
+        "master_weights": uses_master_weights(cfg, policy),
         "devices": len(devices),
         "processes": jax.process_count(),
         "device_kind": devices[0].device_kind,
@@ -1664,10 +1694,11 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def _finished_run(out_dir: pathlib.Path, step: int) -> dict:
-    """What resuming a finished run returns: its summary as written, untouched."""
+    """What resuming a finished run returns: its summary as written, untouched, which
+    :func:`main` reports again."""
     print(
         f"--resume: the run in {out_dir} is finished (step {step}); nothing to train. Pass a "
-        f"larger --steps to extend it."
+        f"larger --steps to extend it. Its results:"
     )
     path = out_dir / "summary.json"
     summary = json.loads(path.read_text()) if path.exists() else {"steps": step}
@@ -2079,13 +2110,22 @@ def main(argv: list[str] | None = None) -> None:
     except TrainingStopped as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
-        sys.exit(
-            f"\ninterrupted: continue from the last checkpoint with: python "
-            f"{sys.argv[0]} --resume --out {cfg.out_dir()}"
+        again = (
+            "the same command again"
+            if cfg.out is None
+            else f"python {sys.argv[0]} --resume --out {cfg.out_dir()}"
         )
+        sys.exit(f"\ninterrupted: continue from the last checkpoint with {again}")
     except (ValueError, OSError) as e:  # a user error: the message, not a traceback
         sys.exit(f"error: {e}")
-    if summary.get("already_finished"):
+    print_results(summary, cfg.out_dir())
+
+
+def print_results(summary: dict, out_dir: pathlib.Path) -> None:
+    """Prints a run's results from its summary: steps, times, the final validation loss
+    against the unigram baseline, skipped steps, where its files are, and its sample. A
+    finished run found again (``already_finished``) prints those it wrote then."""
+    if "final_val_loss" not in summary:  # a finished run whose summary.json is missing
         return
     val, base = summary["final_val_loss"], summary["unigram_baseline"]
     ln2 = math.log(2)
@@ -2097,10 +2137,11 @@ def main(argv: list[str] | None = None) -> None:
         f"{base:.4f} nats/byte ({base / ln2:.3f} bits/byte): {abs(base - val):.4f} nats "
         f"{'better' if val <= base else 'worse'}"
         f"\nskipped steps {summary['skipped_steps']}, final loss scale {summary['final_loss_scale']}"
-        f"\nlog: {cfg.out_dir() / 'log.jsonl'}, summary: {cfg.out_dir() / 'summary.json'}"
+        f"\nlog: {out_dir / 'log.jsonl'}, summary: {out_dir / 'summary.json'}"
     )
     if "sample" in summary:
-        print(f"\n--- sample (temperature {cfg.temperature}) ---\n{summary['sample']}\n---")
+        temperature = summary["config"]["temperature"]
+        print(f"\n--- sample (temperature {temperature}) ---\n{summary['sample']}\n---")
 
 
 if __name__ == "__main__":

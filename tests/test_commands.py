@@ -176,6 +176,28 @@ def test_commands_run_in_order_on_a_fresh_copy(page, tmp_path):
     assert not background, f"{page}: a block ends with a command left in the background"
 
 
+@pytest.mark.slow
+def test_the_readmes_set_up_command_runs_twice_in_a_row(tmp_path):
+    # People run a set-up command again (a new shell, another day): the second run must succeed
+    # too, and says what it did with the first run's folder.
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs the git checkout, to copy the repository as a clone holds it")
+    copy = _fresh_copy(tmp_path / "repo")
+    env = {
+        "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(copy),
+        "JAX_PLATFORMS": "cpu",
+        "HOME": os.environ.get("HOME", str(tmp_path)),
+    }
+    (command, _, run), *_ = [row for row in _plan(ROOT / "README.md") if row[1] is not None]
+    first, second = (_run(run, env, copy) for _ in range(2))
+    for result in first, second:
+        assert result.returncode == 0, f"`{command}` failed:\n{result.stderr[-3000:]}"
+    assert "runs/tiny_mixed_bfloat16 holds this command's run" in second.stdout
+    assert "is finished (step 4); nothing to train" in second.stdout
+    assert second.stdout.endswith(first.stdout[first.stdout.index("\ndone: ") :])
+
+
 def test_the_plan_of_each_page_is_read_from_the_page():
     """What runs and what does not is read from the pages' markers and SKIPPED, not guessed:
     the README's set-up and example commands run (shortened as its markers say), a GPU's run

@@ -613,6 +613,29 @@ def test_command_line_runs_end_to_end_and_logs_each_logged_step(text_file, tmp_p
     assert summary["steps"] == 6 and summary["final_val_loss"] == log[-1]["val_loss"]
     assert summary["unigram_baseline"] > 2.0  # bytes of Python source: several nats
     assert f"final val loss {summary['final_val_loss']:.4f} nats/byte" in out
+    # The summary says what ran as the banner does: f32 params need no master copy, although
+    # the settings (config) ask for one wherever params are stored narrower.
+    assert f"optimizer: {summary['optimizer']};" in out
+    assert summary["master_weights"] is False and summary["config"]["master_weights"] is True
+    assert "no master weights needed (f32 params)" in summary["optimizer"]
+
+
+@pytest.mark.parametrize(
+    "flags, says, master",
+    [
+        ([], "no master weights needed (f32 params)", False),
+        (["--no-master-weights"], "no master weights", False),
+        (["--policy", "bfloat16"], "f32 master weights", True),
+        (["--policy", "bfloat16", "--no-master-weights"], "no master weights", False),
+    ],
+)
+def test_the_banner_says_whether_master_weights_ran(flags, says, master):
+    cfg = tt.parse_args(flags)
+    policy = mpjax.get_policy(cfg.policy)
+    text = tt.describe_optimizer(cfg, policy)
+    assert says in text and tt.uses_master_weights(cfg, policy) is master
+    if not master:
+        assert "f32 master weights" not in text
 
 
 def test_bad_flags_are_rejected_naming_the_flag(capsys):
@@ -908,6 +931,50 @@ def test_resume_needs_only_out_and_extends_a_finished_run(text_file, tmp_path, c
     final_lr = 0.01 * tt.MIN_LR_RATIO
     assert [r["lr"] for r in log[4:]] == pytest.approx([final_lr, final_lr])
     assert json.loads((out / "summary.json").read_text())["steps"] == 6
+
+
+def _without_out(text_file, *extra):
+    """The tiny run of :func:`_argv` in its default folder (runs/<name>, no --out)."""
+    argv = _argv(text_file, "unused", *extra)
+    at = argv.index("--out")
+    return argv[:at] + argv[at + 2 :]
+
+
+@pytest.mark.slow
+def test_the_same_command_again_reports_its_finished_run_or_continues_it(
+    text_file, tmp_path, monkeypatch, capsys
+):
+    # People run a set-up command again (a new shell, another day): without --out the folder
+    # is named after the run's settings, so the command finds its own run and never fails.
+    monkeypatch.chdir(tmp_path)
+    argv = _without_out(text_file, "--steps", "4", "--sample-bytes", "8")
+    tt.main(argv)
+    first = capsys.readouterr().out
+    out = tt.parse_args(argv).out_dir()
+    summary = (out / "summary.json").read_text()
+    log = _log(out)
+
+    tt.main(argv)  # finished: its results again, nothing trained or written
+    again = capsys.readouterr().out
+    assert f"{out} holds this command's run" in again
+    assert "is finished (step 4); nothing to train" in again
+    results = first[first.index("\ndone: ") :]
+    assert again.endswith(results)  # the same report and the same sample
+    assert (out / "summary.json").read_text() == summary and _log(out) == log
+
+    # Interrupted (its last checkpoint and summary lost): the same command continues it from
+    # the newest checkpoint left, to the same log an uninterrupted run wrote.
+    shutil.rmtree(out / "checkpoints" / "4")
+    (out / "summary.json").unlink()
+    tt.main(argv)
+    continued = capsys.readouterr().out
+    assert "resuming at step 2" in continued and "done: 4 steps" in continued
+    losses = [(r["step"], r["loss"], r.get("val_loss")) for r in log]
+    assert [(r["step"], r["loss"], r.get("val_loss")) for r in _log(out)] == losses
+
+    # A folder chosen with --out is the user's: a run there still needs --resume.
+    with pytest.raises(SystemExit, match="already holds a run"):
+        tt.main([*argv, "--out", str(out)])
 
 
 @pytest.mark.slow
