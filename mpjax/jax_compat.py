@@ -499,6 +499,16 @@ def traced_mesh(x: Any) -> Any:
     return mesh
 
 
+def traced_platform(x: Any) -> str | None:
+    """The platform (``"cpu"``, ``"gpu"``, ``"tpu"``) of the devices ``x``'s sharding places it
+    on as it is traced, read off the abstract device of its mesh (a step lowered for the
+    compile-only devices of an ahead-of-time compile names theirs), or None where it names
+    none."""
+    mesh = traced_mesh(x)
+    device = getattr(mesh, "abstract_device", None)
+    return getattr(device, "platform", None)
+
+
 def pallas_interpreter_runs_sharded() -> bool:
     """Whether Pallas's TPU interpreter (:func:`pallas_tpu_interpreted`) runs kernels under a
     ``shard_map`` of several CPU devices. Seen: jax 0.12 runs them; jax 0.8.1's interpreter

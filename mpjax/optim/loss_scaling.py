@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from mpjax import jax_compat
 from mpjax.optim.gradient_checks import InitTrees, check_params, check_transformation, check_update
 from mpjax.optim.loss_scale import LossScale, NoOpLossScale, StaticLossScale, parse_loss_scale
 
@@ -116,19 +117,71 @@ def without_host_warnings() -> Any:
         _host_warnings.reset(token)
 
 
+# lax.platform_dependent's names of the accelerator platforms; each gets the warning's callback
+# only where this process has devices of it. JAX's names in a traced value's sharding differ.
+_ACCELERATORS = {"cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+_said_left_out: set[str] = set()
+
+
+@functools.cache
+def _has_devices(platform: str) -> bool:
+    """Whether this process has devices of ``platform`` (a compile for any other platform is
+    ahead of time, on compile-only devices)."""
+    try:
+        return bool(jax.devices(platform))
+    except RuntimeError:  # no such backend here, or it did not start
+        return False
+
+
+def _say_left_out(consecutive: jax.Array) -> None:
+    """Says once per platform, at trace time, that a step traced for devices this process
+    lacks leaves the persistent-overflow warning out (unless :func:`without_host_warnings`,
+    the user's ``mpjax.compile_only()``, asked for that already)."""
+    platform = jax_compat.traced_platform(consecutive)
+    local = {name for name, traced in _ACCELERATORS.items() if traced == platform}
+    if platform in (None, "cpu") or any(_has_devices(name) for name in local):
+        return
+    if platform not in _said_left_out:
+        _said_left_out.add(platform)
+        warnings.warn(
+            f"mpjax.loss_scaling: this step is traced for {platform} devices this process does "
+            "not have (an ahead-of-time compile), where its host callback cannot run: the "
+            "warning after 25 skipped steps in a row is left out of that compile. The step "
+            "still skips non-finite updates and keeps its loss scale; mpjax.check_overflow("
+            "opt_state) reads the skipped steps on the host. Trace inside "
+            "mpjax.compile_only() to leave it out without this note.",
+            LossScalingWarning,
+            stacklevel=4,
+        )
+
+
 def _warn_if_persistent(skipped: jax.Array, consecutive: jax.Array, scale: jax.Array) -> None:
     """Warns once per run of skipped steps, when it reaches ``DEFAULT_MAX_CONSECUTIVE``. The
     callback sits in the branch of a ``cond`` that only such a step takes, so a step that went
-    well sends nothing to the host and waits for nothing."""
+    well sends nothing to the host and waits for nothing.
+
+    A host callback lowers only for a platform this process has devices of: for the others
+    (the compile-only GPUs or TPUs of an ahead-of-time ``jax.jit(step).lower(...).compile()``)
+    the branch is empty, chosen when the step is lowered (``lax.platform_dependent``), so such
+    a compile works however the step was traced."""
     if not _host_warnings.get():
         return
+    _say_left_out(consecutive)
 
     def warn(count, scale):
         jax.debug.callback(_warn_persistent_overflow, count, scale)
 
+    def left_out(count, scale):
+        del count, scale
+
+    branches = {name: warn if _has_devices(name) else left_out for name in _ACCELERATORS}
+
+    def on_this_platform(count, scale):
+        jax.lax.platform_dependent(count, scale, default=warn, **branches)
+
     jax.lax.cond(
         skipped & (consecutive == DEFAULT_MAX_CONSECUTIVE),
-        warn,
+        on_this_platform,
         lambda count, scale: None,
         consecutive,
         scale,

@@ -4,9 +4,12 @@ step needs, through :func:`mpjax.plan` or a user's own ``jax.jit(step).lower(...
 Two things mpjax traces into a step assume it runs here. Loss scaling's persistent-overflow
 warning is a host callback (``jax.debug.callback``), which cannot lower for compile-only devices
 (the CUDA plugin's, or libtpu's topologies): "Unknown backend: 'gpu' requested, but no platforms
-that are instances of gpu are present". And a block-scaled matmul warns at trace time that this
-process's backend emulates it, which says nothing of the target. :func:`compile_only` traces
-without both; a step traced outside it, to run on local devices, keeps the warning.
+that are instances of gpu are present". A step holds it only for the platforms this process has
+devices of, chosen when it is lowered, so a plain ``jax.jit(step).lower(...).compile()`` for
+other devices compiles, with a ``LossScalingWarning`` saying once that the warning is left out.
+And a block-scaled matmul warns at trace time that this process's backend emulates it, which
+says nothing of the target. :func:`compile_only` traces without both, silently; a step traced
+outside it, to run on local devices, keeps the warning.
 """
 
 from __future__ import annotations
