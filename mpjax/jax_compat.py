@@ -506,7 +506,14 @@ def traced_platform(x: Any) -> str | None:
     none."""
     mesh = traced_mesh(x)
     device = getattr(mesh, "abstract_device", None)
-    return getattr(device, "platform", None)
+    if device is None:
+        return None
+    platform = getattr(device, "platform", None)
+    if platform is not None:
+        return platform
+    # jax 0.8's abstract devices have a kind and no platform: "cpu", "TPU v5", "NVIDIA H100".
+    kind = str(getattr(device, "device_kind", "")).lower()
+    return "cpu" if kind == "cpu" else "tpu" if kind.startswith("tpu") else "gpu" if kind else None
 
 
 def pallas_interpreter_runs_sharded() -> bool:

@@ -538,6 +538,23 @@ def test_the_axes_a_value_is_partitioned_over_as_traced_come_from_the_jit_input_
     assert jax_compat.traced_mesh(jnp.ones(3)) is None
 
 
+def test_the_platform_a_value_is_traced_for_comes_from_its_sharding():
+    # A value traced from an input placed on devices names their platform (an ahead-of-time
+    # compile names its compile-only devices' platform the same way); one traced from a plain
+    # array, or outside jit, names none.
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("a",))
+    placed = jax.device_put(jnp.ones((4,)), jax.sharding.NamedSharding(mesh, P("a")))
+    seen = []
+
+    def f(x):
+        seen.append(jax_compat.traced_platform(x * 2))
+        return x
+
+    jax.jit(f)(placed)
+    assert seen == ["cpu"]
+    assert jax_compat.traced_platform(jnp.ones(3)) is None
+
+
 def test_a_bf16_dot_with_an_f32_result_runs_on_the_cpu_on_widened_operands():
     """XLA's CPU runtime lacks some bf16 x bf16 -> f32 dots (a gradient the reduce dtype
     writes in f32): the weight gradients of this Flax model failed with "Unsupported element
