@@ -1,9 +1,13 @@
 """Every guide of the documentation site runs: the ```python blocks of each page under docs/,
-top to bottom in one namespace per page, as a reader would paste them, so a guide can only show
-the API that exists and the outputs it prints. A block that needs an optional extra that is not
-installed is skipped with the rest of its page (later blocks may use its names), naming the
-extra; pages whose code trains or compiles whole models are marked slow. The documentation
-build itself is tested without the extras: their API pages are generated against mocks."""
+each the way the page presents it, so a guide can only show the API that exists and the outputs
+it prints. A reader copies one block: a block runs alone, in a fresh namespace, unless it starts
+with ``# Continues the example above.``, which runs it after the block before it, in that
+block's namespace (tests/doc_blocks.py groups a page's blocks into these chains). Every block,
+of the guides and the README, defines or continues every name it uses, checked statically. A
+block that needs an optional extra that is not installed is skipped with the rest of its chain
+(later blocks may use its names), naming the extra; pages whose code trains or compiles whole
+models are marked slow. The documentation build itself is tested without the extras: their API
+pages are generated against mocks."""
 
 import contextlib
 import importlib.util
@@ -18,6 +22,15 @@ import zlib
 
 import jax
 import pytest
+from doc_blocks import (
+    MARKER,
+    Block,
+    bound_names,
+    chains,
+    python_blocks,
+    undefined_names,
+    used_names,
+)
 
 import mpjax
 
@@ -87,13 +100,9 @@ SLOW = {
 OWN_TESTS = {"precision_doctor.md": "test_precision_doctor_guide.py"}
 
 
-def _blocks(page: pathlib.Path) -> list[tuple[int, str]]:
-    """``(first line, code)`` of each ```python block of ``page``."""
-    text = page.read_text()
-    return [
-        (text.count("\n", 0, m.start(1)) + 1, m.group(1))
-        for m in re.finditer(r"^```python\n(.*?)^```$", text, re.S | re.M)
-    ]
+def _blocks(page: pathlib.Path) -> list[Block]:
+    """Each ```python block of ``page`` (README.md or a page under docs/)."""
+    return python_blocks(page.read_text(), page.relative_to(ROOT).as_posix())
 
 
 def _pages() -> list[pathlib.Path]:
@@ -131,18 +140,137 @@ def _param(page: pathlib.Path):
 
 @pytest.mark.parametrize("name", [_param(p) for p in _pages()])
 def test_guide_runs(name):
+    """Each chain of the page's blocks runs in a fresh module, as a reader who copies its first
+    block and the blocks that continue it would run them."""
     page = DOCS / name
-    blocks = _blocks(page)
-    with _reader_environment(f"docs_{page.stem}") as namespace:
-        for i, (line, code) in enumerate(blocks):
-            extra = _missing(code)
-            if extra is not None:
-                pytest.skip(
-                    f"{name}: blocks {i + 1}-{len(blocks)} of {len(blocks)} (from line {line}) "
-                    f"were not run, block {i + 1} needs {extra}; the blocks before them ran"
+    not_run = []
+    for c, chain in enumerate(chains(_blocks(page)), 1):
+        with _reader_environment(f"docs_{page.stem}_chain{c}") as namespace:
+            for i, block in enumerate(chain):
+                extra = _missing(block.code)
+                if extra is not None:
+                    numbers = [b.number for b in chain[i:]]
+                    not_run.append(
+                        f"block{'s' if len(numbers) > 1 else ''} "
+                        f"{', '.join(map(str, numbers))} (from line {block.line}) of chain {c}, "
+                        f"since block {block.number} needs {extra}"
+                    )
+                    break
+                # Padded so that a traceback names the page's own line numbers.
+                exec(compile(block.source(), str(page), "exec"), namespace)
+    if not_run:
+        pytest.skip(f"docs/{name}: not run: {'; '.join(not_run)}; the page's other blocks ran")
+
+
+def _reader_pages() -> list[pathlib.Path]:
+    """The pages whose ```python blocks a reader copies: the README and every guide."""
+    return [ROOT / "README.md", *sorted(p for p in DOCS.glob("*.md") if _blocks(p))]
+
+
+@pytest.mark.parametrize(
+    "page", [pytest.param(p, id=p.relative_to(ROOT).as_posix()) for p in _reader_pages()]
+)
+def test_every_block_defines_or_continues_the_names_it_uses(page):
+    """Read without running anything: a block that starts a chain binds every name it uses
+    (its imports and inputs), a block that continues one uses only names its chain's blocks
+    bind, and the names a marker lists, ``(model, x)``, are ones the chain binds before the
+    block and the block uses."""
+    problems = []
+    for chain in chains(_blocks(page)):
+        known: set[str] = set()
+        for block in chain:
+            missing = undefined_names(block.code, known)
+            if missing:
+                fix = (
+                    "bind them in the blocks it continues"
+                    if block.continues
+                    else f"import or define them, or start the block with {MARKER!r} if it "
+                    "continues the one before it"
                 )
-            # Padded so that a traceback names the page's own line numbers.
-            exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)
+                problems.append(f"{block.where} uses {', '.join(missing)}: {fix}")
+            listed = [
+                n
+                for n in block.names_continued
+                if n not in known or n not in used_names(block.code)
+            ]
+            if listed:
+                problems.append(
+                    f"{block.where}: its marker names {', '.join(listed)}, which the block "
+                    "does not use from the blocks before it"
+                )
+            known |= bound_names(block.code)
+    assert not problems, "\n".join(problems)
+    assert _reader_pages()[0].name == "README.md" and len(_reader_pages()) >= 16
+
+
+def _page(*codes: str) -> list[Block]:
+    return [Block("docs/page.md", i, 10 * i, code) for i, code in enumerate(codes, 1)]
+
+
+def test_blocks_are_grouped_into_chains_by_the_marker():
+    blocks = _page(
+        "import mpjax\nx = 1\n",
+        f"{MARKER}\nprint(x)\n",
+        "# Continues the example above (x, y).\nprint(x)\n",
+        "import jax\n",  # no marker: a new chain
+        "import numpy as np  # Continues the example above.\n",  # not a comment line of its own
+    )
+    assert [[b.number for b in chain] for chain in chains(blocks)] == [[1, 2, 3], [4], [5]]
+    assert [b.continues for b in blocks] == [False, True, True, False, False]
+    assert blocks[2].names_continued == ("x", "y") and blocks[1].names_continued == ()
+    assert blocks[1].source() == "\n" * 19 + blocks[1].code
+    assert chains([]) == []
+
+    with pytest.raises(ValueError, match=r"docs/page.md: block 1 \(line 10\) starts with "):
+        chains(_page(f"{MARKER}\nprint(x)\n", "import jax\n"))
+    with pytest.raises(ValueError, match="no block comes before it on the page"):
+        chains(_page(f"{MARKER}\n"))
+    # What a reader would take for the marker, and the test would not: an error, not a chain.
+    for near_miss in (
+        "# continues the example above.\nprint(x)\n",
+        "# Continues the example above\nprint(x)\n",
+        "import jax\n# Continues the example above.\n",
+    ):
+        with pytest.raises(ValueError, match=r"block 2 \(line 20\): .* is not the continuation"):
+            chains(_page("x = 1\n", near_miss))
+
+
+def test_the_names_a_block_uses_and_binds_are_read_statically():
+    code = """
+import jax, jax.numpy as jnp
+from collections import Counter as C
+def f(p, *args, k=1, **kw):
+    global g
+    g = 1
+    return p + q + [y for y in r] + jnp.ones(k)
+class Net(Base):
+    z = 1
+    def method(self):
+        return z + self  # a class body's names are not a method's
+lam = lambda t: t + u
+with open("f") as (w1, w2):
+    pass
+try:
+    pass
+except ValueError as e:
+    print(e)
+for i, (j, k) in items:
+    pass
+match v:
+    case {"a": m1, **rest}:
+        pass
+    case [m2, *ms] if (n := m2):
+        print(m1, rest, ms, n)
+print(__name__, f, Net, lam, w1, w2, i, j, k, g, C, [s for s in S if s > t2])
+"""
+    assert undefined_names(code) == ["Base", "S", "items", "q", "r", "t2", "u", "v", "z"]
+    assert undefined_names(code, {"Base", "S", "items", "q", "r", "t2", "u", "v"}) == ["z"]
+    assert {"jax", "jnp", "C", "f", "g", "Net", "lam", "w1", "e", "m1", "rest", "n"} <= bound_names(
+        code
+    )
+    assert not {"p", "args", "kw", "self", "t", "y"} & bound_names(code)  # local to their scope
+    assert {"print", "open", "ValueError"} <= used_names(code)
+    assert undefined_names("print(len(x))\nx = 1\n") == []  # order is the runner's business
 
 
 def test_every_page_is_in_the_site_and_the_slow_list_is_current():

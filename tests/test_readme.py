@@ -1,18 +1,24 @@
-"""The README's first example is the quickstart script, and it runs and learns."""
+"""The README's first example is the quickstart script, and it runs and learns; every Python
+block of the README runs as the README presents it."""
 
+import json
 import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
+from doc_blocks import chains, python_blocks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _readme_python_blocks():
+    return python_blocks((ROOT / "README.md").read_text(), "README.md")
+
+
 def _readme_first_python_block() -> str:
-    text = (ROOT / "README.md").read_text()
-    return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    return _readme_python_blocks()[0].code
 
 
 def _quickstart_code() -> str:
@@ -55,28 +61,48 @@ def test_quickstart_runs_and_learns():
     assert "bfloat16" not in result.stdout
 
 
-def _readme_python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+# Runs the blocks of one chain, given as JSON on stdin, in a fresh __main__ module: the script
+# a reader would paste, with nothing of this runner's in its namespace.
+_RUN_CHAIN = """
+import json, sys, types
+
+def run(blocks):
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
+    for line, code in blocks:
+        exec(compile("\\n" * (line - 1) + code, "README.md", "exec"), main.__dict__)
+
+run(json.loads(sys.stdin.read()))
+"""
 
 
 @pytest.mark.slow
 def test_readme_snippets_run():
-    """Every Python block of the README runs, top to bottom in one namespace, as a reader
-    would paste them; so the README can only show the API that exists."""
-    blocks = _readme_python_blocks()
-    assert len(blocks) >= 2  # the quickstart and the Flax example
-    program = "\n".join(
-        f"print('--- README block {i}', flush=True)\n{block}" for i, block in enumerate(blocks)
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", program],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": ""},
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    """Every Python block of the README runs as the README presents it: each block alone, in a
+    process of its own, unless it starts with ``# Continues the example above.``, which runs it
+    after the block before it, in that block's process (tests/doc_blocks.py); so the README can
+    only show the API that exists, and a reader can copy any block that says nothing."""
+    readme_chains = chains(_readme_python_blocks())
+    assert sum(map(len, readme_chains)) >= 2  # the quickstart and the Flax example
+    failed = []
+    for chain in readme_chains:
+        result = subprocess.run(
+            [sys.executable, "-c", _RUN_CHAIN],
+            input=json.dumps([(block.line, block.code) for block in chain]),
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
+            env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": ""},
+        )
+        if result.returncode != 0:
+            blocks = ", ".join(str(block.number) for block in chain)
+            failed.append(
+                f"README.md blocks {blocks} (from line {chain[0].line}) failed:\n"
+                + result.stdout[-3000:]
+                + result.stderr[-5000:]
+            )
+    assert not failed, "\n\n".join(failed)
 
 
 def test_readme_is_short_and_every_file_it_names_exists():

@@ -61,8 +61,8 @@ class MatmulInfo:
       out_shape: the output's shape.
       scope: JAX's name stack for the equation, for example ``"transpose(jvp(MLP))"``; empty
         when the function sets no names. It holds mpjax's region names as JAX records them
-        (``mpjax[p=f32,c=bf16,o=f32]block/fc1``); :attr:`module`, :attr:`policy` and
-        :attr:`backward` say the same once each, as the table shows them.
+        (``mpjax[p=f32,c=bf16,o=f32]block/fc1``); ``module``, ``policy`` and ``backward`` say
+        the same once each, as the table shows them.
       context: the higher-order primitives enclosing it, outermost first, for example
         ``("pjit", "scan")``.
       region: the path of the module whose precision region it ran in (``"block/attn"``,
@@ -77,7 +77,7 @@ class MatmulInfo:
         dtypes of its values and scales: ``"mxfp8"``, ``"nvfp4"`` (or ``"mxfp4"``); its
         operands are ``(B, M, K)`` and ``(B, N, K)``, blocked along K. None for other matmuls.
       policy: the policy of its precision region; None outside any region and inside
-        :func:`mpjax.full_precision` (where :attr:`region` is not None).
+        :func:`mpjax.full_precision` (where ``region`` is not None).
       backward: whether it computes a gradient (it lies in a ``transpose`` of JAX's, in the
         equation's name stack or around a nested jaxpr holding it).
       user_scopes: the named scopes around it that are not mpjax's regions, outermost first
@@ -107,16 +107,16 @@ class MatmulInfo:
 
     @property
     def module(self) -> str:
-        """Where it ran, once: the path of its module's region (``"<root>"`` for the root of a
-        wrapped model), else the ``/``-joined :attr:`user_scopes`, else ``"-"``."""
+        """The path of the module's region it ran in, once (``"<root>"`` for the root of a
+        wrapped model), else its ``/``-joined ``user_scopes``, else ``"-"``."""
         if self.region is not None:
             return self.region or "<root>"
         return "/".join(self.user_scopes) or "-"
 
     @property
     def policy_text(self) -> str:
-        """The region's policy as the table shows it: ``"p=f32,c=bf16,o=f32"``,
-        ``"full precision"``, or ``"-"`` outside any region (the function's own dtypes, or
+        """The region's policy as the table shows it, ``"p=f32,c=bf16,o=f32"`` or
+        ``"full precision"``, and ``"-"`` outside any region (the function's own dtypes, or
         autocast's policy)."""
         if self.region is None:
             return "-"
