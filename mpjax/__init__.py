@@ -18,7 +18,9 @@ from mpjax.casting.trace_context import AutocastWarning
 from mpjax.doctor.diagnosis import Doctor, diagnose
 from mpjax.doctor.diagnosis_report import DiagnosisReport
 from mpjax.doctor.monitor import ModuleCheck, PrecisionMonitor
+from mpjax.experts import ragged_dot
 from mpjax.fp8 import Fp8Recipe
+from mpjax.grouped_matmul import GroupedMatmulWarning
 from mpjax.inspection.describe import describe
 from mpjax.inspection.matmuls import (
     HloDot,
@@ -140,6 +142,7 @@ __all__ = [
     "Doctor",
     "DynamicLossScale",
     "Fp8Recipe",
+    "GroupedMatmulWarning",
     "Plan",
     "PlanAttention",
     "PlanCollective",
@@ -222,6 +225,7 @@ __all__ = [
     "norm_policy",
     "quantization_choices",
     "quantize_blockwise",
+    "ragged_dot",
     "quantized_state",
     "scale_loss",
     "scaled_value_and_grad",

@@ -21,6 +21,7 @@ ROOMS = (
     "jax_compat",  # every reader of JAX internals and every difference between versions
     "fp8",  # the fp8 numerics a policy's recipe names
     "block_scaled",  # the block formats (MXFP8, NVFP4) a recipe names
+    "grouped_matmul",  # a mixture of experts' grouped GEMMs, kernels chosen per GPU
     "policy",
     "rules",
     "table",  # the text tables every report renders
@@ -28,6 +29,7 @@ ROOMS = (
     "casting",  # the casting engine: regions, op categories, the trace context, fp8 sites
     "autocast",  # the public transform on the engine
     "attention",  # an operation that asks the engine for its region's compute dtype
+    "experts",  # mixture-of-experts operations (ragged_dot), grouped under a policy or not
     "inspection",  # describe and the reports of a traced function
     "planning",  # plans of a compiled function: GPU and TPU targets, their HLO, collectives
     "doctor",  # the precision doctor and the monitor
@@ -43,8 +45,10 @@ SUBPACKAGES = tuple(room for room in ROOMS if (PACKAGE / room).is_dir())
 # Lowest first, within the rooms. A module may import modules of its own layer or of lower
 # ones, never of a higher one. Every module of the package must have a layer.
 LAYERS = (
-    {"jax_compat"},
+    # The compat package: its private modules, and its __init__ that re-exports them.
+    {"jax_compat", "jax_compat._jaxprs", "jax_compat._lowering", "jax_compat._devices"},
     {"fp8", "block_scaled"},  # the narrow matmuls: per-tensor and rowwise fp8, block formats
+    {"grouped_matmul"},  # grouped GEMMs (mixture of experts), in a narrow format too
     {"policy"},
     {"rules"},
     # The casting engine's parts, the inspection of jaxprs, and the optimizer side.
@@ -88,7 +92,7 @@ LAYERS = (
     {"casting.trace_context"},  # what the engine is tracing now, and what traced code may ask
     {"casting.engine"},  # the casting engine: every integration, autocast and the reports use it
     {"autocast", "inspection.report", "doctor.monitor"},
-    {"attention"},  # an operation that asks the engine for its region's compute dtype
+    {"attention", "experts"},  # operations that ask the engine what it is tracing
     {"inspection.describe"},  # the one report entry point: the integrations register with it
     # The precision doctor's parts: the side-by-side evaluation of a jaxpr under a policy and
     # in f32, and the report it fills.
@@ -104,6 +108,7 @@ LAYER = {module: i for i, layer in enumerate(LAYERS) for module in layer}
 # Modules that must import without Flax, and run: everything below the integrations.
 FLAX_FREE = (
     "fp8",
+    "grouped_matmul",
     "policy",
     "casting.collectives",
     "casting.gradient_reduction",
@@ -115,6 +120,7 @@ FLAX_FREE = (
     "table",
     "inspection.matmuls",
     "attention",
+    "experts",
     "casting.trace_context",
     "casting.fp8_sites",
     "casting.engine",
@@ -263,7 +269,7 @@ def test_the_top_level_shows_the_rooms():
     entries = {path.stem if path.suffix == ".py" else path.name for path in PACKAGE.iterdir()}
     entries -= {"__pycache__", "py.typed"}
     assert entries == set(ROOMS)
-    assert len(entries) <= 18
+    assert len(entries) <= 20
 
 
 def test_no_room_imports_a_room_above_it():

@@ -36,7 +36,9 @@ from mpjax.optim.loss_scaling_readers import loss_scaling_info, scale_loss
 from mpjax.optim.master_weights import master_weights
 
 loaded = sorted(m for m in sys.modules if m.startswith("mpjax."))
-assert loaded == ["mpjax.fp8", "mpjax.jax_compat", "mpjax.optim", "mpjax.optim.gradient_checks",
+assert loaded == ["mpjax.fp8", "mpjax.jax_compat", "mpjax.jax_compat._devices",
+                  "mpjax.jax_compat._jaxprs", "mpjax.jax_compat._lowering",
+                  "mpjax.optim", "mpjax.optim.gradient_checks",
                   "mpjax.optim.loss_scale", "mpjax.optim.loss_scaling",
                   "mpjax.optim.loss_scaling_readers", "mpjax.optim.master_weights",
                   "mpjax.policy"], loaded

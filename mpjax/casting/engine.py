@@ -303,10 +303,12 @@ class Interpreter:
             category = label = LOWER
         # Observed (the precision monitor), each cast is tapped: its gradient is measured there.
         tap = functools.partial(observers()[-1].tap, region.path) if observers() else None
-        lowered = category == LOWER and all(a.dtype in ELIGIBLE for a in avals)
+        floats = [a.dtype for a in avals if is_floating(a.dtype)]  # a ragged dot's sizes aside
+        lowered = category == LOWER and bool(floats) and all(d in ELIGIBLE for d in floats)
         policy = None if in_forward_only() else region.policy
         route = reduction.route(eqn, avals, lowered, policy, bias_of, stored, in_per_device())
         wide = route.wide if route is not None else frozenset()
+        label = route.label if route is not None and route.label else label
         invals, params, ran = self._cast_inputs(
             eqn, invals, avals, category, compute, casts, tap, wide
         )

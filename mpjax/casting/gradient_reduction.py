@@ -15,6 +15,8 @@ three operations through this module:
 - a bias added to a matmul's output: :func:`broadcast_bias` broadcasts the bias over the batch
   in the reduce dtype before casting it, so its gradient (the output's cotangent summed over
   the batch) sums in the reduce dtype.
+- a mixture of experts' ragged dot (``ragged_dot_general``): :func:`mpjax.grouped_matmul.grouped_dot`,
+  its three GEMMs grouped, the weights' gradient in the reduce dtype.
 - a lookup (``gather``) from a wider table in a region that returns the compute dtype
   (:func:`mpjax.embedding_policy`): :func:`lookup` gathers the rows from the table cast to the
   compute dtype, so a sharded table sends compute-dtype rows, and scatter-adds their
@@ -38,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mpjax import grouped_matmul
 from mpjax import jax_compat as compat
 from mpjax.policy import Policy, is_floating
 
@@ -227,10 +230,12 @@ def lookup(
 class Route(NamedTuple):
     """How the engine binds one equation so that its cast-down operands get their gradients
     in the reduce dtype: ``wide`` are the operands it must not cast (they are given in their
-    own dtype), ``bind(invals, params)`` the operation's outputs."""
+    own dtype), ``bind(invals, params)`` the operation's outputs; ``label``, if not empty, how
+    reports name what ran instead of the equation's category (``"grouped"``)."""
 
     wide: frozenset[int]
     bind: Callable[[list, Any], list]
+    label: str = ""
 
 
 def stored_values(jaxpr: Any) -> set:
@@ -248,6 +253,39 @@ def stored_values(jaxpr: Any) -> set:
 
 def _is_cast_down(aval: Any, compute: np.dtype) -> bool:
     return is_floating(aval.dtype) and np.dtype(aval.dtype).itemsize > compute.itemsize
+
+
+def _grouped(
+    eqn: Any, avals: Sequence[Any], policy: Policy, stored: frozenset[int]
+) -> Route | None:
+    """A mixture of experts' ragged dot (:func:`mpjax.grouped_matmul.grouped_form`) bound as
+    :func:`mpjax.grouped_matmul.grouped_dot`: its three GEMMs grouped (JAX's own gradients of
+    it expand into dense GEMMs on GPUs), in the compute dtype, the gradient of weights stored
+    wider written in the reduce dtype. Its operands go in uncast; it casts them. None for
+    another form (JAX's ragged dot in the compute dtype, as any matmul)."""
+    p = compat.ragged_dot_params(eqn)
+    lhs, rhs = avals[:2]
+    transposed = grouped_matmul.grouped_form(p.dimension_numbers, lhs.ndim, rhs.ndim)
+    if transposed is None or p.group_offset is not None:
+        return None
+    if not (is_floating(lhs.dtype) and is_floating(rhs.dtype)):
+        return None
+    compute = policy.compute_dtype
+    wide = (
+        1 in stored
+        and _is_cast_down(rhs, compute)
+        and policy.reduce_dtype.itemsize > (compute.itemsize)
+    )
+    reduce = policy.reduce_dtype if wide else compute
+
+    def grouped(invals, params):
+        x, w, sizes = invals
+        out = grouped_matmul.grouped_dot(
+            x, w, sizes, compute=compute, reduce=reduce, transposed=transposed
+        )
+        return [out]
+
+    return Route(frozenset({0, 1}), grouped, "grouped")
 
 
 def route(
@@ -287,6 +325,10 @@ def route(
             return [lookup(bind, table, indices, compute, reduce, scope)]
 
         return Route(frozenset({0}), gather)
+    if name == "ragged_dot_general" and lowered:
+        grouped = _grouped(eqn, avals, policy, stored)
+        if grouped is not None:
+            return grouped
     if reduce.itemsize <= compute.itemsize or policy.fp8 is not None:
         return None  # JAX's own gradients (and fp8's) are computed in the compute dtype
     if name == "dot_general" and lowered:

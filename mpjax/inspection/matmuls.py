@@ -29,11 +29,13 @@ MATMUL_PRIMITIVES = frozenset(
         "conv_general_dilated",
         "ragged_dot",
         "ragged_dot_general",
+        "grouped_matmul",
         jax_compat.BLOCK_SCALED_MATMUL,
     }
 )
-"""Primitive names that :func:`inspect_matmuls` reports: matmuls, convolutions and the
-block-scaled GEMMs of ``jax.nn.scaled_matmul`` (:mod:`mpjax.block_scaled`)."""
+"""Primitive names that :func:`inspect_matmuls` reports: matmuls, convolutions, the
+block-scaled GEMMs of ``jax.nn.scaled_matmul`` (:mod:`mpjax.block_scaled`) and the grouped GEMMs
+of a mixture of experts (:mod:`mpjax.grouped_matmul`)."""
 # A block-scaled GEMM's format by the dtypes of its values and its block scales.
 _BLOCK_FORMATS = {
     ("float8_e4m3fn", "float8_e8m0fnu"): "mxfp8",
@@ -82,6 +84,9 @@ class MatmulInfo:
         equation's name stack or around a nested jaxpr holding it).
       user_scopes: the named scopes around it that are not mpjax's regions, outermost first
         (Flax module names, ``jax.named_scope``), those around a nested jaxpr included.
+      grouped: for a grouped GEMM of :mod:`mpjax.grouped_matmul`, which of a ragged dot's
+        three it is: ``"forward"``, ``"input_gradient"`` or ``"weight_gradient"``. None for
+        other matmuls.
     """
 
     primitive: str
@@ -100,6 +105,7 @@ class MatmulInfo:
     policy: Policy | None = None
     backward: bool = False
     user_scopes: tuple[str, ...] = ()
+    grouped: str | None = None
 
     @property
     def operand_dtypes(self) -> tuple[np.dtype, np.dtype]:
@@ -141,7 +147,8 @@ class MatmulReport(tuple):
         )
         rows = [
             (
-                m.primitive + (f" ({m.block_format})" if m.block_format else ""),
+                m.primitive
+                + (f" ({m.block_format or m.grouped})" if m.block_format or m.grouped else ""),
                 f"{m.lhs_dtype.name}{list(m.lhs_shape)}",
                 f"{m.rhs_dtype.name}{list(m.rhs_shape)}",
                 f"{m.out_dtype.name}{list(m.out_shape)}",
@@ -308,6 +315,7 @@ def matmul_info(
         policy=None if region is None else region.policy,
         backward=backward,
         user_scopes=tuple(name for name in scopes if not is_region(name)),
+        grouped=eqn.params["form"] if eqn.primitive.name == "grouped_matmul" else None,
     )
 
 

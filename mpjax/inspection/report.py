@@ -309,6 +309,8 @@ def dtypes_by_region(fn: Callable[..., Any], *args, **kwargs) -> dict[str, Regio
                 dtypes += f"@{m.f32_precision}"
             if m.block_format is not None:
                 dtypes += f"@{m.block_format}"
+            if m.grouped is not None:
+                dtypes += "@grouped"
             matmuls[path][dtypes] += 1
     return {
         path: RegionDtypes(

@@ -1,33 +1,6 @@
-"""Every use of JAX internals in mpjax, in one place.
-
-Autocast and inspection read jaxprs: equation params, name stacks, the binding convention of
-primitives, none of it covered by JAX's compatibility promise. Everything version dependent is
-here, behind small functions with stable signatures, so a JAX upgrade touches this file only;
-the rest of mpjax re-expresses higher-order primitives with public APIs from what they return.
-
-Supported: jax 0.8.1 to 0.12 (``tests/test_jax_compat.py`` pins what each function returns;
-CI runs it on the oldest and the newest). The differences handled here:
-
-* jax 0.11 made ``ClosedJaxpr`` an alias of ``Jaxpr``, described the scan's operands by flat
-  trees ``ft_in``/``ft_out`` instead of counts, made the jit param ``inline`` a ``jax.Inline``
-  and renamed ``closed_call`` and ``call`` to ``eval_jaxpr``.
-* jax 0.10 moved ``DropVar`` and ``jaxprs_in_params`` to ``jax.extend.core``, and 0.10.2
-  renamed the shard_map param ``manual_axes`` to ``newly_manual_axes``; 0.9.2 made
-  ``Primitive.get_bind_params`` return params only.
-* XLA's Triton GEMMs take dots on two float8 types from jax 0.10.2 on (:func:`mixed_fp8_dots`);
-  XLA's CPU runtime lacks some bf16 x bf16 -> f32 dots (:func:`widen_narrow_dots_on_cpu`);
-  block-scaled GEMMs on the CPU, absent from jax 0.8.1 and in bf16 in 0.12 (:func:`emulate_block_scaled_matmuls_on_cpu`).
-* Pallas's TPU flash attention (:func:`pallas_flash_attention`) and
-  ``force_tpu_interpret_mode`` (:func:`pallas_tpu_interpreted`) are the same in 0.8.1 and 0.12.
-* A step's loops (:func:`loops`, :func:`unrolled`): the ``scan`` param ``unroll`` and how
-  ``lax.scan`` lowers it (:func:`scan_copies`) are the same in 0.8.1 and 0.12.
-* The CUDA plugin of jax 0.8 needs ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` to start without a GPU
-  (set as mpjax is imported). The other differences of the CUDA plugin and libtpu in compiling
-  without the hardware, through public APIs, are in :mod:`mpjax.planning.deviceless`.
-
-A param that is missing raises :class:`UnsupportedJaxError` naming it: an unknown JAX is never
-read by guesswork.
-"""
+"""Reading and rebuilding jaxprs: equation params, atoms, name stacks, the binding convention
+of primitives, matmul precisions, the params of higher-order primitives, abstract values, and a
+step's loops (see :mod:`mpjax.jax_compat`)."""
 
 from __future__ import annotations
 
@@ -42,14 +15,7 @@ import numpy as np
 from jax import lax
 from jax._src import (
     source_info_util,  # the name stack of the trace in progress
-    xla_bridge,  # the platform name lowering uses ("cuda" for "gpu")
 )
-from jax._src.cudnn.scaled_matmul_stablehlo import (
-    _scaled_matmul_p as scaled_matmul_p,  # the block-scaled GEMM, for its CPU lowering
-)
-from jax._src.interpreters import mlir as _mlir  # the CPU lowering of bf16 -> f32 dots
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as jex_primitives
 
@@ -65,40 +31,6 @@ else:  # jax 0.8 and 0.9 have them in jax.core only (the type checker runs the n
 _JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:3] if part.isdigit())
 
 
-def mixed_fp8_dots() -> bool:
-    """Whether this JAX's XLA compiles a GPU ``dot`` whose operands are two different float8
-    types (e5m2 x e4m3, the fp8 backward GEMMs) with its default flags.
-
-    XLA's Triton GEMMs of jax 0.8 refuse them ("Dot operation only supports same types for lhs
-    and rhs"; cuBLASLt, with Triton GEMMs off, takes them); those of jax 0.10.2 and 0.12 take
-    them. Versions in between were not checked, and are treated like 0.8.
-    """
-    return _JAX_VERSION >= (0, 10, 2)
-
-
-def widen_narrow_dots_on_cpu() -> None:
-    """Lowers a CPU ``dot_general`` of two bf16 (or f16) operands with an f32 result (the
-    reduce dtype's weight gradients) on operands widened to f32: XLA's CPU runtime lacks that
-    dot ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32", jax 0.8.1 and
-    0.12, in some fusions), and the products of two bf16 values are exact in f32."""
-    entry = _mlir._platform_specific_lowerings["cpu"][lax.dot_general_p]
-    rule: Any = getattr(entry, "rule", entry)
-    if getattr(rule, "_mpjax_widens", False):
-        return
-
-    def lower(ctx: Any, lhs: Any, rhs: Any, **params: Any) -> Any:
-        avals, (out,) = list(ctx.avals_in), ctx.avals_out
-        narrow = {np.dtype(jax.numpy.bfloat16), np.dtype(np.float16)}
-        if {np.dtype(a.dtype) for a in avals} <= narrow and out.dtype == np.float32:
-            wide = [a.update(dtype=np.dtype(np.float32)) for a in avals]
-            lhs, rhs = (_mlir.convert_hlo(ctx, x, a, w) for x, a, w in zip((lhs, rhs), avals, wide))
-            ctx = ctx.replace(avals_in=wide)
-        return rule(ctx, lhs, rhs, **params)
-
-    lower._mpjax_widens = True  # type: ignore[attr-defined]
-    _mlir.register_lowering(lax.dot_general_p, lower, platform="cpu")
-
-
 class UnsupportedJaxError(RuntimeError):
     """Raised when an equation lacks a param mpjax reads: this JAX is newer (or older) than
     the versions :mod:`mpjax.jax_compat` knows."""
@@ -111,7 +43,7 @@ def _param(eqn: Any, name: str) -> Any:
         raise UnsupportedJaxError(
             f"mpjax cannot read {eqn.primitive.name!r} equations of jax {jax.__version__}: they "
             f"have no param {name!r} (they have {sorted(eqn.params)}). mpjax supports jax 0.8.1 "
-            "to 0.12; mpjax/jax_compat.py is the place to teach it another version."
+            "to 0.12; mpjax/jax_compat/ is the place to teach it another version."
         ) from None
 
 
@@ -214,7 +146,7 @@ def is_backward(eqn: Any) -> bool:
 
 # mpjax's own frames: the casts it writes (a region's output boundary, the engine's casts)
 # belong to the line that called the module or wrote the operation, outside mpjax.
-_MPJAX_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_MPJAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # mpjax/
 
 
 def source_location(eqn: Any) -> str:
@@ -251,6 +183,22 @@ class DotParams:
 def dot_params(eqn: Any) -> DotParams:
     """The dimension numbers and precision of a ``dot_general`` equation."""
     return DotParams(_param(eqn, "dimension_numbers"), eqn.params.get("precision"))
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedDotParams:
+    """What a ``ragged_dot_general`` equation computes, in ``lax.ragged_dot_general``'s terms
+    (the same params in jax 0.8.1 and 0.12, which adds ``out_sharding``)."""
+
+    dimension_numbers: Any  # a lax.RaggedDotDimensionNumbers
+    group_offset: Any
+
+
+def ragged_dot_params(eqn: Any) -> RaggedDotParams:
+    """The dimension numbers and group offset of a ``ragged_dot_general`` equation."""
+    return RaggedDotParams(
+        _param(eqn, "ragged_dot_dimension_numbers"), eqn.params.get("group_offset")
+    )
 
 
 # --- Matmul precision -----------------------------------------------------------------------
@@ -408,126 +356,6 @@ def cond_platforms(eqn: Any) -> tuple[tuple[str, ...] | None, ...] | None:
     other branches are never lowered, so they may hold operations that platform cannot run.
     """
     return eqn.params.get("branches_platforms")
-
-
-def lowering_platform() -> str:
-    """The platform name JAX lowers for on the default backend, as ``lax.platform_dependent``
-    and :func:`cond_platforms` name platforms: ``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``
-    (``jax.default_backend()`` says ``"gpu"`` for the GPU ones)."""
-    return xla_bridge.canonicalize_platform(jax.default_backend())
-
-
-BLOCK_SCALED_MATMUL = "scaled_matmul_wrapper"
-"""The jaxpr primitive of ``jax.nn.scaled_matmul`` (the same name in jax 0.8.1 and 0.12): a
-block-scaled GEMM on ``(B, M, K)`` and ``(B, N, K)`` values and their block scales."""
-
-
-def emulate_block_scaled_matmuls_on_cpu() -> None:
-    """Lowers ``jax.nn.scaled_matmul`` on the CPU as a Blackwell GEMM computes it: the values
-    times their block scales, multiplied and accumulated in float32, rounded once to the output
-    dtype. jax 0.8.1 has no CPU lowering; 0.12's multiplies in the output dtype, and inside a
-    larger jit XLA's CPU may then accumulate a bf16 GEMM in bf16 (2% off over 64 terms)."""
-    lowering = _mlir.lower_fun(_emulated, multiple_results=False)
-    _mlir.register_lowering(scaled_matmul_p, lowering, platform="cpu")
-
-
-def _emulated(a: Any, b: Any, a_scales: Any, b_scales: Any, *, preferred_element_type: Any):
-    f32 = np.float32  # (B, M, K) as (B, M, K / block, block), times its scales
-    a, b = (
-        x.reshape(*s.shape, -1).astype(f32) * s.astype(f32)[..., None]
-        for x, s in ((a, a_scales), (b, b_scales))
-    )
-    dims = (((2, 3), (2, 3)), ((0,), (0,)))
-    out = lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST, preferred_element_type=f32)
-    return out.astype(preferred_element_type)
-
-
-PALLAS_BLOCK = pallas_flash.MIN_BLOCK_SIZE
-"""The block size of Pallas's TPU flash attention along both sequences, forward and backward
-(JAX's default block sizes): sequence lengths must be multiples of it."""
-
-
-def pallas_flash_attention(
-    query: jax.Array, key: jax.Array, value: jax.Array, *, is_causal: bool, scale: float
-) -> jax.Array:
-    """Pallas's TPU flash attention (forward and backward kernels, through its ``custom_vjp``)
-    on ``[batch, heads, length, head_dim]`` operands, with JAX's default block sizes
-    (``PALLAS_BLOCK``, 128, along both sequences, one batch row a block).
-
-    It lowers to Mosaic ``tpu_custom_call`` instructions, which compile for TPUs only, unless traced in
-    :func:`pallas_tpu_interpreted`.
-    """
-    b, n, t, h = query.shape
-    blocks = pallas_flash.BlockSizes.get_default(b, n, t, key.shape[2], h)
-    return pallas_flash.flash_attention(
-        query, key, value, causal=is_causal, sm_scale=scale, block_sizes=blocks
-    )
-
-
-def partitioned_axes(x: Any) -> dict[str, int]:
-    """The axes of the mesh of ``x``'s sharding as it is traced that XLA partitions the step
-    over, by name, with their sizes: the input shardings of a ``jax.jit`` reach every value
-    computed from them, on an abstract mesh of all the step's devices. Axes of one device and
-    the manual axes of an enclosing ``shard_map`` (whose values are one device's share
-    already) are left out; an unsharded value, or one traced outside ``jit``, has none. A Mosaic
-    kernel (Pallas) cannot be partitioned by XLA: it runs on these axes under a ``shard_map``
-    of :func:`traced_mesh`."""
-    mesh = traced_mesh(x)
-    if mesh is None:
-        return {}
-    manual = manual_axes(x)
-    return {name: int(size) for name, size in mesh.shape.items() if size > 1 and name not in manual}
-
-
-def manual_axes(x: Any) -> frozenset[str]:
-    """The axes of the mesh of ``x``'s sharding as it is traced that an enclosing ``shard_map``
-    made manual (none outside one)."""
-    mesh = traced_mesh(x)
-    if mesh is None:
-        return frozenset()
-    types = zip(mesh.axis_names, getattr(mesh, "axis_types", ()), strict=False)
-    return frozenset(name for name, kind in types if kind == jax.sharding.AxisType.Manual)
-
-
-def traced_mesh(x: Any) -> Any:
-    """The abstract mesh of ``x``'s sharding as it is traced (``jax.sharding.AbstractMesh``,
-    which ``jax.shard_map`` takes), or None where it has none."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or not getattr(mesh, "axis_names", ()):
-        return None
-    return mesh
-
-
-def traced_platform(x: Any) -> str | None:
-    """The platform (``"cpu"``, ``"gpu"``, ``"tpu"``) of the devices ``x``'s sharding places it
-    on as it is traced, read off the abstract device of its mesh (a step lowered for the
-    compile-only devices of an ahead-of-time compile names theirs), or None where it names
-    none."""
-    mesh = traced_mesh(x)
-    device = getattr(mesh, "abstract_device", None)
-    if device is None:
-        return None
-    platform = getattr(device, "platform", None)
-    if platform is not None:
-        return platform
-    # jax 0.8's abstract devices have a kind and no platform: "cpu", "TPU v5", "NVIDIA H100".
-    kind = str(getattr(device, "device_kind", "")).lower()
-    return "cpu" if kind == "cpu" else "tpu" if kind.startswith("tpu") else "gpu" if kind else None
-
-
-def pallas_interpreter_runs_sharded() -> bool:
-    """Whether Pallas's TPU interpreter (:func:`pallas_tpu_interpreted`) runs kernels under a
-    ``shard_map`` of several CPU devices. Seen: jax 0.12 runs them; jax 0.8.1's interpreter
-    waits on a barrier of every device from host callbacks XLA's CPU runtime runs one at a
-    time, and hangs. On TPUs the kernels run under ``shard_map`` on either."""
-    return _JAX_VERSION >= (0, 12)
-
-
-def pallas_tpu_interpreted() -> contextlib.AbstractContextManager[None]:
-    """Runs the Pallas TPU kernels traced inside it with Pallas's TPU interpreter, on any
-    platform (slowly): how the kernels' numbers are checked on a CPU."""
-    return pltpu.force_tpu_interpret_mode()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -701,23 +529,3 @@ def scan_copies(length: int, unroll: int) -> int:
 def jaxpr_function(jaxpr: Any) -> Callable[..., list[Any]]:
     """A function evaluating the closed ``jaxpr`` on its flat inputs (for ``jax.jit``)."""
     return jex_core.jaxpr_as_fun(closed(jaxpr))
-
-
-# --- The environment of compile-only devices, set before JAX starts its backends -------
-
-
-def _compile_only_environment(platforms: str) -> None:
-    """Where ``platforms`` (JAX's ``jax_platforms``, ``"cpu"``, or empty for its default) names
-    no CUDA, skips the jax 0.8 CUDA plugin's check of the local CUDA installation (without a GPU
-    it fails and leaves the plugin unregistered for compile-only targets, as later plugins no
-    longer do); where it names no TPU, lets several processes load libtpu (which locks it to
-    one), each compiling for TPU targets (a benchmark's workers). At import, before JAX starts
-    its backends."""
-    names = {p.strip() for p in platforms.split(",") if p.strip()}
-    if names and not names & {"cuda", "gpu"}:
-        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    if names and "tpu" not in names:
-        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-
-_compile_only_environment(getattr(jax.config, "jax_platforms", None) or "")
