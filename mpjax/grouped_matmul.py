@@ -37,6 +37,7 @@ for one (an H100 plan), a program lowered for another (a B200) takes XLA's path,
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -50,11 +51,13 @@ from mpjax import jax_compat
 
 __all__ = [
     "FORMS",
+    "SCOPE",
     "GroupedMatmulWarning",
     "check_operands",
     "grouped_dot",
     "grouped_form",
     "kernel_refusal",
+    "scope_name",
 ]
 
 FORMS = ("forward", "input_gradient", "weight_gradient")
@@ -323,10 +326,28 @@ grouped_matmul_p = jax_compat.gpu_chosen_primitive(
 ``out_dtype``): XLA's ``ragged_dot_general``, or on a CUDA GPU the kernel chosen for it."""
 
 
+def scope_name(form: str, rows: int, k: int, n: int) -> str:
+    """The named scope around a grouped GEMM: its form and sizes, which the compiled program's
+    op names carry, so that a plan reads a grouped GEMM's FLOPs off any kernel or dense GEMM
+    it became (the parenthesis keeps it out of module paths, as JAX's own scopes).
+
+    >>> scope_name("forward", 4096, 1024, 2048)
+    'grouped_matmul(forward, 4096x1024x2048)'
+    """
+    return f"grouped_matmul({form}, {rows}x{k}x{n})"
+
+
+SCOPE = re.compile(r"grouped_matmul\((?P<form>\w+), (?P<rows>\d+)x(?P<k>\d+)x(?P<n>\d+)\)")
+"""What :func:`scope_name` writes, as a regular expression with the groups ``form``, ``rows``,
+``k`` and ``n``."""
+
+
 def _bind(form: str, lhs: Any, rhs: Any, group_sizes: Any, out_dtype: Any) -> Any:
-    return grouped_matmul_p.bind(
-        lhs, rhs, group_sizes.astype(jnp.int32), form=form, out_dtype=np.dtype(out_dtype)
-    )
+    rows, k, n = _shapes(form, lhs.shape, rhs.shape)
+    with jax.named_scope(scope_name(form, rows, k, n)):
+        return grouped_matmul_p.bind(
+            lhs, rhs, group_sizes.astype(jnp.int32), form=form, out_dtype=np.dtype(out_dtype)
+        )
 
 
 # --- The grouped GEMM with its backward pass ---------------------------------------------

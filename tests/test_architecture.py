@@ -60,6 +60,7 @@ LAYERS = (
         "planning.hlo_text",
         "planning.targets",
         "planning.rows",
+        "planning.grouped",  # the grouped GEMMs a plan reads: kernels, dense expansions
         "planning.collectives",
         "planning.deviceless",  # compile-only GPUs and TPUs, and their compiles
         "planning.compile_only",  # tracing for devices this process lacks (AOT compiles)

@@ -352,8 +352,9 @@ for target in sys.argv[1:]:
         warnings.simplefilter("always")
         plan = mpjax.plan(jax.value_and_grad(loss, (0, 1)), target)(*args)
     calls = re.findall(r'custom_call_target="mosaic_gpu_v2"', plan.hlo_text)
-    dense = [g.flops for g in plan.gemms]
+    dense = [g.flops for g in plan.gemms if g.library not in ("mosaic", "mxu")]
     print(target, len(calls), dense, [str(w.message)[:60] for w in said if "Mosaic" in str(w.message)])
+    print("summary", plan.summary().replace(chr(10), " | "))
 """
 
 
@@ -368,28 +369,83 @@ def _compile(*targets):
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return [
-        line.split(" ", 1)[1]
-        for line in result.stdout.splitlines()
-        if line.split(" ")[0] in targets
-    ]
+    lines = result.stdout.splitlines()
+    rows = [line.split(" ", 1)[1] for line in lines if line.split(" ")[0] in targets]
+    summaries = [line.split(" ", 1)[1] for line in lines if line.startswith("summary ")]
+    return list(zip(rows, summaries))
 
 
 @pytest.mark.slow
 def test_an_h100_runs_all_three_gemms_in_hopper_kernels():
-    (row,) = _compile("h100")
+    ((row, summary),) = _compile("h100")
     assert row == "3 [] []"  # three Mosaic kernels, no dense GEMM
+    assert "grouped GEMMs: 3 kernel runs (25.8G FLOPs" in summary
+    assert "matmul FLOPs: 25.8G (bfloat16 100.0%)" in summary  # the model's: 3 x 2 x M x K x N
+
+
+@pytest.mark.slow
+def test_a_tpu_runs_xlas_own_ragged_dot_kernels():
+    if mpjax.plan_unavailable("v5p") is not None:
+        pytest.skip(f"the plan cannot compile: {mpjax.plan_unavailable('v5p')}")
+    ((row, summary),) = _compile("v5p")
+    assert row.startswith("0 [] ")  # no Mosaic GPU kernel, no dense GEMM
+    assert "grouped GEMMs: 3 kernel runs (25.8G FLOPs" in summary
 
 
 @pytest.mark.slow
 def test_a_b200_runs_forward_and_input_gradient_in_blackwell_kernels_and_a_second_architecture_falls_back():
-    b200, h100 = _compile("b200", "h100")
+    (b200, b200_summary), (h100, _) = _compile("b200", "h100")
     # JAX has no Blackwell weight-gradient kernel: XLA's dense GEMM over every expert (8x the
-    # 2 * 2048 * 1024 * 2048 FLOPs).
+    # 2 * 2048 * 1024 * 2048 FLOPs), named with the FLOPs it needs and why.
     assert b200 == f"2 [{8 * 2 * M_BIG * K_BIG * N_BIG}] []"
+    assert (
+        "expanded dense by XLA: weight_gradient, 1 run, 68.7G FLOPs for 8.59G of work (JAX has "
+        "no Blackwell kernel for the weight gradient)"
+    ) in b200_summary
     # Mosaic compiled for the B200 first: the H100's GEMMs take XLA's path, said once each.
     calls, dense, said = h100.split(" ", 2)
     assert calls == "0" and said.count("Mosaic GPU compiled") == 3
 
 
 M_BIG, K_BIG, N_BIG = 2048, 1024, 2048
+
+
+# --- What a plan reads of them --------------------------------------------------------------
+
+_HLO = """HloModule m, entry_computation_layout={}
+
+ENTRY %main (sizes: s32[8], x: bf16[2048,1024], w: bf16[8,1024,2048], g: bf16[2048,2048], m: bf16[2048,8192]) -> bf16[2048,2048] {
+  %sizes = s32[8]{0} parameter(0)
+  %x = bf16[2048,1024]{1,0} parameter(1)
+  %w = bf16[8,1024,2048]{2,1,0} parameter(2)
+  %g = bf16[2048,2048]{1,0} parameter(3)
+  %m = bf16[2048,8192]{1,0} parameter(4)
+  %k1 = bf16[2048,2048]{1,0} custom-call(%sizes, %x, %w), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/jvp(grouped_matmul(forward, 2048x1024x2048))/body/mpmd_map"}
+  %d1 = f32[8,1024,2048]{2,1,0} dot(%x, %g), lhs_contracting_dims={0}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/transpose(jvp(grouped_matmul(weight_gradient, 2048x1024x2048)))/ragged_dot_general"}
+  %d2 = bf16[2048,2048]{1,0} dot(%m, %m), lhs_contracting_dims={1}, rhs_contracting_dims={1}, metadata={op_name="jit(f)/ragged_dot_general"}
+  %other = bf16[2048,2048]{1,0} dot(%g, %g), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/dot_general"}
+  ROOT %k2 = bf16[2048,1024]{1,0} custom-call(%sizes, %g, %w), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/transpose(jvp(grouped_matmul(input_gradient, 2048x1024x2048)))/body/mpmd_map"}
+}
+"""
+
+
+def test_a_plan_reads_grouped_kernels_and_the_dense_gemms_xla_made_of_ragged_dots():
+    plan = mpjax.Plan.from_hlo_text(_HLO, device="NVIDIA B200")
+    work = 2 * 2048 * 1024 * 2048
+    by_name = {g.name: g for g in plan.gemms}
+    kernel = by_name["k1"]
+    assert (kernel.library, kernel.grouped, kernel.flops, kernel.model_flops) == (
+        "mosaic",
+        "forward",
+        work,
+        work,
+    )
+    assert by_name["k2"].grouped == "input_gradient"
+    dense = by_name["d1"]  # a grouped GEMM XLA expanded: 8x the work it needs
+    assert (dense.grouped, dense.flops, dense.model_flops) == ("weight_gradient", 8 * work, work)
+    assert by_name["d2"].grouped == "ragged_dot" and by_name["d2"].model_flops is None
+    assert by_name["other"].grouped is None
+    summary = plan.summary()
+    assert "grouped GEMMs: 2 kernel runs (17.2G FLOPs" in summary
+    assert "expanded dense by XLA: weight_gradient, 1 run, 68.7G FLOPs for 8.59G of work" in summary
+    assert "expanded dense by XLA: ragged_dot, 1 run" in summary

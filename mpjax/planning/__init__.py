@@ -5,6 +5,8 @@
   attention, memory per device, collectives, and on a TPU XLA's estimated time.
 - :mod:`mpjax.planning.rows`: the parts of a plan read from the optimized HLO (GEMMs,
   attention, scatters) and from XLA's memory analysis.
+- :mod:`mpjax.planning.grouped`: the grouped GEMMs of a mixture of experts, as kernels or as
+  the dense GEMMs XLA expanded them into (with the FLOPs they waste).
 - :mod:`mpjax.planning.hlo_text`: the text form of optimized HLO, parsed into computations and
   instructions.
 - :mod:`mpjax.planning.collectives`: what a sharded step sends between devices, by kind, dtype,

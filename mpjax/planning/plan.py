@@ -51,6 +51,7 @@ from mpjax.planning.collectives import (
 )
 from mpjax.planning.compile_only import compile_only
 from mpjax.planning.devices import target_devices
+from mpjax.planning.grouped import annotate_grouped, grouped_lines, read_grouped
 from mpjax.planning.hlo_text import parse_module
 from mpjax.planning.loops import PlanLoop, loop_costs, loop_lines
 from mpjax.planning.rows import (
@@ -97,7 +98,9 @@ def _read(hlo_text: str, platform: str) -> dict[str, Any]:
         "collectives": read_collectives(module),
         "loop_trips": loop_trip_counts(module),
     }
-    return {**read_module(module, platform), **loops}
+    read = read_module(module, platform)
+    read["gemms"] = annotate_grouped(read["gemms"]) + read_grouped(module)
+    return {**read, **loops}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,6 +442,7 @@ class Plan:
                     + ", ".join(f"{k} {v / f32:.1%}" for k, v in precisions.items())
                 )
         lines += block_scaled_lines(self.gemms, total, known_target(self.target))
+        lines += grouped_lines(self.gemms, known_target(self.target))
         return "\n".join(lines)
 
     def table(self) -> str:

@@ -54,11 +54,13 @@ LIBRARIES = (
     "cudnn_block_scaled",
     "xla",
     "mxu",
+    "mosaic",
 )
 """What runs a :class:`PlanGemm`: on a GPU cuBLASLt (``__cublas$lt$matmul``), its fp8 form
 (``__cublas$lt$matmul$f8``), legacy cuBLAS (``__cublas$gemm``), a Triton GEMM fusion, a cuDNN
-GEMM fusion, cuDNN's block-scaled GEMM (``__cudnn$blockScaledDot``), or XLA's own emitter (a
-``dot`` left in place or inside an ordinary fusion); on a TPU its matrix units (``"mxu"``)."""
+GEMM fusion, cuDNN's block-scaled GEMM (``__cudnn$blockScaledDot``), XLA's own emitter (a
+``dot`` left in place or inside an ordinary fusion) or a Pallas Mosaic GPU kernel (a grouped
+GEMM, :mod:`mpjax.planning.grouped`); on a TPU its matrix units (``"mxu"``)."""
 
 _BLOCK_SCALED_DOT = "__cudnn$blockScaledDot"
 # ``jax.nn.scaled_dot_general``'s block-scaled matmul in an HLO op name: the operation
@@ -127,6 +129,13 @@ class PlanGemm:
         their scales in the kernel (library ``"cudnn_block_scaled"``).
       scale_dtype: a block-scaled GEMM's scales' dtype (``float8_e8m0fnu`` for MXFP8,
         ``float8_e4m3fn`` for NVFP4); None for any other GEMM.
+      grouped: for a mixture of experts' grouped GEMM, its form (``"forward"``,
+        ``"input_gradient"``, ``"weight_gradient"``), or ``"ragged_dot"`` for a dense GEMM XLA
+        made of a ``lax.ragged_dot`` written without mpjax; None for any other GEMM
+        (:mod:`mpjax.planning.grouped`).
+      model_flops: for a grouped GEMM, the FLOPs it needs (each row against its own group's
+        matrix): ``flops`` for a kernel, less than ``flops`` for a dense expansion. None where
+        not known.
     """
 
     name: str
@@ -143,6 +152,8 @@ class PlanGemm:
     precision: str = "default"
     block_scaled: bool = False
     scale_dtype: np.dtype | None = None
+    grouped: str | None = None
+    model_flops: int | None = None
 
     @property
     def emulated_block_scaled(self) -> bool:

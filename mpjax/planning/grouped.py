@@ -1,0 +1,178 @@
+"""The grouped GEMMs of a plan: what a mixture of experts' ragged dots compiled to.
+
+A grouped GEMM (:mod:`mpjax.grouped_matmul`) compiles to a kernel where the target has one:
+JAX's Mosaic GPU kernels on an H100 or a B200 (``custom-call`` ``mosaic_gpu_v2``), XLA's own
+ragged-dot kernel on a TPU (``tpu_custom_call`` named ``ragged-dot-none``). Where it has none,
+XLA expands the ragged dot into a dense GEMM over every group: G times the FLOPs, or more. A
+grouped GEMM's named scope (:func:`mpjax.grouped_matmul.scope_name`) carries its form and sizes
+into the compiled program's op names, so each of these reads as one :class:`~mpjax.PlanGemm`
+with its ``grouped`` form and ``model_flops``, the FLOPs the grouped GEMM needs. A
+``lax.ragged_dot`` written without mpjax carries no such scope: its dense expansion is named by
+its op name (``.../ragged_dot_general``), its needed FLOPs unknown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from mpjax.grouped_matmul import SCOPE, kernel_refusal
+from mpjax.planning.hlo_text import HloInstruction, HloModule
+from mpjax.planning.rows import PlanGemm, kernel_computations, np_dtype, op_name_of
+from mpjax.planning.targets import Target
+from mpjax.table import flops_text
+
+__all__ = ["annotate_grouped", "grouped_lines", "read_grouped"]
+
+_MOSAIC = "mosaic_gpu_v2"
+_TPU_RAGGED_DOT = "ragged-dot-none"  # XLA's TPU kernel (its metadata call is ragged-dot-metadata)
+_RAGGED = "ragged_dot_general"  # JAX's primitive, in the op name of what XLA made of it
+
+
+def _scoped(op_name: str) -> tuple[str, int, int, int] | None:
+    """``(form, rows, k, n)`` of the grouped GEMM whose scope ``op_name`` carries, or None."""
+    match = SCOPE.search(op_name)
+    if match is None:
+        return None
+    return match["form"], int(match["rows"]), int(match["k"]), int(match["n"])
+
+
+def _model_flops(rows: int, k: int, n: int) -> int:
+    """A grouped GEMM's FLOPs: each of its ``rows`` meets one ``k x n`` matrix (forward and
+    input gradient), or each contributes to one (weight gradient): ``2 * rows * k * n``."""
+    return 2 * rows * k * n
+
+
+def _kernel_row(
+    inst: HloInstruction, library: str, where: str, executions: int, computation
+) -> PlanGemm | None:
+    """The row of a grouped-GEMM kernel, read from its scope, or for XLA's TPU kernel without
+    one from its operands (the first two-dimensional operands are the token rows)."""
+    if not inst.shapes:
+        return None
+    out = inst.shapes[0]
+    op_name = op_name_of(inst)
+    scoped = _scoped(op_name)
+    shapes = [computation.operand_shape(inst, i) for i in range(len(inst.operands))]
+    data = [s for s in shapes if s is not None and jnp.issubdtype(np_dtype(s.dtype), jnp.floating)]
+    if scoped is not None:
+        form, rows, k, n = scoped
+    elif len(data) >= 2 and len(data[0].dims) == 2:
+        rows, reduced = data[0].dims
+        if len(out.dims) == 3:  # the weight gradient: [G, K, N] from [T, K] and [T, N]
+            form, k, n = "weight_gradient", out.dims[1], out.dims[2]
+        else:  # [T, C] times the groups' matrices into [T, O]
+            form, k, n = "forward", reduced, out.dims[-1]
+    else:
+        return None
+    dtype = np_dtype(data[0].dtype) if data else np_dtype(out.dtype)
+    lhs_shape, rhs_shape = _per_group_shapes(form, rows, k, n)
+    return PlanGemm(
+        name=inst.name,
+        computation=where,
+        library=library,
+        lhs_dtype=dtype,
+        rhs_dtype=dtype,
+        out_dtype=np_dtype(out.dtype),
+        flops=_model_flops(rows, k, n),
+        executions=executions,
+        lhs_shape=lhs_shape,
+        rhs_shape=rhs_shape,
+        op_name=op_name,
+        grouped=form,
+        model_flops=_model_flops(rows, k, n),
+    )
+
+
+def read_grouped(module: HloModule) -> tuple[PlanGemm, ...]:
+    """The grouped-GEMM kernels of ``module``: Mosaic GPU kernels that carry a grouped GEMM's
+    scope (library ``"mosaic"``) and XLA's TPU ragged-dot kernels (library ``"mxu"``)."""
+    rows = []
+    for where, executions in kernel_computations(module).items():
+        computation = module.computations[where]
+        for inst in computation.instructions:
+            if inst.opcode != "custom-call":
+                continue
+            target = inst.custom_call_target or ""
+            if target == _MOSAIC and _scoped(op_name_of(inst)) is not None:
+                row = _kernel_row(inst, "mosaic", where, executions, computation)
+            elif target == "tpu_custom_call" and inst.name.startswith(_TPU_RAGGED_DOT):
+                row = _kernel_row(inst, "mxu", where, executions, computation)
+            else:
+                continue
+            if row is not None:
+                rows.append(row)
+    return tuple(rows)
+
+
+def annotate_grouped(gemms: Sequence[PlanGemm]) -> tuple[PlanGemm, ...]:
+    """``gemms`` with the dense GEMMs XLA made of ragged dots marked: their ``grouped`` form
+    and ``model_flops`` where a grouped GEMM's scope says them, ``grouped="ragged_dot"`` (and
+    no model FLOPs) for a ``lax.ragged_dot`` written without mpjax."""
+    marked = []
+    for g in gemms:
+        scoped = _scoped(g.op_name)
+        if scoped is not None:
+            form, rows, k, n = scoped
+            g = dataclasses.replace(g, grouped=form, model_flops=_model_flops(rows, k, n))
+        elif g.op_name.rsplit("/", 1)[-1].startswith(_RAGGED):
+            g = dataclasses.replace(g, grouped="ragged_dot")
+        marked.append(g)
+    return tuple(marked)
+
+
+def grouped_lines(gemms: Sequence[PlanGemm], target: Target | None) -> list[str]:
+    """A plan's summary of its grouped GEMMs: those that run as kernels, and the dense GEMMs
+    XLA expanded ragged dots into, with the FLOPs they waste and why no kernel took them."""
+    kernels = [g for g in gemms if g.grouped and g.library in ("mosaic", "mxu")]
+    dense = [g for g in gemms if g.grouped and g.library not in ("mosaic", "mxu")]
+    lines = []
+    if kernels:
+        runs = sum(g.executions for g in kernels)
+        flops = sum(g.flops * g.executions for g in kernels)
+        lines.append(
+            f"grouped GEMMs: {runs} kernel run{'s' * (runs != 1)} ({flops_text(flops)} FLOPs, "
+            "each token against its own expert only)"
+        )
+    by_form: dict[tuple[str, str], list[PlanGemm]] = {}
+    capability = target.chip.compute_capability if target is not None else None
+    for g in dense:
+        reason = None
+        if capability is not None and g.grouped in ("forward", "input_gradient", "weight_gradient"):
+            lhs, rhs = _operand_shapes(g)
+            reason = kernel_refusal(capability[0], g.grouped, lhs, rhs, np.dtype(g.lhs_dtype))
+        by_form.setdefault((g.grouped or "", reason or ""), []).append(g)
+    for (form, reason), group in by_form.items():
+        runs = sum(g.executions for g in group)
+        flops = sum(g.flops * g.executions for g in group)
+        known = [g.model_flops * g.executions for g in group if g.model_flops is not None]
+        needed = f" for {flops_text(sum(known))} of work" if len(known) == len(group) else ""
+        lines.append(
+            f"grouped GEMMs expanded dense by XLA: {form}, {runs} run{'s' * (runs != 1)}, "
+            f"{flops_text(flops)} FLOPs{needed}" + (f" ({reason})" if reason else "")
+        )
+    return lines
+
+
+def _per_group_shapes(form: str, rows: int, k: int, n: int) -> tuple[tuple[int, ...], ...]:
+    """A grouped GEMM's operands as a plan shows them: the token rows, and one group's matrix
+    (``(k, n)``; the output gradient ``(rows, n)`` for the weight gradient)."""
+    if form == "forward":
+        return (rows, k), (k, n)
+    if form == "input_gradient":
+        return (rows, n), (k, n)
+    return (rows, k), (rows, n)
+
+
+def _operand_shapes(g: PlanGemm) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The grouped GEMM's operand shapes as :func:`~mpjax.grouped_matmul.kernel_refusal`
+    takes them (one group for the weights), from its scope's sizes."""
+    scoped = _scoped(g.op_name)
+    assert scoped is not None
+    form, rows, k, n = scoped
+    if form == "weight_gradient":
+        return (rows, k), (rows, n)
+    return ((rows, n) if form == "input_gradient" else (rows, k)), (1, k, n)
