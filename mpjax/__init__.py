@@ -95,6 +95,7 @@ from mpjax.rules import (
     as_rules,
     embedding_policy,
     norm_policy,
+    router_policy,
 )
 
 _flax: Any
@@ -226,6 +227,7 @@ __all__ = [
     "quantization_choices",
     "quantize_blockwise",
     "ragged_dot",
+    "router_policy",
     "quantized_state",
     "scale_loss",
     "scaled_value_and_grad",

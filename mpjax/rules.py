@@ -218,6 +218,32 @@ def embedding_policy(default: PolicyLike) -> Policy:
     return dataclasses.replace(default, output_dtype=default.compute_dtype)
 
 
+def router_policy(default: PolicyLike) -> Policy:
+    """A mixture of experts' router: its logits' matmul in float32 (at true float32
+    precision), its output float32, params as the default stores them.
+
+    The policy of the built-in router rule (:data:`ROUTER_PATHS`): the experts a token goes
+    to are the top-k of these logits, and a bf16 logit moves in steps of 1/128 of its size, so
+    near-ties flip between runs and the load-balancing statistics drift. The softmax or
+    sigmoid, the top-k and the auxiliary losses after it take float32 logits in float32 (the
+    casting engine runs exp, log and sums in float32 wherever they are). DeepSeek-V3, Qwen and
+    Switch Transformers route in float32.
+
+    >>> router_policy("mixed_bfloat16")
+    Policy(param_dtype=float32, compute_dtype=float32, output_dtype=float32)
+    """
+    default = _policy_argument(default, "router_policy(default): default")
+    f32 = np.dtype(jnp.float32)
+    return Policy(default.param_dtype, f32, f32)
+
+
+ROUTER_PATHS = re.compile(r"(?i)(?:.*[/.])?(?:router|gate)(?:_\d+)?(?:[/.\[].*)?")
+"""The module paths the built-in router rule matches: a module named ``router`` or ``gate``
+(any case; Flax's automatic ``Router_0`` too), and everything inside it, in the path syntax of
+linen and NNX (``moe/router``) and of Equinox (``layers[0].moe.gate``). Mixtral, Qwen-MoE and
+DeepSeek name their routers ``gate``, Llama 4 and gpt-oss ``router``; a gated MLP's projection
+is ``gate_proj`` in them, which it leaves alone."""
+
 # mpjax's built-in rules, in registration order. Softmax needs no rule: the casting engine
 # runs its exp and sums in f32 wherever it is.
 _BUILTIN_RULES: list[Rule] = []
@@ -275,6 +301,9 @@ def _register_class_rules(
 def builtin_rules() -> tuple[Rule, ...]:
     """The built-in rules registered so far, in registration order."""
     return tuple(_BUILTIN_RULES)
+
+
+register_builtin_rule(Rule(ROUTER_PATHS, router_policy, name="builtin: MoE router in f32"))
 
 
 def _as_rule(entry: Any) -> Rule:

@@ -103,6 +103,7 @@ PUBLIC = {
         "quantize_blockwise",
         "quantized_state",
         "ragged_dot",
+        "router_policy",
         "scale_loss",
         "scaled_value_and_grad",
         "state_precision",

@@ -144,7 +144,7 @@ def test_problems_report_never_matching_and_shadowed_rules():
         (lambda: Rules({"  ": "f32"}), ValueError, "Rule key must not be empty"),
         (lambda: Rules([("a", "f32"), ("a", "f16")]), ValueError, "Duplicate rule keys: a"),
         (lambda: Rules(["a"]), TypeError, "Each rule must be a Rule or a \\(key, policy\\)"),
-        (lambda: Rules().without("x"), ValueError, "No rule has key 'x'. Keys: flax.linen"),
+        (lambda: Rules().without("x"), ValueError, "No rule has key 'x'. Keys: re:"),
         (lambda: Rules(default="mixed_bf"), ValueError, "Unknown policy 'mixed_bf'"),
     ],
 )
@@ -182,7 +182,7 @@ def test_as_rules_rejects_anything_else_naming_the_argument(spec):
 
 def test_integrations_register_their_norms_and_embeddings_in_order_with_stable_names():
     names = [r.name for r in Rules().rules]
-    assert names == [
+    assert names == ["builtin: MoE router in f32"] + [
         name
         for lib, embed in (("linen", "Embed"), ("nnx", "Embed"), ("equinox", "Embedding"))
         for name in (
@@ -192,6 +192,7 @@ def test_integrations_register_their_norms_and_embeddings_in_order_with_stable_n
         )
     ]
     assert [r.key for r in Rules().rules] == [
+        rules_module.ROUTER_PATHS,
         nn.LayerNorm,
         nn.RMSNorm,
         nn.BatchNorm,
@@ -462,3 +463,28 @@ def test_the_integrations_own_calls_still_name_themselves():
     model = mpjax.linen.apply_policy(_LinenMLP(), Rules({"fc3": "float32"}))
     with pytest.raises(ValueError, match=r"^mpjax.linen.apply_policy\(\): rule 'fc3'"):
         model.init(jax.random.key(0), jnp.ones((3, 4)))
+
+
+@pytest.mark.parametrize(
+    "path, routes",
+    [
+        ("moe/router", True),
+        ("h0/mlp/gate", True),  # Mixtral's, Qwen's and DeepSeek's name
+        ("h_0/MoELayer_0/Router_0/Dense_0", True),  # linen's automatic names, and inside
+        ("layers[3].moe.gate", True),  # Equinox's path syntax
+        ("blocks/2/moe/router/kernel_proj", True),
+        ("mlp/gate_proj", False),  # a gated MLP's projection
+        ("gateway", False),
+        ("router_head_sampler", False),
+        ("mlp/up", False),
+    ],
+)
+def test_the_builtin_router_rule_keeps_routers_in_float32(path, routes):
+    resolution = Rules(default="mixed_bfloat16").resolve(path, nn.Dense)
+    assert (resolution.rule_name == "builtin: MoE router in f32") is routes
+    if routes:
+        assert resolution.policy == get_policy("p=f32,c=f32,o=f32")
+    # A user's rule comes first: the router runs as the user says.
+    mine = Rules({"*router*": "mixed_bfloat16"}, default="float32").resolve(path, nn.Dense)
+    if "router" in path:  # the glob is case-sensitive, as fnmatch is
+        assert mine.policy == MIXED and mine.rule_name == "*router*"
