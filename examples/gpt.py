@@ -15,6 +15,11 @@ Two choices change how the model runs, not what it computes:
   of deep models short; each block may be rematerialized (``nn.remat``) in the backward pass
   to save activation memory.
 
+With ``n_experts`` the MLP of every block is a mixture of experts instead (:class:`MoE`): a
+router picks ``top_k`` of ``n_experts`` expert MLPs for each token, the tokens are sorted by
+expert and each expert's GEMMs run on its own tokens only, as one ``lax.ragged_dot`` (a
+grouped GEMM); an optional shared expert sees every token.
+
 The model takes Flax's usual ``dtype`` (compute) and ``param_dtype`` (storage) fields and
 passes them to every layer. Left at their defaults (``None`` / float32) the model is plain
 f32 Flax: that is what a policy-aware wrapper receives. Setting them by hand
@@ -31,6 +36,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 import mpjax
 
@@ -64,6 +70,13 @@ class GPTConfig:
       block_input_sharding: where each block's input ``[batch, time, d_model]`` is placed on
         a mesh (a ``jax.sharding.NamedSharding``; see ``examples/sharding.py``), or None to
         leave it to XLA.
+      n_experts: experts in the mixture that replaces each block's MLP; 0 keeps the MLP.
+      top_k: experts each token goes to.
+      expert_ratio: hidden width of each expert as a multiple of ``d_model`` (``mlp_ratio``
+        if None).
+      shared_expert: add an MLP that every token goes through (DeepSeek's shared expert).
+      balance_weight: weight of the router's load-balancing loss (Switch Transformer's).
+      z_weight: weight of the router's z-loss (the squared log-sum-exp of its logits).
     """
 
     vocab_size: int = 256
@@ -77,6 +90,12 @@ class GPTConfig:
     scan_layers: bool = False
     remat: str = "none"
     block_input_sharding: Any = None
+    n_experts: int = 0
+    top_k: int = 2
+    expert_ratio: int | None = None
+    shared_expert: bool = False
+    balance_weight: float = 0.01
+    z_weight: float = 1e-3
 
     def __post_init__(self):
         if self.d_model % self.n_head:
@@ -89,23 +108,46 @@ class GPTConfig:
             raise ValueError(
                 f"remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}."
             )
+        if self.n_experts < 0:
+            raise ValueError(f"n_experts must be 0 (no experts) or more, got {self.n_experts}.")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(
+                f"top_k must be between 1 and n_experts={self.n_experts}, got {self.top_k}."
+            )
 
-    def num_params(self) -> int:
-        """Parameter count, position embeddings included (nanoGPT leaves them out)."""
+    def expert_width(self) -> int:
+        """Hidden width of each expert."""
+        return (self.expert_ratio or self.mlp_ratio) * self.d_model
+
+    def _block_params(self, experts: int) -> int:
+        """The params of one block, with the MLP's or ``experts`` experts' (router included)."""
         d, f = self.d_model, self.mlp_ratio * self.d_model
+        mlp = d * f + f + f * d + d
         per_block = (
             2 * 2 * d  # two LayerNorms (scale, bias)
             + d * 3 * d
             + 3 * d  # qkv projection
             + d * d
             + d  # attention output projection
-            + d * f
-            + f
-            + f * d
-            + d  # MLP
         )
+        if not self.n_experts:
+            return per_block + mlp
+        shared = mlp if self.shared_expert else 0
+        return per_block + d * self.n_experts + experts * 2 * d * self.expert_width() + shared
+
+    def num_params(self) -> int:
+        """Parameter count, position embeddings included (nanoGPT leaves them out), every
+        expert's included."""
+        d = self.d_model
         head = 0 if self.tie_embeddings else d * self.vocab_size
-        return self.vocab_size * d + self.block_size * d + self.n_layer * per_block + 2 * d + head
+        blocks = self.n_layer * self._block_params(self.n_experts)
+        return self.vocab_size * d + self.block_size * d + blocks + 2 * d + head
+
+    def active_params(self) -> int:
+        """The params a token's computation uses: :meth:`num_params` with ``top_k`` experts
+        per block instead of all of them."""
+        idle = self.n_layer * (self._block_params(self.n_experts) - self._block_params(self.top_k))
+        return self.num_params() - (idle if self.n_experts else 0)
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs (forward + backward) per token, the PaLM/nanoGPT estimate.
@@ -114,11 +156,20 @@ class GPTConfig:
         ``12 * n_layer * d_model * T`` for the attention score and value matmuls, where ``N``
         leaves out the position embedding (a lookup, not a matmul) and ``T`` is the sequence
         length. A tied token embedding counts once: its lookup is free and its use as the
-        output head is a matmul.
+        output head is a matmul. With experts, ``N`` counts those a token goes to
+        (:meth:`active_params`).
         """
         t = self.block_size if seq_len is None else seq_len
-        n = self.num_params() - self.block_size * self.d_model
+        n = self.active_params() - self.block_size * self.d_model
         return 6 * n + 12 * self.n_layer * self.d_model * t
+
+    def expert_flops_per_token(self) -> int:
+        """Training FLOPs per token of the experts' GEMMs (the grouped GEMMs): each token's
+        ``top_k`` experts, two GEMMs each, forward and backward (``6`` per weight); 0 without
+        experts."""
+        if not self.n_experts:
+            return 0
+        return self.n_layer * 6 * self.top_k * 2 * self.d_model * self.expert_width()
 
 
 # Presets. `tiny` trains on two CPU cores in a few minutes. `small` and `medium` have GPT-2
@@ -132,6 +183,11 @@ PRESETS: dict[str, GPTConfig] = {
     # About a billion parameters (1.21B): for planning a run on a pod (docs/pods.md), run
     # with --scan-layers to keep its compile short.
     "1b": GPTConfig(block_size=1024, n_layer=24, n_head=16, d_model=2048),
+    # A mixture of experts at `small`'s width: 12 blocks of 8 experts, 2 per token (482M params,
+    # 143M active per token), for plans of MoE steps (docs/moe.md).
+    "small-moe": GPTConfig(
+        block_size=1024, n_layer=12, n_head=12, d_model=768, n_experts=8, top_k=2
+    ),
 }
 
 
@@ -234,8 +290,70 @@ class MLP(nn.Module):
         )(x)
 
 
+class MoE(nn.Module):
+    """A top-k mixture of experts in place of the MLP, dropless: every token goes to its
+    ``top_k`` experts.
+
+    The router (``router``, a Dense without bias) scores the experts; each token goes to the
+    ``top_k`` most probable, weighted by their probabilities renormalized over those chosen.
+    The token-expert pairs are sorted by expert (``argsort``), so each expert's tokens are
+    consecutive rows, and the experts' two GEMMs (``w_in [E, d, f]``, ``w_out [E, f, d]``) are
+    one ``lax.ragged_dot`` each: a grouped GEMM over the groups of rows. The results go back
+    to token order (a scatter) and are summed with the router's weights. The router's
+    load-balancing and z-losses are sown in the ``"losses"`` collection, weighted.
+
+    The router computes in float32 whatever the model's ``dtype``, as MoE models do (a policy
+    does the same by its built-in router rule).
+    """
+
+    config: GPTConfig
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        b, t, d = x.shape
+        e, k, f = cfg.n_experts, cfg.top_k, cfg.expert_width()
+        tokens = x.reshape(b * t, d)
+        logits = nn.Dense(
+            e,
+            use_bias=False,
+            dtype=None if self.dtype is None else jnp.float32,
+            param_dtype=self.param_dtype,
+            kernel_init=_normal(0.02),
+            name="router",
+        )(tokens.astype(jnp.float32) if self.dtype is not None else tokens)
+        logits = logits.astype(jnp.float32)
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, chosen = lax.top_k(probs, k)  # [tokens, k]
+        weights = weights / weights.sum(-1, keepdims=True)
+        flat = chosen.reshape(-1)
+        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+        # Switch Transformer's balance: E * sum over experts of (share of the assignments) x
+        # (mean probability); 1 when both are uniform. The z-loss keeps the logits small.
+        balance = e * jnp.sum(sizes.astype(jnp.float32) / flat.size * probs.mean(0))
+        z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+        self.sow("losses", "routing", cfg.balance_weight * balance + cfg.z_weight * z)
+        # Dispatch: each expert's tokens consecutive, in one grouped GEMM per expert matrix.
+        order = jnp.argsort(flat, stable=True)
+        rows = tokens[order // k]
+        w_in = self.param("w_in", _normal(0.02), (e, d, f), self.param_dtype)
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+        w_out = self.param("w_out", _normal(out_std), (e, f, d), self.param_dtype)
+        dtype = rows.dtype if self.dtype is None else self.dtype
+        h = nn.gelu(lax.ragged_dot(rows.astype(dtype), w_in.astype(dtype), sizes))
+        out = lax.ragged_dot(h, w_out.astype(dtype), sizes)
+        # Combine: back to token order, each token's experts weighted by the router.
+        unsorted = jnp.zeros_like(out).at[order].set(out).reshape(b * t, k, d)
+        y = jnp.sum(unsorted * weights.astype(out.dtype)[..., None], axis=1)
+        if cfg.shared_expert:
+            y = y + MLP(cfg, dtype=self.dtype, param_dtype=self.param_dtype, name="shared")(tokens)
+        return y.reshape(b, t, d)
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)) (or the experts')."""
 
     config: GPTConfig
     dtype: Any = None
@@ -247,7 +365,9 @@ class Block(nn.Module):
         if self.config.block_input_sharding is not None:
             x = jax.lax.with_sharding_constraint(x, self.config.block_input_sharding)
         x = x + CausalSelfAttention(self.config, name="attn", **kw)(LayerNorm(name="ln1", **kw)(x))
-        return x + MLP(self.config, name="mlp", **kw)(LayerNorm(name="ln2", **kw)(x))
+        mlp = MoE(self.config, name="moe", **kw) if self.config.n_experts else None
+        mlp = mlp or MLP(self.config, name="mlp", **kw)
+        return x + mlp(LayerNorm(name="ln2", **kw)(x))
 
 
 class Embed(nn.Module):
@@ -341,7 +461,7 @@ class GPT(nn.Module):
             return x
         stack = nn.scan(
             lambda module, carry, _: (module(carry), None),
-            variable_axes={"params": 0},
+            variable_axes={"params": 0, "losses": 0},
             split_rngs={"params": True},
             length=cfg.n_layer,
         )

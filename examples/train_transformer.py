@@ -69,6 +69,10 @@ MODE = "mpjax"  # how the policy reaches the model: mpjax (module rules), hand, 
 ATTENTION_IMPL = "fused"  # fused (jax.nn.dot_product_attention: cuDNN flash on GPU) or naive
 SCAN_LAYERS = False  # run the blocks under nn.scan: one compiled block, for deep models
 REMAT = "none"  # rematerialize each block in the backward pass: none, full or dots
+EXPERTS = 0  # experts in the mixture that replaces each block's MLP; 0: a dense MLP
+TOP_K = 2  # experts each token goes to
+EXPERT_RATIO = None  # each expert's hidden width as a multiple of d_model; None: the MLP's
+SHARED_EXPERT = False  # add an MLP every token goes through, beside the routed experts
 POLICY = (
     "mixed_bfloat16"  # any mpjax policy: float32, mixed_bfloat16, mixed_bfloat16_fp8, bfloat16...
 )
@@ -126,6 +130,10 @@ class TrainConfig:
     attention: str = ATTENTION_IMPL
     scan_layers: bool = SCAN_LAYERS
     remat: str = REMAT
+    experts: int = EXPERTS
+    top_k: int = TOP_K
+    expert_ratio: int | None = EXPERT_RATIO
+    shared_expert: bool = SHARED_EXPERT
     policy: str = POLICY
     fp8_head: bool = FP8_HEAD
     mode: str = MODE
@@ -190,6 +198,10 @@ class TrainConfig:
             attention=self.attention,
             scan_layers=self.scan_layers,
             remat=self.remat,
+            n_experts=self.experts or base.n_experts,
+            top_k=self.top_k,
+            expert_ratio=self.expert_ratio or base.expert_ratio,
+            shared_expert=self.shared_expert or base.shared_expert,
         )
 
     def warmup(self) -> int:
@@ -248,6 +260,10 @@ _TRAJECTORY_FIELDS = (
     "untied",
     "attention",
     "scan_layers",
+    "experts",
+    "top_k",
+    "expert_ratio",
+    "shared_expert",
     "policy",
     "loss_scale",
     "master_weights",
@@ -479,7 +495,10 @@ def build_model(
             )
         return GPT(config, dtype=policy.compute_dtype, param_dtype=policy.param_dtype)
     if mode == "autocast":
-        return AutocastModel(GPT(config), policy, head_rule(config, policy, fp8_head, "GPT/"))
+        rules = head_rule(config, policy, fp8_head, "GPT/")
+        if config.n_experts:  # autocast matches scopes, and has no built-in rules
+            rules["GPT/*/router"] = mpjax.router_policy(policy)
+        return AutocastModel(GPT(config), policy, rules)
     raise ValueError(f"mode must be one of {', '.join(MODEL_MODES)}; got {mode!r}.")
 
 
@@ -658,16 +677,32 @@ def model_variables(params: Any, fp8: Any = None) -> dict:
     return {"params": params, **({FP8_COLLECTION: fp8} if fp8 else {})}
 
 
-def loss_fn(model: GPT, params: Any, x: jax.Array, y: jax.Array, fp8: Any = None) -> jax.Array:
-    """Mean next-byte cross-entropy in nats, always from f32 logits.
+def loss_fn(
+    model: GPT,
+    params: Any,
+    x: jax.Array,
+    y: jax.Array,
+    fp8: Any = None,
+    *,
+    router_losses: bool = True,
+) -> jax.Array:
+    """Mean next-byte cross-entropy in nats, always from f32 logits; with experts, plus the
+    routers' weighted load-balancing and z-losses (the objective trained; evaluation leaves
+    them out, ``router_losses=False``).
 
     The model returns f32 logits, but a policy whose output dtype is bf16 (``"bfloat16"``) makes
     a wrapped model return bf16 ones: the log-sum-exp over the vocabulary needs f32 either way.
     ``fp8`` is the delayed-scaling fp8 state, where the policy has one: differentiated with
     respect to it, the loss gives the next state (:func:`make_train_step`).
     """
-    logits = model.apply(model_variables(params, fp8), x).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    variables = model_variables(params, fp8)
+    if not model.config.n_experts:
+        logits = model.apply(variables, x).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    logits, sown = model.apply(variables, x, mutable=["losses"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+    routing = sum(jnp.sum(v.astype(jnp.float32)) for v in jax.tree.leaves(sown["losses"]))
+    return loss + routing if router_losses else loss
 
 
 def make_train_step(model: GPT, tx: optax.GradientTransformation):
@@ -1139,6 +1174,18 @@ def _set_aside(manager, failed: list[tuple[int, CorruptCheckpoint]], resumed: in
 # ----------------------------------------------------------------------------- training
 
 
+def _describe_experts(config: GPTConfig) -> str:
+    """The mixture of experts in the banner's model line, or nothing for dense MLPs."""
+    if not config.n_experts:
+        return ""
+    active = config.active_params() / 1e6
+    shared = " + a shared expert" if config.shared_expert else ""
+    return (
+        f", {config.n_experts} experts of width {config.expert_width()}, top-{config.top_k}"
+        f"{shared}: {active:.2f}M params active per token"
+    )
+
+
 def _describe_fp8(fp8: Any) -> str:
     """``; delayed fp8 state of 16 matmuls`` (a scanned one counts once per layer), or empty."""
     if not fp8:
@@ -1193,6 +1240,11 @@ def validate(cfg: TrainConfig) -> None:
         )
     if cfg.lr <= 0:
         raise ValueError(f"--lr must be positive, got {cfg.lr}.")
+    if cfg.experts < 0:
+        raise ValueError(f"--experts must be 0 (a dense MLP) or more, got {cfg.experts}.")
+    experts = cfg.experts or PRESETS[cfg.preset].n_experts
+    if experts and cfg.top_k > experts:
+        raise ValueError(f"--top-k {cfg.top_k} must be at most the {experts} experts.")
     if cfg.temperature <= 0:
         raise ValueError(f"--temperature must be positive, got {cfg.temperature}.")
     policy = mpjax.get_policy(cfg.policy)
@@ -1530,7 +1582,7 @@ def train(cfg: TrainConfig) -> dict:
     print(
         f"model: {cfg.preset} ({n_params / 1e6:.2f}M params, {mcfg.n_layer} layers, d_model "
         f"{mcfg.d_model}, {mcfg.n_head} heads, seq {seq_len}, "
-        f"{'tied' if mcfg.tie_embeddings else 'untied'} head)\n"
+        f"{'tied' if mcfg.tie_embeddings else 'untied'} head{_describe_experts(mcfg)})\n"
         f"policy: {cfg.policy} -> {policy!r} (mode: {cfg.mode}){_describe_fp8(state.fp8)}\n"
         f"optimizer: {describe_optimizer(cfg, policy)}; params + optimizer state "
         f"{mpjax.memory_report(state.params, state.opt_state).bytes_per_param:.2f} bytes/param\n"
@@ -1556,7 +1608,7 @@ def train(cfg: TrainConfig) -> dict:
         .lower(state, x_spec, x_spec)
         .compile()
     )
-    eval_fn = jax.jit(lambda p, fp8, x, y: loss_fn(model, p, x, y, fp8))
+    eval_fn = jax.jit(lambda p, fp8, x, y: loss_fn(model, p, x, y, fp8, router_losses=False))
     monitor = measured_fn = None
     if cfg.diagnose_every:
         # The check steps run a second compiled step that measures each module's values; the
@@ -1809,6 +1861,25 @@ def make_parser() -> argparse.ArgumentParser:
         default=REMAT,
         help="recompute each block in the backward pass to save memory: none, full "
         "(keep only its input) or dots (keep the weight matmuls)",
+    )
+    g.add_argument(
+        "--experts",
+        type=int,
+        default=EXPERTS,
+        help="replace each block's MLP by a mixture of this many experts (a router, top-k "
+        "dispatch and grouped GEMMs); 0: the dense MLP",
+    )
+    g.add_argument("--top-k", type=_positive_int, default=TOP_K, help="experts per token")
+    g.add_argument(
+        "--expert-ratio",
+        type=_positive_int,
+        default=EXPERT_RATIO,
+        help="each expert's hidden width as a multiple of d_model (default: the MLP's, 4)",
+    )
+    g.add_argument(
+        "--shared-expert",
+        action="store_true",
+        help="add an MLP every token goes through beside the routed experts",
     )
     g = p.add_argument_group("precision")
     g.add_argument(

@@ -222,7 +222,7 @@ def router_policy(default: PolicyLike) -> Policy:
     """A mixture of experts' router: its logits' matmul in float32 (at true float32
     precision), its output float32, params as the default stores them.
 
-    The policy of the built-in router rule (:data:`ROUTER_PATHS`): the experts a token goes
+    The policy of the built-in router rule (``mpjax.rules.ROUTER_PATHS``): the experts a token goes
     to are the top-k of these logits, and a bf16 logit moves in steps of 1/128 of its size, so
     near-ties flip between runs and the load-balancing statistics drift. The softmax or
     sigmoid, the top-k and the auxiliary losses after it take float32 logits in float32 (the

@@ -89,6 +89,7 @@ SLOW = {
     "getting_started.md": "trains 300 steps and compiles a Flax model",
     "inspection.md": "compiles a gradient and runs the precision doctor",
     "linen.md": "compiles several Flax models forward and backward",
+    "moe.md": "compiles a mixture of experts' grouped GEMMs forward and backward",
     "nnx.md": "compiles NNX train steps",
     "optimizer_memory.md": "runs 300 optimizer updates eagerly",
     "plan.md": "compiles training steps for an H100 and a TPU",

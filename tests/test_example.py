@@ -1495,3 +1495,89 @@ def test_a_step_too_big_for_the_target_gets_the_batch_that_fits(capsys):
     out = capsys.readouterr().out
     assert "does NOT fit" in out and "the compile stopped there" in out
     assert "--batch-size 4096 fits on v5e" in out and "--grad-accum 2 keeps 8192 sequences" in out
+
+
+# --- A mixture of experts -------------------------------------------------------------------
+
+MOE_FLAGS = ["--experts", "8", "--top-k", "2"]
+
+
+def test_the_moe_option_runs_its_experts_grouped_and_its_router_in_float32():
+    cfg = tt.parse_args([*MOE_FLAGS, "--n-layer", "1", "--seq-len", "16"])
+    mcfg = cfg.model_config()
+    assert (mcfg.n_experts, mcfg.top_k) == (8, 2) and "_experts-8" in cfg.out_dir().name
+    model = tt.build_model(mcfg, mpjax.get_policy(cfg.policy), "mpjax")
+    report = mpjax.describe(model)(jnp.zeros((4, 16), jnp.int32))
+    moe, router = report.row("h0/moe"), report.row("h0/moe/router")
+    # Two grouped GEMMs, three each with their gradients; the router at true f32.
+    assert moe.matmuls == (("bf16,bf16@grouped", 6),)
+    assert router.rule == "builtin: MoE router in f32"
+    assert router.matmuls == (("f32,f32@highest", 3),)
+    # The router's losses join the objective, not the evaluation.
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
+    x = jnp.ones((4, 16), jnp.int32)
+    objective = tt.loss_fn(model, variables["params"], x, x)
+    evaluated = tt.loss_fn(model, variables["params"], x, x, router_losses=False)
+    assert 0 < float(objective - evaluated) < 0.1  # 0.01 x balance (about 1) + 0.001 x z
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--experts", "-1"], "--experts must be 0"),
+        (["--experts", "4", "--top-k", "5"], "--top-k 5 must be at most the 4 experts"),
+    ],
+)
+def test_bad_moe_flags_are_refused_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        tt.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_moe_run_trains_on_the_cpu(text_file, tmp_path):
+    out = tmp_path / "moe"
+    summary = tt.train(tt.parse_args([*_argv(text_file, out, "--steps", "6"), *MOE_FLAGS]))
+    losses = [r["loss"] for r in summary["history"]]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def _plan_lines(*argv: str) -> str:
+    """The example's --plan output, in a process of its own: Mosaic GPU compiles its kernels
+    for one GPU architecture per process."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_transformer.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_the_moe_step_planned_for_an_h100_runs_the_models_expert_flops_in_grouped_kernels():
+    if mpjax.plan_unavailable() is not None:
+        pytest.skip(f"the plan cannot compile: {mpjax.plan_unavailable()}")
+    printed = _plan_lines(*MOE_FLAGS, "--plan", "h100")
+    cfg = tt.parse_args(MOE_FLAGS).model_config()
+    tokens = tt.BATCH_SIZE * cfg.block_size
+    expected = cfg.expert_flops_per_token() * tokens  # 4 layers, 2 grouped GEMMs, 3 passes
+    match = re.search(r"grouped GEMMs: (\d+) kernel runs \(([\d.]+)G FLOPs", printed)
+    assert match is not None, printed
+    assert int(match[1]) == 4 * 2 * 3
+    assert abs(float(match[2]) * 1e9 - expected) <= 0.1 * expected
+    assert "expanded dense" not in printed
+
+
+@pytest.mark.slow
+def test_the_moe_step_planned_for_a_b200_names_the_weight_gradient_it_runs_dense():
+    if mpjax.plan_unavailable() is not None:
+        pytest.skip(f"the plan cannot compile: {mpjax.plan_unavailable()}")
+    printed = _plan_lines(*MOE_FLAGS, "--d-model", "256", "--plan", "b200")
+    # The forward and input-gradient GEMMs in Blackwell kernels; JAX ships none for the weight
+    # gradient, which XLA expands dense, named; the sort compiles with XLA's own.
+    assert re.search(r"grouped GEMMs: 16 kernel runs", printed), printed
+    assert "weight_gradient, 8 runs" in printed and "no Blackwell kernel" in printed
+    assert "compiled with xla_gpu_enable_cub_radix_sort=False" in printed

@@ -20,6 +20,7 @@ import numpy as np
 
 from mpjax import jax_compat
 from mpjax.casting.regions import innermost, is_region
+from mpjax.grouped_matmul import SCOPE as grouped_scope
 from mpjax.policy import Policy, is_floating
 from mpjax.table import format_table
 
@@ -314,7 +315,9 @@ def matmul_info(
         block_format=block_format,
         policy=None if region is None else region.policy,
         backward=backward,
-        user_scopes=tuple(name for name in scopes if not is_region(name)),
+        user_scopes=tuple(
+            name for name in scopes if not is_region(name) and not grouped_scope.fullmatch(name)
+        ),
         grouped=eqn.params["form"] if eqn.primitive.name == "grouped_matmul" else None,
     )
 

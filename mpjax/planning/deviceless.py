@@ -44,6 +44,11 @@ __all__ = [
 _CUDA_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
 _UNKNOWN_FIELD = re.compile(r'(\d+):\d+: Message type "[\w.]*?(\w+)" has no field named "(\w+)"')
 _NEEDS_AUTOTUNING = "autotune result cache hit for deviceless compilation"
+# CUB's radix sort (XLA's GPU sort of large arrays) sizes its scratch by asking the device, and
+# a compile-only B200 has none to ask: a sort (a mixture of experts' dispatch) fails to compile
+# with this; XLA's own sort compiles (an H100's compile does not ask).
+_CUB_SORT_NEEDS_DEVICE = "cudaErrorInvalidDevice"
+_CUB_SORT = "xla_gpu_enable_cub_radix_sort"
 # What this process learned about the installed jaxlib's deviceless compiles: whether Triton
 # GEMMs need autotuning off, whether the HLO must be read from an XLA dump (deviceless_compile).
 _deviceless: dict[str, bool] = {}
@@ -172,14 +177,16 @@ def _dumped_hlo(directory: str) -> str:
 class DevicelessCompile(NamedTuple):
     """What a compile for a compile-only device gives: the optimized HLO text, XLA's memory
     analysis (None where the executable has none), its cost analysis as a dict (None on a
-    GPU, where XLA fills none in without one), and the shardings of its flat inputs and outputs
-    (what a compile of the same program with other loop unrolling must keep)."""
+    GPU, where XLA fills none in without one), the shardings of its flat inputs and outputs
+    (what a compile of the same program with other loop unrolling must keep), and the options
+    the compile set itself to compile without the device, each ``(name, value, why)``."""
 
     hlo_text: str
     memory: Any
     cost: dict[str, float] | None
     input_shardings: tuple[Any, ...] = ()
     output_shardings: tuple[Any, ...] = ()
+    changed: tuple[tuple[str, Any, str], ...] = ()
 
 
 def _cost_analysis(compiled: Any) -> dict[str, float] | None:
@@ -208,9 +215,13 @@ def deviceless_compile(lowered: Any, compiler_options: dict[str, Any]) -> Device
     cache hit for deviceless compilation"; retried with ``xla_gpu_autotune_level=0``, each
     Triton GEMM's default tile, as later versions do without a GPU), and an executable that
     cannot print its HLO (``as_text()`` None; repeated with an XLA dump, read from there).
+    A sort that CUB's radix sort would run asks a device for its scratch (a Blackwell
+    compile): retried with XLA's own sort (``xla_gpu_enable_cub_radix_sort=False``), said in
+    ``changed``.
     """
+    changed: list[tuple[str, Any, str]] = []
     while True:
-        options = dict(compiler_options)
+        options = dict(compiler_options) | {name: value for name, value, _ in changed}
         if _deviceless.get("untuned"):
             options.setdefault("xla_gpu_autotune_level", 0)
         with tempfile.TemporaryDirectory() as directory:
@@ -222,6 +233,13 @@ def deviceless_compile(lowered: Any, compiler_options: dict[str, Any]) -> Device
                 if _NEEDS_AUTOTUNING in str(error) and not _deviceless.get("untuned"):
                     _deviceless["untuned"] = True
                     continue
+                if _CUB_SORT_NEEDS_DEVICE in str(error) and _CUB_SORT not in options:
+                    why = (
+                        "CUB's radix sort sizes its scratch on a device, which a compile "
+                        "without one lacks: the sorts are XLA's own here, CUB's on the GPU"
+                    )
+                    changed.append((_CUB_SORT, False, why))
+                    continue
                 raise
             text = _dumped_hlo(directory) if _deviceless.get("dump") else compiled.as_text()
             if text:
@@ -231,6 +249,7 @@ def deviceless_compile(lowered: Any, compiler_options: dict[str, Any]) -> Device
                     _cost_analysis(compiled),
                     tuple(jax.tree.leaves(compiled.input_shardings)),
                     tuple(jax.tree.leaves(compiled.output_shardings)),
+                    tuple(changed),
                 )
             _deviceless["dump"] = True
 

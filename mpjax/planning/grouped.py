@@ -21,7 +21,7 @@ import numpy as np
 
 from mpjax.grouped_matmul import SCOPE, kernel_refusal
 from mpjax.planning.hlo_text import HloInstruction, HloModule
-from mpjax.planning.rows import PlanGemm, kernel_computations, np_dtype, op_name_of
+from mpjax.planning.rows import PlanGemm, inside, kernel_computations, np_dtype, op_name_of
 from mpjax.planning.targets import Target
 from mpjax.table import flops_text
 
@@ -89,22 +89,28 @@ def _kernel_row(
 
 def read_grouped(module: HloModule) -> tuple[PlanGemm, ...]:
     """The grouped-GEMM kernels of ``module``: Mosaic GPU kernels that carry a grouped GEMM's
-    scope (library ``"mosaic"``) and XLA's TPU ragged-dot kernels (library ``"mxu"``)."""
+    scope (library ``"mosaic"``) and XLA's TPU ragged-dot kernels (library ``"mxu"``), alone
+    or inside a fusion (XLA fuses a kernel in a loop with the slicing of its operands)."""
     rows = []
     for where, executions in kernel_computations(module).items():
-        computation = module.computations[where]
-        for inst in computation.instructions:
-            if inst.opcode != "custom-call":
-                continue
-            target = inst.custom_call_target or ""
-            if target == _MOSAIC and _scoped(op_name_of(inst)) is not None:
-                row = _kernel_row(inst, "mosaic", where, executions, computation)
-            elif target == "tpu_custom_call" and inst.name.startswith(_TPU_RAGGED_DOT):
-                row = _kernel_row(inst, "mxu", where, executions, computation)
+        for kernel in module.computations[where].instructions:
+            if kernel.opcode == "custom-call":
+                found = [(kernel, where)]
+            elif kernel.opcode == "fusion":
+                found = list(inside(module, kernel))
             else:
                 continue
-            if row is not None:
-                rows.append(row)
+            for inst, holder in found:
+                target = inst.custom_call_target or ""
+                if target == _MOSAIC and _scoped(op_name_of(inst)) is not None:
+                    library = "mosaic"
+                elif target == "tpu_custom_call" and inst.name.startswith(_TPU_RAGGED_DOT):
+                    library = "mxu"
+                else:
+                    continue
+                row = _kernel_row(inst, library, where, executions, module.computations[holder])
+                if row is not None:
+                    rows.append(dataclasses.replace(row, name=kernel.name))
     return tuple(rows)
 
 

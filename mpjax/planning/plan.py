@@ -152,6 +152,8 @@ class Plan:
         model counts a loop's body once, so the plan compiles the step again with its scans
         unrolled and takes that compile's estimate, each body counted its trip count times
         (:mod:`mpjax.planning.loops`). A step with a ``while_loop`` gets no estimate.
+      adjustments: the options the plan set itself so that the step compiles without the
+        device (in ``options`` too), each as ``"name=value: why"``; the summary says them.
     """
 
     target: str
@@ -177,6 +179,7 @@ class Plan:
     collectives: tuple[PlanCollective, ...] = ()
     loop_trips: tuple[int, ...] = ()
     loops: tuple[PlanLoop, ...] = ()
+    adjustments: tuple[str, ...] = ()
 
     @classmethod
     def from_hlo_text(cls, hlo_text: str, *, device: str, target: str = "") -> Plan:
@@ -443,6 +446,7 @@ class Plan:
                 )
         lines += block_scaled_lines(self.gemms, total, known_target(self.target))
         lines += grouped_lines(self.gemms, known_target(self.target))
+        lines += [f"compiled with {adjustment}" for adjustment in self.adjustments]
         return "\n".join(lines)
 
     def table(self) -> str:
@@ -559,6 +563,7 @@ class Plan:
             "modelled_flops": self.modelled_flops,
             "rejected_seconds": self.rejected_seconds,
             "loops": [{**_row(loop), "modelled": loop.modelled} for loop in self.loops],
+            "adjustments": list(self.adjustments),
             "roofline_seconds": self.roofline_seconds,
             "peak_flops": self.peak_flops,
             "autotuned": self.autotuned,
@@ -694,6 +699,12 @@ def plan(
             empty: dict[str, Any] = {"gemms": (), "attention": (), "scatters": ()}
             return Plan(**common, **empty, fusions=0, custom_calls=0, memory=memory, compiled=False)
         read = _read(result.hlo_text, parsed.platform)
+        if result.changed:  # options the compile set to compile without the device
+            set_here = {name: value for name, value, _ in result.changed}
+            common["options"] = tuple(sorted({**options, **set_here}.items()))
+            common["adjustments"] = tuple(
+                f"{name}={value}: {why}" for name, value, why in result.changed
+            )
         # XLA's cost model counts a loop's body once: each body is counted its trip count
         # times from compiles with the loops unrolled further (none for a while_loop).
         cost, loops = (

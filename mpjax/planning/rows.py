@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ __all__ = [
     "block_scaled_lines",
     "bytes_text",
     "dtype_key",
+    "inside",
     "kernel_computations",
     "loop_trip_counts",
     "memory_of",
@@ -337,9 +338,10 @@ def kernel_computations(module: HloModule) -> dict[str, int]:
     return executions
 
 
-def _inside(module: HloModule, inst: HloInstruction) -> Iterator[tuple[HloInstruction, str]]:
+def inside(module: HloModule, inst: HloInstruction) -> list[tuple[HloInstruction, str]]:
     """Every instruction of the computations ``inst`` calls, nested calls included, with the
     name of the computation holding it."""
+    found = []
     seen: set[str] = set()
     todo = list(inst.called_computations())
     while todo:
@@ -348,8 +350,9 @@ def _inside(module: HloModule, inst: HloInstruction) -> Iterator[tuple[HloInstru
             continue
         seen.add(name)
         for inner in module.computations[name].instructions:
-            yield inner, name
+            found.append((inner, name))
             todo += inner.called_computations()
+    return found
 
 
 def _precision(inst: HloInstruction) -> str:
@@ -620,7 +623,7 @@ def read_module(module: HloModule, platform: str) -> dict[str, Any]:
             if kernel.opcode == "fusion":
                 fusions += 1
                 library = _fusion_library(_fusion_kind(kernel))
-                found = list(_inside(module, kernel))
+                found = list(inside(module, kernel))
             elif kernel.opcode in ("custom-call", "dot", "convolution", "scatter"):
                 if kernel.opcode == "custom-call":
                     custom_calls += 1
