@@ -331,7 +331,7 @@ PEAK_FLOPS = [
     ("A100", {"bf16": 312e12, "f16": 312e12, "tf32": 156e12, "f32": 19.5e12}),
 ]
 
-BATCH_SIZES = {"tiny": 16, "small": 16, "medium": 8}
+BATCH_SIZES = {"tiny": 16, "small": 16, "medium": 8, "small-moe": 8}
 
 
 def matmul_kind(compute_dtype: str, matmul_precision: str | None, platform_name: str) -> str:
@@ -376,6 +376,8 @@ class Setup:
     # PyTorch rows: torch.compile the model and loss (False: eager, for quick CPU rehearsals,
     # where Inductor's C++ compile takes minutes).
     torch_compile: bool = True
+    # Experts in each block's mixture (the training script's --experts); 0: the preset's.
+    experts: int = 0
 
     def train_config(self, variant: Variant):
         import train_transformer as tt
@@ -391,6 +393,7 @@ class Setup:
             attention=variant.attention if variant.framework == "jax" else "fused",
             scan_layers=self.scan_layers,
             remat=self.remat,
+            experts=self.experts,
             mode=variant.mode,
             master_weights=variant.master_weights,
             param_rounding=variant.param_rounding,
@@ -839,6 +842,8 @@ def run_variant(
     ]
     if setup.seq_len:
         cmd += ["--seq-len", str(setup.seq_len)]
+    if setup.experts:
+        cmd += ["--experts", str(setup.experts)]
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     try:
@@ -985,6 +990,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preset", choices=list(BATCH_SIZES), default="tiny")
     p.add_argument("--batch-size", type=int, help="sequences per step (default: 16, medium 8)")
     p.add_argument("--seq-len", type=int, help="default: the preset's block size")
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="experts in each block's mixture (default: the preset's)",
+    )
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
     p.add_argument("--variants", nargs="+", choices=keys, default=keys)
@@ -1032,7 +1043,8 @@ def main(argv: list[str] | None = None) -> None:
     batch_size = args.batch_size or BATCH_SIZES[args.preset]
     if batch_size <= 0 or args.steps <= 0 or args.warmup < 0:
         p.error("--batch-size and --steps must be positive and --warmup non-negative")
-    scan = args.preset == "medium" if args.scan_layers is None else args.scan_layers
+    deep = args.preset in ("medium", "small-moe")
+    scan = deep if args.scan_layers is None else args.scan_layers
     setup = Setup(
         args.preset,
         batch_size,
@@ -1043,6 +1055,7 @@ def main(argv: list[str] | None = None) -> None:
         args.remat,
         plan,
         args.torch_compile,
+        args.experts,
     )
 
     if args.worker:

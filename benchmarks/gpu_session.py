@@ -18,6 +18,9 @@ The parts (``--parts`` picks others, in the order given):
   on the ``small`` preset, batch 16 x 1024: compile time, step time (median and min of 20),
   tokens/s, MFU, peak memory, and each JAX row's plan as XLA compiled it on this GPU.
 - ``medium``: ``bf16_mpjax`` and ``torch_bf16_sdpa`` on ``medium``, layers scanned, batch 8.
+- ``moe``: ``bf16_mpjax`` (the experts' GEMMs grouped: JAX's Mosaic GPU kernels) and
+  ``bf16_hand`` (``lax.ragged_dot`` written by hand: XLA's dense GEMMs) on ``small-moe``,
+  layers scanned, batch 8.
 - ``quantized_small``: ``bf16_sr`` (bf16 params with stochastic rounding, f32 Adam moments)
   and the same with bf16 moments and with 8-bit (``dynamic8``, ``e4m3``) and 4-bit
   (``dynamic4``) blockwise quantized moments, on ``small``, batch 16 x 1024: what
@@ -83,6 +86,7 @@ class RowsPart:
     scan_layers: bool
     row_s: float = 120.0
     rehearse_row_s: float = 60.0
+    rehearse_experts: int = 0  # the rehearsal's tiny model gets this many experts
 
 
 ROWS = {
@@ -108,6 +112,9 @@ ROWS = {
     "quantized_small": RowsPart(
         ("bf16_sr", *bench.QUANTIZED_STATE_KEYS), "small", 16, False, row_s=330.0
     ),
+    # A mixture of experts through mpjax's grouped GEMMs (bf16_mpjax) against the same model
+    # written by hand with lax.ragged_dot (bf16_hand: XLA's dense GEMMs over every expert).
+    "moe": RowsPart(("bf16_mpjax", "bf16_hand"), "small-moe", 8, True, rehearse_experts=8),
     "fp8_medium": RowsPart(
         ("bf16_mpjax", "fp8_mpjax", "fp8_delayed_mpjax", "fp8_autocast", "torch_bf16_sdpa"),
         "medium",
@@ -120,7 +127,7 @@ OTHER_PARTS = {"env": (30.0, 10.0), "plans": (5.0, 5.0), "gpu_tests": (240.0, 90
 OTHER_PARTS["diagnose"] = (240.0, 120.0)
 PARTS = ("env", *ROWS, "plans", "gpu_tests", "diagnose")
 ISSUES = {
-    "clock": ("env", "small", "plans", "medium"),
+    "clock": ("env", "small", "plans", "medium", "moe"),
     "fp8": ("env", "fp8_medium", "plans", "gpu_tests", "diagnose"),
     "quantized": ("env", "quantized_small", "plans", "small"),
 }
@@ -462,6 +469,7 @@ class Session:
             remat="none",
             plan="auto",  # on a GPU, the plan of the step XLA compiled and autotuned there
             torch_compile=not self.rehearse,
+            experts=part.rehearse_experts if self.rehearse else 0,
         )
         env = self.environment()
         report = bench.new_report(setup, part.keys, env["device"])
@@ -495,7 +503,7 @@ class Session:
         done = [k for k, v in report["results"].items() if "skipped" not in v]
         return f"done: {len(done)} of {len(part.keys)} rows measured"
 
-    part_small = part_medium = part_fp8_medium = part_quantized_small = part_rows
+    part_small = part_medium = part_moe = part_fp8_medium = part_quantized_small = part_rows
 
     def part_plans(self, name: str) -> str:
         """Each JAX row's real plan next to the committed one, from the row parts written so

@@ -126,7 +126,9 @@ def test_fp8_rows_have_their_mfu_against_the_bf16_and_the_fp8_peak():
 
 
 def test_each_issue_runs_its_parts_in_the_order_it_asks_for():
-    assert gpu_session.ISSUES["clock"] == ("env", "small", "plans", "medium")
+    assert gpu_session.ISSUES["clock"] == ("env", "small", "plans", "medium", "moe")
+    moe = gpu_session.ROWS["moe"]
+    assert moe.keys == ("bf16_mpjax", "bf16_hand") and moe.preset == "small-moe"
     assert gpu_session.ISSUES["fp8"] == ("env", "fp8_medium", "plans", "gpu_tests", "diagnose")
     assert gpu_session.ISSUES["quantized"] == ("env", "quantized_small", "plans", "small")
     quantized = gpu_session.ROWS["quantized_small"]
@@ -235,7 +237,9 @@ def _check_rows(out, part, keys, committed=True):
             if committed:
                 assert found["plan"]["source"] == "deviceless h100"
             else:
-                assert found == {"missing": f"no committed plan of {key} on small under h100_plan/"}
+                preset = gpu_session.ROWS[part].preset
+                missing = f"no committed plan of {key} on {preset} under h100_plan/"
+                assert found == {"missing": missing}
     assert (out / f"{part}.md").read_text().startswith("Train step of the `tiny` GPT")
     return report
 
@@ -267,9 +271,13 @@ def test_the_clock_rehearsal_writes_every_part(tmp_path):
     _check_env(tmp_path)
     _check_rows(tmp_path, "small", gpu_session.ROWS["small"].keys)
     _check_rows(tmp_path, "medium", gpu_session.ROWS["medium"].keys)
+    _check_rows(tmp_path, "moe", gpu_session.ROWS["moe"].keys, committed=False)
     plans = _read(tmp_path, "plans.json")
     jax_rows = [k for k in gpu_session.ROWS["small"].keys if not k.startswith("torch")]
-    assert set(plans) == {f"small/{k}" for k in jax_rows} | {"medium/bf16_mpjax"}
+    assert set(plans) == {f"small/{k}" for k in jax_rows} | {"medium/bf16_mpjax"} | {
+        "moe/bf16_mpjax",
+        "moe/bf16_hand",
+    }
     assert plans["medium/bf16_mpjax"]["committed"]["file"].endswith("cpu_medium_plan.json")
     assert "| small | f16_dynamic | not on this device" in (tmp_path / "plans.md").read_text()
 
