@@ -78,6 +78,13 @@ class Setup:
     # so every param is bf16, norms included (module rules would keep norms f32); the others
     # go through module rules, which give the same arithmetic for f32 params.
     mode: str = "mpjax"
+    # A mixture of experts in place of each block's MLP (experts, 2 per token); 0: the MLP.
+    experts: int = 0
+
+    @property
+    def reference(self) -> str:
+        """The float32 setup its *vs f32* column pairs it with: the same model's."""
+        return "moe_f32" if self.experts else "f32"
 
 
 # Quantized moments (mpjax.quantized_state) in blocks of 64, d_model: the formats' own blocks
@@ -181,6 +188,23 @@ SETUPS = [
         "mixed_bf16_nvfp4",
         "mixed bf16 + NVFP4 forward matmuls (MXFP8 gradients), head in bf16",
         "mixed_bfloat16_nvfp4",
+    ),
+    # A mixture of experts (8 experts, 2 per token) in every block: float32, mpjax's grouped
+    # GEMMs in bf16 with the router kept f32 by its built-in rule, and the same bf16 written by
+    # hand (lax.ragged_dot on bf16 operands, the router in f32).
+    Setup("moe_f32", "MoE, 8 experts top-2: float32", "float32", experts=8),
+    Setup(
+        "moe_mixed_bf16",
+        "MoE: mixed bf16, grouped GEMMs, router f32 (mpjax)",
+        "mixed_bfloat16",
+        experts=8,
+    ),
+    Setup(
+        "moe_bf16_hand",
+        "MoE: bf16 written by hand (lax.ragged_dot), router f32",
+        "mixed_bfloat16",
+        experts=8,
+        mode="hand",
     ),
     Setup("mixed_f16_none", "mixed f16, no loss scaling", "mixed_float16", loss_scale="none"),
     Setup(
@@ -345,18 +369,21 @@ def late_unmoved(run: dict, steps: int) -> float:
 
 
 def summarize(results: dict, steps: int) -> dict:
-    """Per setup: final val loss mean and sd over seeds, its difference from float32 paired by
-    seed, late unmoved fraction, skipped steps, flushed gradient entries."""
-    f32 = results.get("f32", {}).get("runs", {})
+    """Per setup: final val loss mean and sd over seeds, its difference from its float32
+    setup (the same model's, :attr:`Setup.reference`) paired by seed, late unmoved fraction,
+    skipped steps, flushed gradient entries."""
+    references = {s.key: s.reference for s in SETUPS}
     out = {}
     for key, entry in results.items():
+        reference = references.get(key, "f32")
+        f32 = results.get(reference, {}).get("runs", {})
         runs = entry["runs"]
         finals = {s: r["final_val_loss"] for s, r in runs.items() if r["final_val_loss"]}
         diffs = [finals[s] - f32[s]["final_val_loss"] for s in finals if s in f32]
         grads = [r["gradients"] for r in runs.values() if "gradients" in r]
         out[key] = {
             "val": _mean_sd(list(finals.values())) if finals else None,
-            "vs_f32": _mean_sd(diffs) if diffs and key != "f32" else None,
+            "vs_f32": _mean_sd(diffs) if diffs and key != reference else None,
             "n": len(finals),
             "stopped": sum(r["stopped"] is not None for r in runs.values()),
             "unmoved": statistics.fmean(late_unmoved(r, steps) for r in runs.values()),
@@ -399,7 +426,8 @@ def table(results: dict, steps: int) -> str:
         f"{seeds} seeds per setup (init and batches; the same seeds for every setup). Final "
         f"validation loss on the same {EVAL_BATCHES} held-out batches in nats per byte, mean ± "
         "standard deviation over seeds; *vs f32* is the per-seed difference from the float32 "
-        "run of the same seed, mean ± sd. *Unmoved*: the fraction of param elements a step left "
+        "run of the same seed (the MoE rows': the float32 MoE's), mean ± sd. *Unmoved*: the "
+        "fraction of param elements a step left "
         "exactly unchanged, over the logged steps of the last fifth. *Flushed grads* (float16 "
         "compute rows): gradient entries that are nonzero in float32 and exactly zero in "
         "float16, on the run's final params, without and with a loss scale of 2^15. "
