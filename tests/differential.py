@@ -2,22 +2,31 @@
 
 A subject is one layer whose precision a built-in rule or op category of mpjax decides
 (LayerNorm, RMSNorm, GroupNorm, BatchNorm, attention with its softmax, an embedding lookup, a
-softmax cross-entropy loss) or a small pre-LN transformer block, written for linen, NNX, Equinox
-and as a plain JAX function (run by ``mpjax.autocast``). Each has three forms, functions
+softmax cross-entropy loss, a mixture of experts' router and grouped GEMMs) or a small pre-LN
+transformer block, written for linen, NNX, Equinox and as a plain JAX function (run by
+``mpjax.autocast``). Each has three forms, functions
 ``form(params, x)`` of the same float32 params and input:
 
 - ``"f32"``: the model as written, in float32: the reference.
 - ``"mpjax"``: the same model run by mpjax under the policy (wrapped, set, or autocast).
 - ``"hand"``: the model written by hand in the policy's compute dtype, as a careful user writes
   it without mpjax: Flax layers with ``dtype=`` the compute dtype (attention's softmax in
-  float32), an Equinox model with its arrays cast, casts written into the JAX function.
+  float32, a mixture of experts' router in float32), an Equinox model with its arrays cast,
+  casts written into the JAX function.
 
 Every subject but the embedding starts with an identity-initialised linear layer, so the layer
 under test sees its input rounded through a matmul in the compute dtype, at the magnitude the
 test gives, as a layer inside a model does. The embedding's input is its table. Attention's
 query and key projections are scaled by one over the magnitude, so its scores stay those of a
 normalized input (a softmax of scores in the thousands is a one-hot whose gradient is noise)
-while its values and output carry the magnitude.
+while its values and output carry the magnitude. The mixture of experts' router and first expert
+GEMM are divided by the magnitude too, and its second expert GEMM multiplied by it: its logits
+and its experts' pre-activations stay those of a normalized input (as after the norm a model
+puts before its experts), while its output carries the magnitude. A SiLU of pre-activations in
+the thousands is a ReLU, whose derivative jumps wherever rounding moves a pre-activation across
+zero: unscaled, in bfloat16 at 1e5 the input gradient of the low-precision forms, mpjax's and
+the hand-written one alike, was up to 6 eps from float32's, 10 times its error at 1: a property
+of the layer, not of mpjax. Its routing is decided far beyond rounding (:func:`_router_kernel`).
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ EPS = 1e-6  # every norm's epsilon, small beside the variance of the smallest in
 IDS = np.random.default_rng(1).integers(0, VOCAB, size=(B, T)).astype(np.int32)
 LABELS = np.random.default_rng(2).integers(0, D, size=(B,)).astype(np.int32)
 FRAMEWORKS = ("linen", "nnx", "equinox", "autocast")
+EXPERTS, TOP_K, FFN = 4, 2, 64  # the mixture of experts: each token goes to 2 of 4 experts
 
 
 def sample(magnitude: float, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
@@ -69,7 +79,12 @@ class Layer:
       roundings: how many times a value is rounded into the compute dtype on its way through
         the hand-written layer (its input, each matmul's output, the layer's output), forward
         or backward, whichever is more: attention's 8 are its input, the query, key and
-        value, the logits, the probabilities, the weighted values and the output projection.
+        value, the logits, the probabilities, the weighted values and the output projection;
+        the mixture of experts' 8 are its backward pass's: the output's cotangent, its product
+        with the router's weight, the input gradients of the two expert GEMMs, the
+        nonlinearity's derivative and its product, the sum of each token's two experts' input
+        gradients and the router's added to it (forward: the input, the two GEMMs, the
+        nonlinearity, the router's weights, their products and the sum over the experts, 7).
       out_shape: the output's shape.
     """
 
@@ -91,6 +106,9 @@ LAYERS = {
         Layer("embedding", (VOCAB, D), B * T, 1, (B, T, D)),
         Layer("loss", (B, D), D, 3, (B,)),
         Layer("block", (B, T, D), T + 4 * D, 8, (B, T, D)),
+        # The two expert GEMMs contract D then FFN (forward; FFN then D backward), and each
+        # token sums its TOP_K experts (a scatter-add of their input gradients backward).
+        Layer("moe", (B, T, D), D + FFN + TOP_K, 8, (B, T, D)),
     )
 }
 
@@ -153,22 +171,35 @@ def _standard_promotion(fn: Callable[..., Any]) -> Callable[..., Any]:
     return standard
 
 
-def _scaled_qk(tree: Any, scale: float) -> Any:
-    """``tree`` with the leaves under a query or key projection multiplied by ``scale``."""
+# The params multiplied by a power of the input's magnitude, by layer and name (the module
+# docstring says why): attention's query and key projections and the mixture of experts'
+# router and first expert GEMM divided by it, the experts' second GEMM multiplied.
+_SCALED = {
+    "attention": {"query": -1, "key": -1},
+    "moe": {"router": -1, "w_in": -1, "w_out": 1},
+}
+
+
+def _scaled(tree: Any, magnitude: float, powers: dict[str, int]) -> Any:
+    """``tree`` with the leaves under a name of ``powers`` multiplied by ``magnitude`` to its
+    power (1 or -1)."""
+    factors = {1: magnitude, -1: 1.0 / magnitude}
 
     def leaf(path, x):
-        names = jax.tree_util.keystr(path)
-        return x * scale if "query" in names or "key" in names else x
+        where = jax.tree_util.keystr(path)
+        power = next((p for name, p in powers.items() if name in where), 0)
+        return x * factors[power] if power else x
 
     return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
 def _params(init: Callable[[], Any], layer: Layer) -> Callable[[float], Any]:
-    """``params(magnitude)``: ``init()``'s params, attention's query and key scaled."""
+    """``params(magnitude)``: ``init()``'s params, those of :data:`_SCALED` scaled."""
     base = init()
-    if layer.name != "attention":
+    powers = _SCALED.get(layer.name)
+    if powers is None:
         return lambda magnitude: base
-    return lambda magnitude: _scaled_qk(base, 1.0 / magnitude)
+    return lambda magnitude: _scaled(base, magnitude, powers)
 
 
 def _key() -> jax.Array:
@@ -180,6 +211,84 @@ def _key() -> jax.Array:
 def _eye(key, shape, dtype=jnp.float32):
     del key
     return jnp.eye(*shape, dtype=dtype)
+
+
+# --- The mixture of experts' shared parts ---------------------------------------------------------
+
+
+def _router_kernel() -> np.ndarray:
+    """The router's ``[D, EXPERTS]`` kernel (the subjects divide it by the magnitude): expert
+    ``e`` reads the two outlier channels along the angle ``20 + 90 e`` degrees, with weight 2,
+    and the other channels with small random weights (0.25).
+
+    Routing is discrete: a token whose ``TOP_K``-th and next logits nearly tie goes to other
+    experts in float32 than under mpjax or by hand, and its output then differs by a whole
+    expert's, far more than rounding explains. The router runs in float32 in every form, but
+    its input comes through the identity projection, which the low-precision forms round to
+    the compute dtype (to e4m3 under an fp8 policy); so the routing is made to depend on that
+    input far less than its rounding can move it. :func:`sample` gives every token the same
+    magnitude, of either sign, in its two outlier channels: the sign pattern at the angle
+    ``45 + 90 q`` gives expert ``e`` the logit ``2 sqrt(2) cos(20 + 90 e - 45 - 90 q)``
+    (degrees) and the bulk's share, choosing the two experts 25 and 65 degrees away, 2.4 above
+    the others, which the bulk narrows to 1.7 at the least on the suite's input. An error
+    ``r`` relative to each element of the input moves the difference of two experts' logits by
+    at most ``r * sum_i |x_i| |w_ia - w_ib|``: less than it for every token and every chosen
+    and other expert up to ``r = 0.27``, twice e4m3's eps (0.125), so every form sends every
+    token to the same experts (``test_moe_routing_is_decided_far_beyond_rounding`` checks it
+    at each magnitude). A random kernel of unit variance holds only to ``r = 0.03``: fp8 runs
+    would flip tokens, and only tolerances looser than rounding explains would pass them,
+    hiding real errors among the flips.
+    """
+    angles = np.deg2rad(20.0 + 90.0 * np.arange(EXPERTS))
+    kernel = np.random.default_rng(4).normal(0.0, 0.25, size=(D, EXPERTS))
+    kernel[0], kernel[1] = 2.0 * np.cos(angles), 2.0 * np.sin(angles)
+    return kernel.astype(np.float32)
+
+
+ROUTER = _router_kernel()
+
+
+def _router_init(key, shape, dtype=jnp.float32):
+    del key
+    assert tuple(shape) == ROUTER.shape, shape
+    return jnp.asarray(ROUTER, dtype)
+
+
+def _expert_init(key, shape, dtype=jnp.float32):
+    """An expert matrix ``[EXPERTS, fan_in, fan_out]``: its outputs of its inputs' variance."""
+    return (jax.random.normal(key, shape) / np.sqrt(shape[1])).astype(dtype)
+
+
+def _router_dtype(dtype: Any) -> Any:
+    """The router's dtype where the layer's is ``dtype``: float32 by hand, as MoE models route
+    (under mpjax the built-in rule keeps it there), as written otherwise."""
+    return None if dtype is None else jnp.float32
+
+
+def _ragged_dot(x, w, sizes):
+    """An expert GEMM as a careful user writes it: accumulated in float32, written in the
+    operands' dtype (under mpjax: a grouped GEMM in the compute dtype)."""
+    return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _experts(tokens, logits, w_in, w_out, dtype):
+    """The mixture of experts past its router, as ``examples/gpt.py``'s ``MoE``: each token goes
+    to the ``TOP_K`` most probable of the router's experts, weighted by their probabilities
+    renormalized; the token-expert pairs are sorted by expert and meet the experts' weights in
+    two grouped GEMMs (``lax.ragged_dot``) around a SiLU, then go back to token order, summed
+    with the router's weights. ``dtype`` (by hand): the experts' operands and the combine in
+    it, the routing in float32."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, chosen = jax.lax.top_k(probs, TOP_K)
+    weights = weights / weights.sum(-1, keepdims=True)
+    flat = chosen.reshape(-1)
+    sizes = jnp.bincount(flat, length=EXPERTS).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True)
+    rows = _cast(tokens[order // TOP_K], dtype)
+    h = jax.nn.silu(_ragged_dot(rows, _cast(w_in, dtype), sizes))
+    out = _ragged_dot(h, _cast(w_out, dtype), sizes)
+    unsorted = jnp.zeros_like(out).at[order].set(out).reshape(-1, TOP_K, out.shape[-1])
+    return jnp.sum(unsorted * weights.astype(out.dtype)[..., None], axis=1)
 
 
 # --- linen ---------------------------------------------------------------------------------------
@@ -249,12 +358,29 @@ class LinenBlock(nn.Module):
         return x + nn.Dense(D, dtype=self.dtype, name="out")(h)
 
 
+class LinenMoE(nn.Module):
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x):
+        tokens = nn.Dense(D, kernel_init=_eye, dtype=self.dtype, name="proj")(x).reshape(-1, D)
+        router_dtype = _router_dtype(self.dtype)
+        router = nn.Dense(
+            EXPERTS, use_bias=False, kernel_init=_router_init, dtype=router_dtype, name="router"
+        )
+        logits = router(_cast(tokens, router_dtype))
+        w_in = self.param("w_in", _expert_init, (EXPERTS, D, FFN))
+        w_out = self.param("w_out", _expert_init, (EXPERTS, FFN, D))
+        return _experts(tokens, logits, w_in, w_out, self.dtype).reshape(x.shape)
+
+
 _LINEN_IN_F32 = {
     "LayerNorm": ("LayerNorm_0",),
     "RMSNorm": ("RMSNorm_0",),
     "GroupNorm": ("GroupNorm_0",),
     "BatchNorm": ("BatchNorm_0",),
     "block": ("ln1", "ln2"),
+    "moe": ("router",),
 }
 
 
@@ -266,6 +392,7 @@ def _linen_module(layer: str, dtype: Any) -> nn.Module:
         "embedding": LinenEmbedding,
         "loss": LinenLoss,
         "block": LinenBlock,
+        "moe": LinenMoE,
     }
     return classes[layer](dtype)
 
@@ -357,9 +484,32 @@ class NnxBlock(nnx.Module):
         return x + self.out(nnx.gelu(self.fc(self.ln2(x))))
 
 
+class NnxMoE(nnx.Module):
+    def __init__(self, dtype, rngs):
+        self.compute = dtype
+        self.proj = nnx.Linear(D, D, kernel_init=_eye, dtype=dtype, rngs=rngs)
+        self.router = nnx.Linear(
+            D,
+            EXPERTS,
+            use_bias=False,
+            kernel_init=_router_init,
+            dtype=_router_dtype(dtype),
+            rngs=rngs,
+        )
+        self.w_in = nnx.Param(_expert_init(rngs.params(), (EXPERTS, D, FFN)))
+        self.w_out = nnx.Param(_expert_init(rngs.params(), (EXPERTS, FFN, D)))
+
+    def __call__(self, x):
+        tokens = self.proj(x).reshape(-1, D)
+        logits = self.router(_cast(tokens, _router_dtype(self.compute)))
+        out = _experts(tokens, logits, self.w_in[...], self.w_out[...], self.compute)
+        return out.reshape(x.shape)
+
+
 _NNX_IN_F32 = {
     **{name: ("norm",) for name in ("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm")},
     "block": ("ln1", "ln2"),
+    "moe": ("router",),
 }
 
 
@@ -372,6 +522,7 @@ def _nnx_module(layer: str, dtype: Any) -> nnx.Module:
         "embedding": NnxEmbedding,
         "loss": NnxLoss,
         "block": NnxBlock,
+        "moe": NnxMoE,
     }
     return classes[layer](dtype, rngs)
 
@@ -492,9 +643,33 @@ class EqxBlock(eqx.Module):
         return x + h
 
 
+class EqxMoE(eqx.Module):
+    """By hand, every array but the router's is cast (:func:`_eqx_subject`): the router reads
+    its input in its weight's dtype, float32."""
+
+    proj: eqx.nn.Linear
+    router: eqx.nn.Linear
+    w_in: jax.Array
+    w_out: jax.Array
+
+    def __init__(self, key):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        self.proj = _eqx_linear(k1)
+        router = eqx.nn.Linear(D, EXPERTS, use_bias=False, key=k2)
+        self.router = eqx.tree_at(lambda m: m.weight, router, jnp.asarray(ROUTER.T))
+        self.w_in = _expert_init(k3, (EXPERTS, D, FFN))
+        self.w_out = _expert_init(k4, (EXPERTS, FFN, D))
+
+    def __call__(self, x):
+        tokens = jax.vmap(self.proj)(x.reshape(-1, D))
+        logits = jax.vmap(self.router)(tokens.astype(self.router.weight.dtype))
+        return _experts(tokens, logits, self.w_in, self.w_out, None).reshape(x.shape)
+
+
 _EQX_IN_F32 = {
     **{name: ("norm",) for name in ("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm")},
     "block": ("ln1", "ln2"),
+    "moe": ("router",),
 }
 
 
@@ -505,7 +680,8 @@ def _eqx_module(layer: str) -> Any:
         return eqx.nn.make_with_state(lambda: model)() if layer == "BatchNorm" else model
     if layer == "embedding":
         return eqx.nn.Embedding(VOCAB, D, key=key)
-    return {"attention": EqxAttention, "loss": EqxLoss, "block": EqxBlock}[layer](key)
+    classes = {"attention": EqxAttention, "loss": EqxLoss, "block": EqxBlock, "moe": EqxMoE}
+    return classes[layer](key)
 
 
 def _cast_floating(tree: Any, dtype: Any) -> Any:
@@ -521,6 +697,8 @@ def _eqx_call(layer: str, model: Any, x: jax.Array, state: Any = None) -> jax.Ar
         return out
     if layer == "loss":
         return jax.vmap(model)(x, LABELS)
+    if layer == "moe":  # routes the batch's tokens together
+        return model(x)
     return jax.vmap(model)(x)
 
 
@@ -537,7 +715,10 @@ def _eqx_subject(layer: Layer) -> Subject:
             if form == "mpjax":
                 model = mpjax.equinox.apply_policy(model, policy)
             elif form == "hand":
-                model, state = _cast_floating(model, compute), _cast_floating(state, compute)
+                cast = _cast_floating(model, compute)
+                if name == "moe":  # its router stays float32, as MoE models route
+                    cast = eqx.tree_at(lambda m: m.router, cast, model.router)
+                model, state = cast, _cast_floating(state, compute)
                 x = x.astype(compute)
             return _eqx_call(name, model, x, state)
 
@@ -601,6 +782,15 @@ def _loss(p, x, dtype):
     return optax.softmax_cross_entropy_with_integer_labels(logits, LABELS)
 
 
+def _moe(p, x, dtype):
+    """The mixture of experts, its router under the named scope ``router`` (what autocast's
+    rules match)."""
+    tokens = _dense(p["proj"], x, dtype).reshape(-1, D)
+    with jax.named_scope("router"):
+        logits = _cast(tokens, _router_dtype(dtype)) @ p["router"]["w"]
+    return _experts(tokens, logits, p["w_in"], p["w_out"], dtype).reshape(x.shape)
+
+
 def _function(name: str) -> Callable[[Any, jax.Array, Any], jax.Array]:
     """The subject as a JAX function ``f(params, x, dtype)``: as written for ``dtype=None``."""
     if name == "embedding":
@@ -611,6 +801,8 @@ def _function(name: str) -> Callable[[Any, jax.Array, Any], jax.Array]:
         return lambda p, x, dtype: _attention(p["attn"], _dense(p["proj"], x, dtype), dtype)
     if name == "block":
         return _block
+    if name == "moe":
+        return _moe
     norm = {
         "LayerNorm": _layer_norm,
         "RMSNorm": functools.partial(_layer_norm, rms=True),
@@ -643,6 +835,13 @@ def _function_params(name: str) -> Any:
         return {"head": dense(D, D, eye=True)}
     if name == "attention":
         return {"proj": dense(D, D, eye=True), "attn": attention}
+    if name == "moe":
+        return {
+            "proj": dense(D, D, eye=True),
+            "router": {"w": jnp.asarray(ROUTER)},
+            "w_in": _expert_init(next(keys), (EXPERTS, D, FFN)),
+            "w_out": _expert_init(next(keys), (EXPERTS, FFN, D)),
+        }
     if name == "block":
         return {
             "proj": dense(D, D, eye=True),
@@ -655,17 +854,25 @@ def _function_params(name: str) -> Any:
     return {"proj": dense(D, D, eye=True), "norm": norm}
 
 
+# The scopes autocast keeps in float32, by layer: autocast has no built-in rules (it knows no
+# module classes), so the router's rule is written as a user of a mixture of experts writes it.
+_AUTOCAST_RULES = {"moe": {"router": mpjax.router_policy}}
+
+
 def _autocast_subject(layer: Layer) -> Subject:
     function = _function(layer.name)
+    rules = _AUTOCAST_RULES.get(layer.name)
 
     def build(form, policy):
         if form == "mpjax":
-            return value_and_input_grad(mpjax.autocast(lambda p, x: function(p, x, None), policy))
+            fn = mpjax.autocast(lambda p, x: function(p, x, None), policy, rules=rules)
+            return value_and_input_grad(fn)
         compute = _compute(form, policy)
         fn = functools.partial(function, dtype=compute)
         return value_and_input_grad(_standard_promotion(fn) if form == "hand" else fn)
 
-    return Subject("autocast", layer, build, _params(lambda: _function_params(layer.name), layer))
+    params = _params(lambda: _function_params(layer.name), layer)
+    return Subject("autocast", layer, build, params, tuple(rules or ()))
 
 
 _BUILDERS = {

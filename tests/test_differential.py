@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from differential import FRAMEWORKS, LAYERS, sample, subject, value_and_input_grad
+from differential import FRAMEWORKS, LAYERS, TOP_K, sample, subject, value_and_input_grad
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tolerances import tolerance
@@ -170,8 +170,10 @@ def narrow_ops(framework, layer, policy, f32_list=False) -> list[str]:
     found = []
     for eqn, _ in equations:
         name = eqn.primitive.name
-        region = innermost(jax_compat.scope_names(eqn))
-        path = "" if region is None else region.path
+        scopes = jax_compat.scope_names(eqn)
+        region = innermost(scopes)
+        # autocast opens no regions of its own: its rules match the named scopes themselves.
+        path = "/".join(scopes) if region is None else region.path
         kept = path.split("/")[-1] in s.regions_in_f32 and name not in NOT_COMPUTE
         listed = DEFAULT_OP_CATEGORIES.get(name) == "f32" and not (
             compute == BF16 and name in F32_FOR_RANGE
@@ -268,6 +270,32 @@ def test_mpjax_matches_float32_and_hand_written_low_precision(framework, layer, 
 @pytest.mark.parametrize(("framework", "layer", "policy"), CASES)
 def test_modules_kept_in_float32_run_every_floating_op_in_float32(framework, layer, policy):
     assert narrow_ops(framework, layer, policy) == []
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_moe_routing_is_decided_far_beyond_rounding(framework):
+    """Every form of the mixture of experts sends every token to the same experts
+    (``differential._router_kernel`` says why the suite needs it): at every magnitude tested, each
+    chosen expert's logit exceeds each other expert's by more than an error of e4m3's eps (the
+    coarsest rounding any form gives the router's input: an fp8 policy's identity projection)
+    in every element of the input can move their difference."""
+    e4m3 = float(jnp.finfo(jnp.float8_e4m3fn).eps)
+    s = subject(framework, "moe")
+    for m in sorted({m for ms in MAGNITUDES.values() for m in ms}):
+        leaves = jax.tree_util.tree_flatten_with_path(s.params(m))[0]
+        (kernel,) = [w for path, w in leaves if "router" in jax.tree_util.keystr(path)]
+        width = s.layer.shape[-1]
+        w = np.asarray(kernel, np.float64)
+        w = w if w.shape[0] == width else w.T  # Equinox stores [experts, features]
+        x = sample(m, s.layer.shape).reshape(-1, width).astype(np.float64)
+        logits = x @ w
+        ranked = np.argsort(-logits, axis=-1)
+        tokens = np.arange(len(x))[:, None, None]
+        chosen, others = ranked[:, :TOP_K, None], ranked[:, None, TOP_K:]
+        gap = logits[tokens, chosen] - logits[tokens, others]  # [tokens, chosen, others]
+        reach = np.abs(w.T[chosen] - w.T[others]) * np.abs(x)[:, None, None, :]
+        moved = e4m3 * reach.sum(-1)
+        assert np.all(gap > moved), f"{framework} at {m:g}: margin {np.min(gap - moved):.3g}"
 
 
 class DenseNorm(nn.Module):
