@@ -28,6 +28,7 @@ def ragged_dot(
     rhs: jax.Array,
     group_sizes: jax.Array,
     *,
+    precision: Any = None,
     preferred_element_type: Any = None,
 ) -> jax.Array:
     """``lax.ragged_dot`` that stays grouped: the forward GEMM and both gradients' are grouped
@@ -44,6 +45,8 @@ def ragged_dot(
       rhs: ``[G, K, N]``, the weights of the G experts.
       group_sizes: ``[G]`` integers, how many consecutive rows of ``lhs`` each expert takes.
         Rows past their sum come out zero.
+      precision: how float32 operands are multiplied, as ``lax.ragged_dot``'s (inside a
+        policy, the policy's ``f32_matmul_precision`` where this is None).
       preferred_element_type: the result's dtype, by default the operands' common dtype. On a
         GPU the kernels write their operands' dtype: a wider result is theirs widened (one
         rounding to the operands' dtype), not a wider accumulator's.
@@ -64,7 +67,13 @@ def ragged_dot(
     """
     check_operands(lhs, rhs, group_sizes, "mpjax.ragged_dot()")
     if tracing():  # the engine binds it grouped, in its region's dtypes
-        return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+        return lax.ragged_dot(
+            lhs,
+            rhs,
+            group_sizes,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+        )
     compute = np.dtype(jnp.result_type(lhs, rhs))
-    out = grouped_dot(lhs, rhs, group_sizes, compute=compute)
+    out = grouped_dot(lhs, rhs, group_sizes, compute=compute, precision=precision)
     return out if preferred_element_type is None else out.astype(preferred_element_type)

@@ -165,7 +165,9 @@ def _shapes(form: str, lhs: tuple[int, ...], rhs: tuple[int, ...]) -> tuple[int,
     return lhs[0], lhs[1], rhs[1]  # weight_gradient: x [M, K], g [M, N]
 
 
-def _abstract(lhs: Any, rhs: Any, group_sizes: Any, *, form: str, out_dtype: Any) -> Any:
+def _abstract(
+    lhs: Any, rhs: Any, group_sizes: Any, *, form: str, out_dtype: Any, precision: Any
+) -> Any:
     rows, k, n = _shapes(form, lhs.shape, rhs.shape)
     if form == "forward":
         shape: tuple[int, ...] = (rows, n)
@@ -177,10 +179,18 @@ def _abstract(lhs: Any, rhs: Any, group_sizes: Any, *, form: str, out_dtype: Any
 
 
 def _xla(
-    lhs: Any, rhs: Any, group_sizes: Any, *, form: str, out_dtype: Any, accumulate: Any = None
+    lhs: Any,
+    rhs: Any,
+    group_sizes: Any,
+    *,
+    form: str,
+    out_dtype: Any,
+    precision: Any,
+    accumulate: Any = None,
 ) -> Any:
     """XLA's ragged dot of ``form``: its TPU kernels, its dense expansion on a GPU, the CPU's;
-    written in ``out_dtype``, accumulated in ``accumulate`` where given (the CPU's)."""
+    written in ``out_dtype``, accumulated in ``accumulate`` where given (the CPU's), float32
+    operands multiplied at ``precision`` (``lax.ragged_dot_general``'s)."""
     if form == "forward":
         dims = lax.RaggedDotDimensionNumbers(_FORWARD, [0], [0])
     elif form == "input_gradient":  # g [M, N] against w [G, K, N]'s N
@@ -188,14 +198,29 @@ def _xla(
     else:  # x [M, K] and g [M, N], contracted over the grouped rows
         dims = lax.RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), [0], [])
     return lax.ragged_dot_general(
-        lhs, rhs, group_sizes, dims, preferred_element_type=accumulate or out_dtype
+        lhs,
+        rhs,
+        group_sizes,
+        dims,
+        precision=precision,
+        preferred_element_type=accumulate or out_dtype,
     ).astype(out_dtype)
 
 
-def _xla_cpu(lhs: Any, rhs: Any, group_sizes: Any, *, form: str, out_dtype: Any) -> Any:
+def _xla_cpu(
+    lhs: Any, rhs: Any, group_sizes: Any, *, form: str, out_dtype: Any, precision: Any
+) -> Any:
     """XLA's path on the CPU, accumulated in f32 as a GPU's and a TPU's are: XLA's CPU may
     accumulate a bf16 result in bf16."""
-    return _xla(lhs, rhs, group_sizes, form=form, out_dtype=out_dtype, accumulate=jnp.float32)
+    return _xla(
+        lhs,
+        rhs,
+        group_sizes,
+        form=form,
+        out_dtype=out_dtype,
+        precision=precision,
+        accumulate=jnp.float32,
+    )
 
 
 def kernel_refusal(
@@ -248,7 +273,9 @@ def _zero_past_groups(out: Any, group_sizes: Any) -> Any:
     return jnp.where(rows < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
 
 
-def _hopper(lhs: Any, rhs: Any, group_sizes: Any, *, form: str, out_dtype: Any) -> Any:
+def _hopper(
+    lhs: Any, rhs: Any, group_sizes: Any, *, form: str, out_dtype: Any, precision: Any = None
+) -> Any:
     from jax.experimental.pallas.ops.gpu import (  # only where a CUDA lowering needs it
         ragged_dot_mgpu,
         transposed_ragged_dot_mgpu,
@@ -273,7 +300,9 @@ def _hopper(lhs: Any, rhs: Any, group_sizes: Any, *, form: str, out_dtype: Any) 
     return _zero_past_groups(out, group_sizes).astype(out_dtype)
 
 
-def _blackwell(lhs: Any, rhs: Any, group_sizes: Any, *, form: str, out_dtype: Any) -> Any:
+def _blackwell(
+    lhs: Any, rhs: Any, group_sizes: Any, *, form: str, out_dtype: Any, precision: Any = None
+) -> Any:
     from jax.experimental.pallas.ops.gpu import (  # only where a CUDA lowering needs it
         blackwell_matmul_mgpu,
         blackwell_ragged_dot_mgpu,
@@ -322,8 +351,9 @@ def _choose(target: jax_compat.GpuTarget, avals: Sequence[Any], params: dict) ->
 grouped_matmul_p = jax_compat.gpu_chosen_primitive(
     "grouped_matmul", _abstract, _xla, _choose, cpu=_xla_cpu
 )
-"""The primitive of the three grouped GEMMs (params ``form``, one of :data:`FORMS`, and
-``out_dtype``): XLA's ``ragged_dot_general``, or on a CUDA GPU the kernel chosen for it."""
+"""The primitive of the three grouped GEMMs (params ``form``, one of :data:`FORMS`,
+``out_dtype`` and ``precision``): XLA's ``ragged_dot_general``, or on a CUDA GPU the kernel
+chosen for it."""
 
 
 def scope_name(form: str, rows: int, k: int, n: int) -> str:
@@ -342,34 +372,40 @@ SCOPE = re.compile(r"grouped_matmul\((?P<form>\w+), (?P<rows>\d+)x(?P<k>\d+)x(?P
 ``k`` and ``n``."""
 
 
-def _bind(form: str, lhs: Any, rhs: Any, group_sizes: Any, out_dtype: Any) -> Any:
+def _bind(form: str, lhs: Any, rhs: Any, group_sizes: Any, out_dtype: Any, precision: Any) -> Any:
     rows, k, n = _shapes(form, lhs.shape, rhs.shape)
     with jax.named_scope(scope_name(form, rows, k, n)):
         return grouped_matmul_p.bind(
-            lhs, rhs, group_sizes.astype(jnp.int32), form=form, out_dtype=np.dtype(out_dtype)
+            lhs,
+            rhs,
+            group_sizes.astype(jnp.int32),
+            form=form,
+            out_dtype=np.dtype(out_dtype),
+            precision=precision,
         )
 
 
 # --- The grouped GEMM with its backward pass ---------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _grouped(lhs, rhs, group_sizes, compute, reduce, lhs_dtype, rhs_dtype):
-    del reduce, lhs_dtype, rhs_dtype
-    return _bind("forward", lhs.astype(compute), rhs.astype(compute), group_sizes, compute)
-
-
-def _grouped_fwd(lhs, rhs, group_sizes, compute, reduce, lhs_dtype, rhs_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _grouped(lhs, rhs, group_sizes, compute, reduce, lhs_dtype, rhs_dtype, precision):
     del reduce, lhs_dtype, rhs_dtype
     x, w = lhs.astype(compute), rhs.astype(compute)
-    return _bind("forward", x, w, group_sizes, compute), (x, w, group_sizes)
+    return _bind("forward", x, w, group_sizes, compute, precision)
 
 
-def _grouped_bwd(compute, reduce, lhs_dtype, rhs_dtype, residuals, g):
+def _grouped_fwd(lhs, rhs, group_sizes, compute, reduce, lhs_dtype, rhs_dtype, precision):
+    del reduce, lhs_dtype, rhs_dtype
+    x, w = lhs.astype(compute), rhs.astype(compute)
+    return _bind("forward", x, w, group_sizes, compute, precision), (x, w, group_sizes)
+
+
+def _grouped_bwd(compute, reduce, lhs_dtype, rhs_dtype, precision, residuals, g):
     x, w, group_sizes = residuals
     g = g.astype(compute)
-    dx = _bind("input_gradient", g, w, group_sizes, compute).astype(lhs_dtype)
-    dw = _bind("weight_gradient", x, g, group_sizes, reduce).astype(rhs_dtype)
+    dx = _bind("input_gradient", g, w, group_sizes, compute, precision).astype(lhs_dtype)
+    dw = _bind("weight_gradient", x, g, group_sizes, reduce, precision).astype(rhs_dtype)
     return dx, dw, None
 
 
@@ -384,6 +420,7 @@ def grouped_dot(
     compute: Any,
     reduce: Any = None,
     transposed: bool = False,
+    precision: Any = None,
 ) -> jax.Array:
     """``lax.ragged_dot(lhs, rhs, group_sizes)`` with all three GEMMs grouped: ``lhs`` and
     ``rhs`` cast to ``compute``, the result in ``compute``; forward and input gradient in
@@ -398,6 +435,8 @@ def grouped_dot(
       compute: the dtype the GEMMs multiply in.
       reduce: the dtype the weight gradient is written in (f32 under a mixed policy).
       transposed: ``rhs`` is stored ``[G, N, K]`` (PyTorch's ``Linear`` layout).
+      precision: how float32 operands are multiplied, as ``lax.ragged_dot``'s ``precision``
+        (a policy's ``f32_matmul_precision``); the kernels take no float32 operands.
 
     Returns:
       ``[M, N]`` in ``compute``.
@@ -411,4 +450,4 @@ def grouped_dot(
     compute = np.dtype(compute)
     reduce = compute if reduce is None else np.dtype(reduce)
     lhs_dtype, rhs_dtype = np.dtype(jnp.result_type(lhs)), np.dtype(jnp.result_type(rhs))
-    return _grouped(lhs, rhs, group_sizes, compute, reduce, lhs_dtype, rhs_dtype)
+    return _grouped(lhs, rhs, group_sizes, compute, reduce, lhs_dtype, rhs_dtype, precision)

@@ -244,6 +244,26 @@ def test_float16_and_a_full_precision_region():
     assert matmul.primitive == "ragged_dot_general" and matmul.lhs_dtype == F32
 
 
+@pytest.mark.parametrize(
+    "policy, precision",
+    [("float32", "highest"), ("p=f32,c=f32,o=f32,f32_matmul=bf16_3x", "bf16_3x")],
+)
+def test_float32_grouped_gemms_run_at_the_policys_float32_precision(policy, precision):
+    # At JAX's default a TPU multiplies f32 operands in one bf16 pass and a recent GPU in
+    # TF32: the policy's f32_matmul_precision reaches all three grouped GEMMs, as any matmul.
+    x, w, sizes = _operands()
+    f32 = mpjax.autocast(_experts, policy)
+    grad = jax.grad(lambda x, w: jnp.sum(f32(x, w, sizes)), (0, 1))
+    report = mpjax.inspect_matmuls(grad)(x, w)
+    assert [(m.grouped, m.f32_precision) for m in report] == [
+        (form, precision) for form in ("forward", "input_gradient", "weight_gradient")
+    ]
+    direct = mpjax.inspect_matmuls(
+        lambda x, w: mpjax.ragged_dot(x, w, sizes, precision=lax.Precision.HIGHEST)
+    )(x, w)
+    assert [m.f32_precision for m in direct] == ["highest"]
+
+
 # --- mpjax.ragged_dot ------------------------------------------------------------------------
 
 

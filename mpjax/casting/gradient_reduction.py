@@ -280,8 +280,10 @@ def _grouped(
 
     def grouped(invals, params):
         x, w, sizes = invals
+        # The precision the engine chose for f32 operands (the policy's), or the code's own.
+        precision = (eqn.params if params is None else params).get("precision")
         out = grouped_matmul.grouped_dot(
-            x, w, sizes, compute=compute, reduce=reduce, transposed=transposed
+            x, w, sizes, compute=compute, reduce=reduce, transposed=transposed, precision=precision
         )
         return [out]
 

@@ -221,7 +221,9 @@ _PRECISION_PARAMS: dict[str, tuple[Any, Any]] = {
 MATMUL_PRECISIONS: tuple[str, ...] = tuple(_PRECISION_PARAMS)
 """The names of the precisions an f32 matmul can run at (``Policy.f32_matmul_precision``)."""
 # Primitives whose ``precision`` param says how their f32 operands are multiplied.
-_PRECISION_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+_PRECISION_PRIMITIVES = frozenset(
+    {"dot_general", "conv_general_dilated", "ragged_dot_general", "grouped_matmul"}
+)
 
 
 def takes_precision(eqn: Any) -> bool:
