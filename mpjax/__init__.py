@@ -11,7 +11,12 @@ from typing import Any
 
 from mpjax.attention import dot_product_attention
 from mpjax.autocast import AutocastReport, AutocastRow, autocast, fp8_state, with_fp8_state
-from mpjax.casting.collectives import all_gather_params, psum_gradients
+from mpjax.casting.collectives import (
+    all_gather_params,
+    combine_tokens,
+    dispatch_tokens,
+    psum_gradients,
+)
 from mpjax.casting.op_categories import DEFAULT_OP_CATEGORIES
 from mpjax.casting.regions import FULL_PRECISION_SCOPE, full_precision
 from mpjax.casting.trace_context import AutocastWarning
@@ -200,8 +205,10 @@ __all__ = [
     "cast_floating",
     "check_loss_scaling",
     "check_overflow",
+    "combine_tokens",
     "create_dynamic_map",
     "dequantize_blockwise",
+    "dispatch_tokens",
     "describe",
     "diagnose",
     "dot_product_attention",

@@ -67,6 +67,8 @@ _KEYS: dict[str, str] = {
     "output": "output_dtype",
     "r": "reduce_dtype",
     "reduce": "reduce_dtype",
+    "d": "dispatch_dtype",
+    "dispatch": "dispatch_dtype",
 }
 _FP8_KEY = "fp8"
 _F32_MATMUL_KEY = "f32_matmul"
@@ -78,6 +80,7 @@ _FIELD_TO_KEY = {
     "compute_dtype": "compute",
     "output_dtype": "output",
     "reduce_dtype": "reduce",
+    "dispatch_dtype": "dispatch",
 }
 
 # A storage dtype needs enough mantissa for optimizer updates to land; 8-bit (and narrower)
@@ -279,6 +282,12 @@ class Policy:
         compute dtype on its way to its float32 param. ``bfloat16`` halves the bytes a
         gradient reduction sends, each sum then rounding to 8 bits of mantissa. At least 16
         bits wide: XLA neither writes matmul results nor sums over devices in 8 bits.
+      dispatch_dtype: the dtype a mixture of experts' tokens travel in to their experts under
+        expert parallelism (:func:`mpjax.dispatch_tokens`); None (the default) means the
+        compute dtype. An 8-bit float (``float8_e4m3fn``) sends each token as 8-bit values
+        with a float32 scale of its own, DeepSeek-V3's dispatch: about half the bytes of
+        bfloat16. The results come back (:func:`mpjax.combine_tokens`), and every gradient
+        travels, in the compute dtype. At least 8 bits wide.
     Dtypes may be given as numpy/jax dtypes or scalar types, or as names (``"bf16"``,
     ``"float32"``...); they are stored as ``numpy.dtype``.
 
@@ -305,6 +314,7 @@ class Policy:
     fp8: Fp8Recipe | None = None
     f32_matmul_precision: str = DEFAULT_F32_MATMUL_PRECISION
     reduce_dtype: np.dtype = None  # type: ignore[assignment]  # None: the param dtype
+    dispatch_dtype: np.dtype = None  # type: ignore[assignment]  # None: the compute dtype
 
     if TYPE_CHECKING:  # the generated __init__ takes any dtype spelling; __post_init__ converts
 
@@ -316,6 +326,7 @@ class Policy:
             fp8: Fp8Recipe | str | None = None,
             f32_matmul_precision: str = DEFAULT_F32_MATMUL_PRECISION,
             reduce_dtype: DTypeLike | None = None,
+            dispatch_dtype: DTypeLike | None = None,
         ) -> None: ...
 
     def __post_init__(self):
@@ -346,6 +357,18 @@ class Policy:
                     "(half the bytes of float32) or float32."
                 )
             object.__setattr__(self, "reduce_dtype", reduce)
+        if self.dispatch_dtype is None:
+            object.__setattr__(self, "dispatch_dtype", self.compute_dtype)
+        else:
+            dispatch = _to_dtype(self.dispatch_dtype, "dispatch_dtype")
+            _check_floating(dispatch, "dispatch_dtype")
+            if jnp.finfo(dispatch).bits < 8:
+                raise ValueError(
+                    f"Policy(dispatch_dtype={dispatch.name}): tokens cannot travel in fewer "
+                    "than 8 bits: XLA's all-to-all sends whole bytes. Use float8_e4m3fn (half "
+                    "the bytes of bfloat16), float8_e5m2 or the compute dtype."
+                )
+            object.__setattr__(self, "dispatch_dtype", dispatch)
 
     @property
     def needs_loss_scaling(self) -> bool:
@@ -381,8 +404,19 @@ class Policy:
         return dataclasses.replace(self, param_dtype=dtype, reduce_dtype=reduce)
 
     def with_compute_dtype(self, dtype: Any) -> Policy:
-        """Returns a copy of this policy with ``compute_dtype`` replaced."""
-        return dataclasses.replace(self, compute_dtype=dtype)
+        """Returns a copy of this policy with ``compute_dtype`` replaced (and
+        ``dispatch_dtype`` with it where it was the compute dtype)."""
+        dispatch: Any = None if self.dispatch_dtype == self.compute_dtype else self.dispatch_dtype
+        return dataclasses.replace(self, compute_dtype=dtype, dispatch_dtype=dispatch)
+
+    def with_dispatch_dtype(self, dtype: Any) -> Policy:
+        """Returns a copy of this policy whose mixture of experts' tokens travel to their
+        experts in ``dtype`` (see ``dispatch_dtype`` above; None: the compute dtype).
+
+        >>> str(get_policy("mixed_bfloat16").with_dispatch_dtype("float8_e4m3fn"))
+        'p=f32,c=bf16,o=f32,d=float8_e4m3fn'
+        """
+        return dataclasses.replace(self, dispatch_dtype=dtype)
 
     def with_output_dtype(self, dtype: Any) -> Policy:
         """Returns a copy of this policy with ``output_dtype`` replaced."""
@@ -416,6 +450,8 @@ class Policy:
         text = "p={},c={},o={}".format(*names)
         if self.reduce_dtype != self.param_dtype:
             text += f",r={short_dtype_name(self.reduce_dtype)}"
+        if self.dispatch_dtype != self.compute_dtype:
+            text += f",d={short_dtype_name(self.dispatch_dtype)}"
         if self.fp8 is not None:
             text += f",{_FP8_KEY}={self.fp8}"
         if self.f32_matmul_precision != DEFAULT_F32_MATMUL_PRECISION:
@@ -425,6 +461,8 @@ class Policy:
     def __repr__(self) -> str:
         p, c, o = (d.name for d in self._dtypes())
         fp8 = "" if self.reduce_dtype == self.param_dtype else f", reduce_dtype={self.reduce_dtype}"
+        if self.dispatch_dtype != self.compute_dtype:
+            fp8 += f", dispatch_dtype={self.dispatch_dtype}"
         fp8 += "" if self.fp8 is None else f", fp8={str(self.fp8)!r}"
         if self.f32_matmul_precision != DEFAULT_F32_MATMUL_PRECISION:
             fp8 += f", f32_matmul_precision={self.f32_matmul_precision!r}"
@@ -477,6 +515,12 @@ class Policy:
                 "jmp.Policy cannot express (code run under jmp computes them in the compute "
                 "dtype); convert the policy without it: "
                 "policy.with_reduce_dtype(None).to_jmp()."
+            )
+        if self.dispatch_dtype != self.compute_dtype:
+            raise ValueError(
+                f"Policy {self} sends a mixture of experts' tokens in "
+                f"{self.dispatch_dtype.name}, which a jmp.Policy cannot express; convert the "
+                "policy without it: policy.with_dispatch_dtype(None).to_jmp()."
             )
         if self.fp8 is not None:
             raise ValueError(
@@ -641,6 +685,7 @@ def _parse(spec: str) -> Policy:
         fp8,
         precision or DEFAULT_F32_MATMUL_PRECISION,
         fields.get("reduce_dtype"),
+        fields.get("dispatch_dtype"),
     )
 
 
@@ -679,7 +724,9 @@ def get_policy(spec: PolicyLike) -> Policy:
           ``fp8=nvfp4``) adds fp8 or block-scaled matmuls (:class:`mpjax.Fp8Recipe`),
           an ``f32_matmul=<precision>`` entry (``"p=f32,f32_matmul=tf32"``) sets
           ``Policy.f32_matmul_precision``, an ``r=<dtype>`` (``reduce=``) entry
-          (``"p=f32,c=bf16,o=f32,r=bf16"``) sets ``Policy.reduce_dtype``;
+          (``"p=f32,c=bf16,o=f32,r=bf16"``) sets ``Policy.reduce_dtype``, a ``d=<dtype>``
+          (``dispatch=``) entry (``"p=f32,c=bf16,o=f32,d=float8_e4m3fn"``)
+          ``Policy.dispatch_dtype``;
         - a dtype object (``jnp.bfloat16``, ``np.dtype("float32")``) for all three dtypes.
 
     Raises:

@@ -53,6 +53,7 @@ _OPCODES = {
     "reduce-scatter": "reduce-scatter",
     "reduce-scatter-start": "reduce-scatter",
     "all-to-all": "all-to-all",
+    "all-to-all-start": "all-to-all",
     "ragged-all-to-all": "all-to-all",
     "collective-permute": "collective-permute",
     "collective-permute-start": "collective-permute",
