@@ -25,7 +25,7 @@ from mpjax.doctor.diagnosis_report import DiagnosisReport
 from mpjax.doctor.monitor import ModuleCheck, PrecisionMonitor
 from mpjax.experts import ragged_dot
 from mpjax.fp8 import Fp8Recipe
-from mpjax.grouped_matmul import GroupedMatmulWarning
+from mpjax.grouped.matmul import GroupedMatmulWarning
 from mpjax.inspection.describe import describe
 from mpjax.inspection.matmuls import (
     HloDot,

@@ -3,7 +3,7 @@
 A mixture-of-experts layer sends each token to a few of its experts: sorted by expert, the
 tokens meet their experts' weights in one grouped GEMM, ``lax.ragged_dot``. Under a policy (a
 wrapped Flax or Equinox model, :func:`mpjax.autocast`), every ``lax.ragged_dot`` of the model
-already runs grouped: the casting engine binds it as :func:`mpjax.grouped_matmul.grouped_dot`,
+already runs grouped: the casting engine binds it as :func:`mpjax.grouped.matmul.grouped_dot`,
 in the region's compute dtype, its gradients grouped too, with JAX's GPU kernels where a GPU
 has them. :func:`ragged_dot` is the same for code outside any policy.
 """
@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 
 from mpjax.casting.trace_context import tracing
-from mpjax.grouped_matmul import check_operands, grouped_dot
+from mpjax.grouped.matmul import check_operands, grouped_dot
 
 __all__ = ["ragged_dot"]
 

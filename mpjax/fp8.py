@@ -379,7 +379,19 @@ def rowwise_scale(x: jax.Array, contract: Sequence[int], dtype: Any, margin: int
     >>> rowwise_scale(jnp.array([[896.0, 3.0], [1.0, 0.5]]), (1,), E4M3).ravel().tolist()
     [2.0, 0.00390625]
     """
-    amax = jnp.max(jnp.abs(x), axis=tuple(contract), keepdims=True).astype(_F32)
+    amax = jnp.max(jnp.abs(x), axis=tuple(contract), keepdims=True)
+    return power_of_two_scale(amax, dtype, margin)
+
+
+def power_of_two_scale(amax: jax.Array, dtype: Any, margin: int = 0) -> jax.Array:
+    """:func:`rowwise_scale`'s rule on amaxes already taken: for each, the smallest power of
+    two at least ``amax / fp8_max`` (times ``2**margin``), in f32; 1 for an amax that is zero or
+    not finite.
+
+    >>> power_of_two_scale(jnp.array([896.0, 1.0, 0.0]), E4M3).tolist()
+    [2.0, 0.00390625, 1.0]
+    """
+    amax = amax.astype(_F32)
     usable = (amax > 0) & jnp.isfinite(amax)
     mantissa, exponent = jnp.frexp(jnp.where(usable, amax / _fp8_max(np.dtype(dtype)), 1.0))
     exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent) + margin

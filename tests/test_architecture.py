@@ -21,7 +21,7 @@ ROOMS = (
     "jax_compat",  # every reader of JAX internals and every difference between versions
     "fp8",  # the fp8 numerics a policy's recipe names
     "block_scaled",  # the block formats (MXFP8, NVFP4) a recipe names
-    "grouped_matmul",  # a mixture of experts' grouped GEMMs, kernels chosen per GPU
+    "grouped",  # a mixture of experts' grouped GEMMs: kernels chosen per GPU, fp8 scales
     "policy",
     "rules",
     "table",  # the text tables every report renders
@@ -48,7 +48,9 @@ LAYERS = (
     # The compat package: its private modules, and its __init__ that re-exports them.
     {"jax_compat", "jax_compat._jaxprs", "jax_compat._lowering", "jax_compat._devices"},
     {"fp8", "block_scaled"},  # the narrow matmuls: per-tensor and rowwise fp8, block formats
-    {"grouped_matmul"},  # grouped GEMMs (mixture of experts), in a narrow format too
+    {"grouped.kernels"},  # mpjax's Mosaic GPU kernels for grouped GEMMs JAX has none for
+    {"grouped.matmul"},  # grouped GEMMs (mixture of experts), kernels chosen per target
+    {"grouped.fp8"},  # grouped GEMMs in fp8: the recipes' scales around them
     {"policy"},
     {"rules"},
     # The casting engine's parts, the inspection of jaxprs, and the optimizer side.
@@ -101,7 +103,7 @@ LAYERS = (
     {"doctor.recommendations"},  # what the doctor recommends from the measures
     {"doctor.diagnosis"},  # runs what describe takes, side by side under a policy and in f32
     {"linen", "nnx", "flax_serialization", "equinox"},  # the Flax and Equinox integrations
-    {"casting", "optim", "inspection", "planning", "doctor"},  # docstring-only __init__s
+    {"grouped", "casting", "optim", "inspection", "planning", "doctor"},  # docstring-only __init__s
     {"__init__"},
 )
 LAYER = {module: i for i, layer in enumerate(LAYERS) for module in layer}
@@ -109,7 +111,9 @@ LAYER = {module: i for i, layer in enumerate(LAYERS) for module in layer}
 # Modules that must import without Flax, and run: everything below the integrations.
 FLAX_FREE = (
     "fp8",
-    "grouped_matmul",
+    "grouped.kernels",
+    "grouped.matmul",
+    "grouped.fp8",
     "policy",
     "casting.collectives",
     "casting.gradient_reduction",
@@ -283,7 +287,9 @@ def test_no_room_imports_a_room_above_it():
     assert upward == []
 
 
-@pytest.mark.parametrize("subpackage", ["casting", "optim", "inspection", "planning", "doctor"])
+@pytest.mark.parametrize(
+    "subpackage", ["grouped", "casting", "optim", "inspection", "planning", "doctor"]
+)
 def test_each_subpackage_says_what_it_holds(subpackage):
     # Its __init__ is a docstring naming each module it holds, and imports nothing (importing
     # one module of it must not import the others).

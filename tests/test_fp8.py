@@ -189,7 +189,10 @@ def test_policies_carry_the_recipe_through_strings_presets_and_replacement():
         ("p=f32,c=bf16,fp8=sometimes", "scaling=...\\) must be one of"),
         ("p=f32,fp8=current,fp8=current", "Duplicate key 'fp8'"),
         ("p=f32,c=f64,fp8=current", "bfloat16, float16 or float32; got float64"),
-        ("p=f32,fp9=current", "Valid keys: p, params, c, compute, o, output, r, reduce, fp8"),
+        (
+            "p=f32,fp9=current",
+            "Valid keys: p, params, c, compute, o, output, r, reduce, d, dispatch, fp8",
+        ),
     ],
 )
 def test_bad_fp8_policy_strings_say_what_is_wrong(spec, match):

@@ -1,4 +1,4 @@
-"""Grouped GEMMs (mpjax.grouped_matmul, mpjax.ragged_dot): a mixture of experts' ragged dot and
+"""Grouped GEMMs (mpjax.grouped.matmul, mpjax.ragged_dot): a mixture of experts' ragged dot and
 both of its gradients stay grouped, in the compute dtype with the weights' gradient in the
 reduce dtype, under autocast, linen, NNX and Equinox; their numbers against float32 and against
 the same arithmetic written by hand, at magnitudes up to the thousands; the kernels JAX's GPUs
@@ -21,8 +21,8 @@ from jax import lax
 from tolerances import tolerance
 
 import mpjax
-from mpjax import grouped_matmul as gm
 from mpjax import jax_compat
+from mpjax.grouped import matmul as gm
 from mpjax.inspection.matmuls import iter_equations
 
 F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
@@ -316,7 +316,14 @@ def test_traced_group_sizes_are_checked_for_shape_only():
     "major, form, lhs, rhs, dtype, reason",
     [
         (9, "forward", (4096, 1024), (8, 1024, 2048), BF16, None),
-        (9, "forward", (4096, 1024), (8, 1024, 2048), F32, "bfloat16 or float16"),
+        (
+            9,
+            "forward",
+            (4096, 1024),
+            (8, 1024, 2048),
+            F32,
+            "bfloat16, float16 or float8 operands, not float32",
+        ),
         (9, "forward", (4096, 1000), (8, 1000, 2048), BF16, "K=1000 is not a multiple of 64"),
         (9, "forward", (64, 1024), (8, 1024, 2048), F16, "fewer than the kernel's block"),
         (9, "input_gradient", (4096, 2048), (8, 1000, 2048), BF16, "K=1000 is not a multiple"),
@@ -360,7 +367,7 @@ def test_the_hopper_kernels_compute_what_xla_does(form):
 
 _COMPILE = """
 import re, sys, warnings, jax, jax.numpy as jnp, mpjax
-from mpjax import grouped_matmul as gm
+from mpjax.grouped import matmul as gm
 M, K, N, G = 2048, 1024, 2048, 8
 args = (jax.ShapeDtypeStruct((M, K), jnp.float32), jax.ShapeDtypeStruct((G, K, N), jnp.float32),
         jax.ShapeDtypeStruct((G,), jnp.int32))

@@ -318,6 +318,10 @@ class Interpreter:
             label = narrow.label
             if dot is not None:
                 ran = [jax.ShapeDtypeStruct(a.shape, narrow.dtype) for a in ran]
+        if route is not None and route.ran is not None:
+            ran = [
+                jax.ShapeDtypeStruct(a.shape, route.ran) if is_floating(a.dtype) else a for a in ran
+            ]
         if self.record is not None:
             traced = [v.aval for v in eqn.invars]
             precision = _f32_precision_name(eqn, params, ran) if dot is None else None

@@ -15,8 +15,10 @@ three operations through this module:
 - a bias added to a matmul's output: :func:`broadcast_bias` broadcasts the bias over the batch
   in the reduce dtype before casting it, so its gradient (the output's cotangent summed over
   the batch) sums in the reduce dtype.
-- a mixture of experts' ragged dot (``ragged_dot_general``): :func:`mpjax.grouped_matmul.grouped_dot`,
-  its three GEMMs grouped, the weights' gradient in the reduce dtype.
+- a mixture of experts' ragged dot (``ragged_dot_general``), whatever the dtypes:
+  :func:`mpjax.grouped.matmul.grouped_dot`, its three GEMMs grouped, the weights' gradient in
+  the reduce dtype; under an fp8 recipe (tensorwise or rowwise),
+  :func:`mpjax.grouped.fp8.grouped_fp8_dot`, the same in fp8.
 - a lookup (``gather``) from a wider table in a region that returns the compute dtype
   (:func:`mpjax.embedding_policy`): :func:`lookup` gathers the rows from the table cast to the
   compute dtype, so a sharded table sends compute-dtype rows, and scatter-adds their
@@ -40,8 +42,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mpjax import grouped_matmul
+from mpjax import fp8
 from mpjax import jax_compat as compat
+from mpjax.grouped import fp8 as grouped_fp8
+from mpjax.grouped import matmul as grouped_matmul
 from mpjax.policy import Policy, is_floating
 
 __all__ = ["Route", "broadcast_bias", "dot_general", "lookup", "route", "stored_values"]
@@ -231,11 +235,14 @@ class Route(NamedTuple):
     """How the engine binds one equation so that its cast-down operands get their gradients
     in the reduce dtype: ``wide`` are the operands it must not cast (they are given in their
     own dtype), ``bind(invals, params)`` the operation's outputs; ``label``, if not empty, how
-    reports name what ran instead of the equation's category (``"grouped"``)."""
+    reports name what ran instead of the equation's category (``"grouped"``); ``ran``, if not
+    None, the dtype its floating operands are multiplied in, where reports would otherwise
+    show the compute dtype (fp8)."""
 
     wide: frozenset[int]
     bind: Callable[[list, Any], list]
     label: str = ""
+    ran: Any = None
 
 
 def stored_values(jaxpr: Any) -> set:
@@ -258,8 +265,8 @@ def _is_cast_down(aval: Any, compute: np.dtype) -> bool:
 def _grouped(
     eqn: Any, avals: Sequence[Any], policy: Policy, stored: frozenset[int]
 ) -> Route | None:
-    """A mixture of experts' ragged dot (:func:`mpjax.grouped_matmul.grouped_form`) bound as
-    :func:`mpjax.grouped_matmul.grouped_dot`: its three GEMMs grouped (JAX's own gradients of
+    """A mixture of experts' ragged dot (:func:`mpjax.grouped.matmul.grouped_form`) bound as
+    :func:`mpjax.grouped.matmul.grouped_dot`: its three GEMMs grouped (JAX's own gradients of
     it expand into dense GEMMs on GPUs), in the compute dtype, the gradient of weights stored
     wider written in the reduce dtype. Its operands go in uncast; it casts them. None for
     another form (JAX's ragged dot in the compute dtype, as any matmul)."""
@@ -278,6 +285,19 @@ def _grouped(
     )
     reduce = policy.reduce_dtype if wide else compute
 
+    recipe = policy.fp8
+    if recipe is not None and recipe.scaling in grouped_fp8.GROUPED_SCALINGS:
+
+        def fp8_grouped(invals, params):
+            x, w, sizes = invals
+            out = grouped_fp8.grouped_fp8_dot(
+                x, w, sizes, compute=compute, reduce=reduce, transposed=transposed, recipe=recipe
+            )
+            return [out]
+
+        label = "grouped fp8 rowwise" if recipe.scaling == "rowwise" else "grouped fp8"
+        return Route(frozenset({0, 1}), fp8_grouped, label, fp8.E4M3)
+
     def grouped(invals, params):
         x, w, sizes = invals
         # The precision the engine chose for f32 operands (the policy's), or the code's own.
@@ -287,7 +307,10 @@ def _grouped(
         )
         return [out]
 
-    return Route(frozenset({0, 1}), grouped, "grouped")
+    label = "grouped"
+    if recipe is not None:  # a block format: no grouped GEMM takes it
+        label = f"grouped (not {recipe.scaling}: no block-scaled grouped GEMM)"
+    return Route(frozenset({0, 1}), grouped, label)
 
 
 def route(

@@ -300,7 +300,7 @@ _KEEP = (
     "scaled_dot",
     "scaled_matmul",
     "scaled_matmul_wrapper",
-    # mpjax's grouped GEMMs (mpjax.grouped_matmul), bound in the dtypes they were cast to.
+    # mpjax's grouped GEMMs (mpjax.grouped.matmul), bound in the dtypes they were cast to.
     "grouped_matmul",
     "dot_product_attention_bwd",
     "dot_product_attention_bwd_wrapper",

@@ -20,7 +20,7 @@ import numpy as np
 
 from mpjax import jax_compat
 from mpjax.casting.regions import innermost, is_region
-from mpjax.grouped_matmul import SCOPE as grouped_scope
+from mpjax.grouped.matmul import SCOPE as grouped_scope
 from mpjax.policy import Policy, is_floating
 from mpjax.table import format_table
 
@@ -36,7 +36,7 @@ MATMUL_PRIMITIVES = frozenset(
 )
 """Primitive names that :func:`inspect_matmuls` reports: matmuls, convolutions, the
 block-scaled GEMMs of ``jax.nn.scaled_matmul`` (:mod:`mpjax.block_scaled`) and the grouped GEMMs
-of a mixture of experts (:mod:`mpjax.grouped_matmul`)."""
+of a mixture of experts (:mod:`mpjax.grouped.matmul`)."""
 # A block-scaled GEMM's format by the dtypes of its values and its block scales.
 _BLOCK_FORMATS = {
     ("float8_e4m3fn", "float8_e8m0fnu"): "mxfp8",
@@ -85,7 +85,7 @@ class MatmulInfo:
         equation's name stack or around a nested jaxpr holding it).
       user_scopes: the named scopes around it that are not mpjax's regions, outermost first
         (Flax module names, ``jax.named_scope``), those around a nested jaxpr included.
-      grouped: for a grouped GEMM of :mod:`mpjax.grouped_matmul`, which of a ragged dot's
+      grouped: for a grouped GEMM of :mod:`mpjax.grouped.matmul`, which of a ragged dot's
         three it is: ``"forward"``, ``"input_gradient"`` or ``"weight_gradient"``. None for
         other matmuls.
     """

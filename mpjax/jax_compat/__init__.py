@@ -26,7 +26,8 @@ CI runs it on the oldest and the newest). The differences handled here:
 * jax 0.10 moved ``DropVar`` and ``jaxprs_in_params`` to ``jax.extend.core``, and 0.10.2
   renamed the shard_map param ``manual_axes`` to ``newly_manual_axes``; 0.9.2 made
   ``Primitive.get_bind_params`` return params only.
-* XLA's Triton GEMMs take dots on two float8 types from jax 0.10.2 on (:func:`mixed_fp8_dots`);
+* XLA's Triton GEMMs take dots on two float8 types from jax 0.10.2 on (:func:`mixed_fp8_dots`),
+  Mosaic GPU's Hopper ``wgmma`` from 0.12 (:func:`mosaic_mixed_fp8_wgmma`);
   XLA's CPU runtime lacks some bf16 x bf16 -> f32 dots (:func:`widen_narrow_dots_on_cpu`);
   block-scaled GEMMs on the CPU, absent from jax 0.8.1 and in bf16 in 0.12 (:func:`emulate_block_scaled_matmuls_on_cpu`).
 * Pallas's TPU flash attention (:func:`pallas_flash_attention`) and
@@ -111,5 +112,6 @@ from mpjax.jax_compat._lowering import (  # noqa: F401
     mixed_fp8_dots,
     mosaic_gpu_interpretable,
     mosaic_gpu_interpreted,
+    mosaic_mixed_fp8_wgmma,
     widen_narrow_dots_on_cpu,
 )

@@ -35,6 +35,14 @@ def mixed_fp8_dots() -> bool:
     return _JAX_VERSION >= (0, 10, 2)
 
 
+def mosaic_mixed_fp8_wgmma() -> bool:
+    """Whether this JAX's Mosaic GPU multiplies two different float8 types (e5m2 x e4m3, the
+    fp8 backward GEMMs) in a Hopper ``wgmma``: jax 0.12's does (PTX takes independent
+    ``.atype`` and ``.btype``); jax 0.8.1's refuses ("WGMMA requires A and B to have the same
+    element type"). Versions in between were not checked, and are treated like 0.8.1."""
+    return _JAX_VERSION >= (0, 12)
+
+
 def widen_narrow_dots_on_cpu() -> None:
     """Lowers a CPU ``dot_general`` of two bf16 (or f16) operands with an f32 result (the
     reduce dtype's weight gradients) on operands widened to f32: XLA's CPU runtime lacks that

@@ -1,10 +1,10 @@
 """The grouped GEMMs of a plan: what a mixture of experts' ragged dots compiled to.
 
-A grouped GEMM (:mod:`mpjax.grouped_matmul`) compiles to a kernel where the target has one:
+A grouped GEMM (:mod:`mpjax.grouped.matmul`) compiles to a kernel where the target has one:
 JAX's Mosaic GPU kernels on an H100 or a B200 (``custom-call`` ``mosaic_gpu_v2``), XLA's own
 ragged-dot kernel on a TPU (``tpu_custom_call`` named ``ragged-dot-none``). Where it has none,
 XLA expands the ragged dot into a dense GEMM over every group: G times the FLOPs, or more. A
-grouped GEMM's named scope (:func:`mpjax.grouped_matmul.scope_name`) carries its form and sizes
+grouped GEMM's named scope (:func:`mpjax.grouped.matmul.scope_name`) carries its form and sizes
 into the compiled program's op names, so each of these reads as one :class:`~mpjax.PlanGemm`
 with its ``grouped`` form and ``model_flops``, the FLOPs the grouped GEMM needs. A
 ``lax.ragged_dot`` written without mpjax carries no such scope: its dense expansion is named by
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax.grouped_matmul import SCOPE, kernel_refusal
+from mpjax.grouped.matmul import SCOPE, kernel_refusal
 from mpjax.planning.hlo_text import HloInstruction, HloModule
 from mpjax.planning.rows import PlanGemm, inside, kernel_computations, np_dtype, op_name_of
 from mpjax.planning.targets import Target
@@ -68,14 +68,14 @@ def _kernel_row(
             form, k, n = "forward", reduced, out.dims[-1]
     else:
         return None
-    dtype = np_dtype(data[0].dtype) if data else np_dtype(out.dtype)
+    lhs_dtype, rhs_dtype = (np_dtype(s.dtype) for s in (data * 2)[:2]) if data else (None, None)
     lhs_shape, rhs_shape = _per_group_shapes(form, rows, k, n)
     return PlanGemm(
         name=inst.name,
         computation=where,
         library=library,
-        lhs_dtype=dtype,
-        rhs_dtype=dtype,
+        lhs_dtype=lhs_dtype or np_dtype(out.dtype),
+        rhs_dtype=rhs_dtype or np_dtype(out.dtype),
         out_dtype=np_dtype(out.dtype),
         flops=_model_flops(rows, k, n),
         executions=executions,
@@ -174,7 +174,7 @@ def _per_group_shapes(form: str, rows: int, k: int, n: int) -> tuple[tuple[int, 
 
 
 def _operand_shapes(g: PlanGemm) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The grouped GEMM's operand shapes as :func:`~mpjax.grouped_matmul.kernel_refusal`
+    """The grouped GEMM's operand shapes as :func:`~mpjax.grouped.matmul.kernel_refusal`
     takes them (one group for the weights), from its scope's sizes."""
     scoped = _scoped(g.op_name)
     assert scoped is not None

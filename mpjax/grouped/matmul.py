@@ -48,6 +48,7 @@ import numpy as np
 from jax import lax
 
 from mpjax import jax_compat
+from mpjax.grouped import kernels as grouped_kernels
 
 __all__ = [
     "FORMS",
@@ -56,6 +57,7 @@ __all__ = [
     "check_operands",
     "grouped_dot",
     "grouped_form",
+    "grouped_gemm",
     "kernel_refusal",
     "scope_name",
 ]
@@ -66,6 +68,7 @@ FORMS = ("forward", "input_gradient", "weight_gradient")
 ``weight_gradient`` (``x`` and ``g`` to ``[G, K, N]``)."""
 
 _KERNEL_DTYPES = frozenset(np.dtype(d) for d in (jnp.bfloat16, jnp.float16))
+_FP8_DTYPES = frozenset(np.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2))
 # The tiles the kernels run with: JAX's own choices in their benchmarks, which fit Hopper's and
 # Blackwell's shared memory in bf16.
 _HOPPER = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=8)
@@ -185,7 +188,7 @@ def _xla(
     *,
     form: str,
     out_dtype: Any,
-    precision: Any,
+    precision: Any = None,
     accumulate: Any = None,
 ) -> Any:
     """XLA's ragged dot of ``form``: its TPU kernels, its dense expansion on a GPU, the CPU's;
@@ -208,7 +211,7 @@ def _xla(
 
 
 def _xla_cpu(
-    lhs: Any, rhs: Any, group_sizes: Any, *, form: str, out_dtype: Any, precision: Any
+    lhs: Any, rhs: Any, group_sizes: Any, *, form: str, out_dtype: Any, precision: Any = None
 ) -> Any:
     """XLA's path on the CPU, accumulated in f32 as a GPU's and a TPU's are: XLA's CPU may
     accumulate a bf16 result in bf16."""
@@ -224,34 +227,45 @@ def _xla_cpu(
 
 
 def kernel_refusal(
-    major: int, form: str, lhs_shape: Sequence[int], rhs_shape: Sequence[int], dtype: Any
+    major: int,
+    form: str,
+    lhs_shape: Sequence[int],
+    rhs_shape: Sequence[int],
+    dtype: Any,
+    rhs_dtype: Any = None,
 ) -> str | None:
-    """Why no kernel of JAX's takes a grouped GEMM of ``form`` on a GPU of compute capability
-    ``major`` (9: Hopper, 10: Blackwell), or None if one does: the operands' dtype, a dimension
-    the kernel's tiles do not divide, no kernel for that GPU.
+    """Why no kernel takes a grouped GEMM of ``form`` on a GPU of compute capability ``major``
+    (9: Hopper, 10: Blackwell), or None if one does: the operands' dtypes (``dtype``, and
+    ``rhs_dtype`` where it differs), a dimension the kernel's tiles do not divide, no kernel
+    for that GPU. bf16 and f16 operands take JAX's kernels, fp8 ones mpjax's
+    (:mod:`mpjax.grouped.kernels`, Hopper only).
 
     >>> kernel_refusal(9, "forward", (4096, 1024), (8, 1024, 2048), jnp.bfloat16) is None
     True
     >>> kernel_refusal(9, "forward", (4096, 1000), (8, 1000, 2048), jnp.bfloat16)
     'K=1000 is not a multiple of 64'
     """
-    if np.dtype(dtype) not in _KERNEL_DTYPES:
-        return f"the kernels take bfloat16 or float16 operands, not {np.dtype(dtype).name}"
+    dtype = np.dtype(dtype)
+    rhs_dtype = dtype if rhs_dtype is None else np.dtype(rhs_dtype)
     rows, k, n = _shapes(form, tuple(lhs_shape), tuple(rhs_shape))
     # What each kernel contracts (red) and writes (out) per grouped row.
     red, out = (n, k) if form == "input_gradient" else (k, n)
+    red_name, out_name = ("N", "K") if form == "input_gradient" else ("K", "N")
+    if dtype in _FP8_DTYPES or rhs_dtype in _FP8_DTYPES:
+        return _fp8_refusal(major, form, rows, (red, red_name), (out, out_name), dtype, rhs_dtype)
+    if dtype not in _KERNEL_DTYPES or rhs_dtype != dtype:
+        names = dtype.name if rhs_dtype == dtype else f"{dtype.name} and {rhs_dtype.name}"
+        return f"the kernels take bfloat16, float16 or float8 operands, not {names}"
     checks: list[tuple[int, int, str]]
     if major == 9 and form == "weight_gradient":
         checks = [(k, 128, "K"), (n, 128, "N"), (rows, 8, "the tokens")]
     elif major == 9:
-        red_name, out_name = ("N", "K") if form == "input_gradient" else ("K", "N")
         checks = [(red, 64, red_name), (out, 128, out_name), (rows, 8, "the tokens")]
         if rows < 128:
             return f"{rows} tokens are fewer than the kernel's block of 128"
     elif major == 10 and form == "weight_gradient":
         return "JAX has no Blackwell kernel for the weight gradient"
     elif major == 10:
-        red_name, out_name = ("N", "K") if form == "input_gradient" else ("K", "N")
         tile_m, tile_n, tile_k = _BLACKWELL_TILE
         checks = [
             (rows, 2 * tile_m, "the tokens"),
@@ -260,11 +274,43 @@ def kernel_refusal(
         ]
     else:
         return f"JAX has no grouped-GEMM kernel for compute capability {major}"
+    return _untiled(checks)
+
+
+def _untiled(checks: Sequence[tuple[int, int, str]]) -> str | None:
+    """The first of ``(size, multiple, name)`` whose size the multiple does not divide, said."""
     for size, multiple, name in checks:
         if size % multiple:
             label = f"{name}={size}" if len(name) == 1 else f"{name} ({size})"
             return f"{label} is not a multiple of {multiple}"
     return None
+
+
+def _fp8_refusal(
+    major: int,
+    form: str,
+    rows: int,
+    red: tuple[int, str],
+    out: tuple[int, str],
+    dtype: np.dtype,
+    rhs_dtype: np.dtype,
+) -> str | None:
+    """:func:`kernel_refusal` for fp8 operands: mpjax's Hopper kernels."""
+    if dtype not in _FP8_DTYPES or rhs_dtype not in _FP8_DTYPES:
+        return f"an fp8 grouped GEMM takes two fp8 operands, not {dtype.name} and {rhs_dtype.name}"
+    if major != 9:
+        return (
+            f"mpjax's fp8 grouped-GEMM kernels are for Hopper (compute capability 9), not {major}"
+        )
+    if dtype != rhs_dtype and not jax_compat.mosaic_mixed_fp8_wgmma():
+        return f"this JAX's Mosaic GPU multiplies no {dtype.name} by {rhs_dtype.name}"
+    block = grouped_kernels.BLOCK
+    if form != "weight_gradient" and rows < block:
+        return f"{rows} tokens are fewer than the kernel's block of {block}"
+    checks = [(red[0], block, red[1]), (out[0], block, out[1])]
+    if form != "weight_gradient":
+        checks.append((rows, 8, "the tokens"))
+    return _untiled(checks)
 
 
 def _zero_past_groups(out: Any, group_sizes: Any) -> Any:
@@ -324,6 +370,21 @@ def _blackwell(
     return _zero_past_groups(out, group_sizes).astype(out_dtype)
 
 
+def _hopper_fp8(
+    lhs: Any, rhs: Any, group_sizes: Any, *, form: str, out_dtype: Any, precision: Any = None
+) -> Any:
+    """mpjax's fp8 kernels (:mod:`mpjax.grouped.kernels`): both operands with the contraction
+    contiguous, as Hopper's fp8 ``wgmma`` reads them."""
+    if form == "weight_gradient":  # the tokens contiguous, each group on a block of its own
+        x, starts, blocks = grouped_kernels.pad_groups(lhs, group_sizes)
+        g, _, _ = grouped_kernels.pad_groups(rhs, group_sizes)
+        return grouped_kernels.transposed_ragged_dot(x.T, g.T, starts, blocks).astype(out_dtype)
+    if form == "forward":  # the weights copied [G, N, K]
+        rhs = jnp.swapaxes(rhs, 1, 2)
+    out = grouped_kernels.ragged_dot(lhs, rhs, group_sizes)
+    return _zero_past_groups(out, group_sizes).astype(out_dtype)
+
+
 # The compute capability Mosaic GPU compiled kernels for in this process (see the docstring).
 _mosaic_capability: list[tuple[int, int]] = []
 
@@ -331,13 +392,14 @@ _mosaic_capability: list[tuple[int, int]] = []
 def _choose(target: jax_compat.GpuTarget, avals: Sequence[Any], params: dict) -> Any:
     lhs, rhs = avals[0], avals[1]
     major = target.capability[0]
-    if kernel_refusal(major, params["form"], lhs.shape, rhs.shape, lhs.dtype) is not None:
+    form = params["form"]
+    if kernel_refusal(major, form, lhs.shape, rhs.shape, lhs.dtype, rhs.dtype) is not None:
         return None
     if _mosaic_capability and _mosaic_capability[0] != target.capability:
         warnings.warn(
-            f"mpjax.grouped_matmul: Mosaic GPU compiled grouped-GEMM kernels for compute "
+            f"mpjax.grouped.matmul: Mosaic GPU compiled grouped-GEMM kernels for compute "
             f"capability {_mosaic_capability[0]} in this process, and cannot compile them for "
-            f"{target.capability} too: this {params['form']} GEMM takes XLA's dense path. "
+            f"{target.capability} too: this {form} GEMM takes XLA's dense path. "
             "Compile for each GPU architecture in a process of its own.",
             GroupedMatmulWarning,
             stacklevel=2,
@@ -345,6 +407,8 @@ def _choose(target: jax_compat.GpuTarget, avals: Sequence[Any], params: dict) ->
         return None
     if not _mosaic_capability:
         _mosaic_capability.append(target.capability)
+    if np.dtype(lhs.dtype) in _FP8_DTYPES:
+        return _hopper_fp8
     return _hopper if major == 9 else _blackwell
 
 
@@ -372,7 +436,14 @@ SCOPE = re.compile(r"grouped_matmul\((?P<form>\w+), (?P<rows>\d+)x(?P<k>\d+)x(?P
 ``k`` and ``n``."""
 
 
-def _bind(form: str, lhs: Any, rhs: Any, group_sizes: Any, out_dtype: Any, precision: Any) -> Any:
+def grouped_gemm(
+    form: str, lhs: Any, rhs: Any, group_sizes: Any, out_dtype: Any, precision: Any = None
+) -> Any:
+    """One of a ragged dot's three GEMMs (``form``, one of :data:`FORMS`) on operands already
+    in the dtype it multiplies in, written in ``out_dtype``, inside its named scope
+    (:func:`scope_name`): on a CUDA GPU, the kernel chosen for it where one takes it. No
+    derivative: the building block of :func:`grouped_dot` and of fp8's
+    (:mod:`mpjax.grouped.fp8`)."""
     rows, k, n = _shapes(form, lhs.shape, rhs.shape)
     with jax.named_scope(scope_name(form, rows, k, n)):
         return grouped_matmul_p.bind(
@@ -392,20 +463,20 @@ def _bind(form: str, lhs: Any, rhs: Any, group_sizes: Any, out_dtype: Any, preci
 def _grouped(lhs, rhs, group_sizes, compute, reduce, lhs_dtype, rhs_dtype, precision):
     del reduce, lhs_dtype, rhs_dtype
     x, w = lhs.astype(compute), rhs.astype(compute)
-    return _bind("forward", x, w, group_sizes, compute, precision)
+    return grouped_gemm("forward", x, w, group_sizes, compute, precision)
 
 
 def _grouped_fwd(lhs, rhs, group_sizes, compute, reduce, lhs_dtype, rhs_dtype, precision):
     del reduce, lhs_dtype, rhs_dtype
     x, w = lhs.astype(compute), rhs.astype(compute)
-    return _bind("forward", x, w, group_sizes, compute, precision), (x, w, group_sizes)
+    return grouped_gemm("forward", x, w, group_sizes, compute, precision), (x, w, group_sizes)
 
 
 def _grouped_bwd(compute, reduce, lhs_dtype, rhs_dtype, precision, residuals, g):
     x, w, group_sizes = residuals
     g = g.astype(compute)
-    dx = _bind("input_gradient", g, w, group_sizes, compute, precision).astype(lhs_dtype)
-    dw = _bind("weight_gradient", x, g, group_sizes, reduce, precision).astype(rhs_dtype)
+    dx = grouped_gemm("input_gradient", g, w, group_sizes, compute, precision).astype(lhs_dtype)
+    dw = grouped_gemm("weight_gradient", x, g, group_sizes, reduce, precision).astype(rhs_dtype)
     return dx, dw, None
 
 

@@ -1,0 +1,11 @@
+"""Grouped GEMMs: the matmuls of a mixture of experts, each token against its own expert.
+
+- :mod:`mpjax.grouped.kernels`: mpjax's own Mosaic GPU kernels, for the grouped GEMMs JAX has
+  no kernel for (fp8 operands on Hopper).
+- :mod:`mpjax.grouped.matmul`: a ragged dot's three GEMMs kept grouped forward and backward,
+  each lowered to the kernel chosen for the target GPU, or to XLA's ragged dot.
+- :mod:`mpjax.grouped.fp8`: the same GEMMs in fp8, scaled per expert or per row.
+
+The casting engine binds a ragged dot through them under a policy; :func:`mpjax.ragged_dot`
+(:mod:`mpjax.experts`) calls them directly.
+"""
