@@ -24,6 +24,7 @@ import train_transformer as tt  # noqa: E402
 from tolerances import assert_close_in_norm, gpt_reduction_length, tolerance  # noqa: E402
 
 import mpjax  # noqa: E402
+from mpjax import jax_compat  # noqa: E402
 from mpjax.inspection.matmuls import iter_equations  # noqa: E402
 
 # A model small enough that each compile takes a second or two on a shared CPU.
@@ -1568,6 +1569,25 @@ def test_the_moe_step_planned_for_an_h100_runs_the_models_expert_flops_in_groupe
     assert match is not None, printed
     assert int(match[1]) == 4 * 2 * 3
     assert abs(float(match[2]) * 1e9 - expected) <= 0.1 * expected
+    assert "expanded dense" not in printed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["mixed_bfloat16_fp8", "mixed_bfloat16_fp8_rowwise"])
+def test_the_moe_step_planned_for_an_h100_runs_its_expert_gemms_in_fp8(policy):
+    if mpjax.plan_unavailable() is not None:
+        pytest.skip(f"the plan cannot compile: {mpjax.plan_unavailable()}")
+    if policy == "mixed_bfloat16_fp8" and not jax_compat.mosaic_mixed_fp8_wgmma():
+        pytest.skip("this JAX's Mosaic GPU multiplies no e5m2 by e4m3: its backward stays dense")
+    printed = _plan_lines(*MOE_FLAGS, "--policy", policy, "--plan", "h100")
+    match = re.search(
+        r"grouped GEMMs: (\d+) kernel runs \(([\d.]+)G FLOPs, [^;]*; ([^)]*)\)", printed
+    )
+    assert match is not None, printed
+    assert int(match[1]) == 4 * 2 * 3  # forward and both gradients of every expert GEMM
+    shares = dict(part.rsplit(" ", 1) for part in match[3].split(", "))
+    fp8 = sum(float(v.rstrip("%")) for k, v in shares.items() if k.startswith("float8"))
+    assert fp8 >= 80.0, shares  # in fact all of them
     assert "expanded dense" not in printed
 
 

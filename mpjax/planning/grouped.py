@@ -21,7 +21,14 @@ import numpy as np
 
 from mpjax.grouped.matmul import SCOPE, kernel_refusal
 from mpjax.planning.hlo_text import HloInstruction, HloModule
-from mpjax.planning.rows import PlanGemm, inside, kernel_computations, np_dtype, op_name_of
+from mpjax.planning.rows import (
+    PlanGemm,
+    dtype_key,
+    inside,
+    kernel_computations,
+    np_dtype,
+    op_name_of,
+)
 from mpjax.planning.targets import Target
 from mpjax.table import flops_text
 
@@ -139,9 +146,16 @@ def grouped_lines(gemms: Sequence[PlanGemm], target: Target | None) -> list[str]
     if kernels:
         runs = sum(g.executions for g in kernels)
         flops = sum(g.flops * g.executions for g in kernels)
+        by_dtype: dict[str, int] = {}
+        for g in kernels:
+            key = dtype_key(g.lhs_dtype, g.rhs_dtype)
+            by_dtype[key] = by_dtype.get(key, 0) + g.flops * g.executions
+        shares = ", ".join(
+            f"{key} {n / flops:.1%}" for key, n in sorted(by_dtype.items(), key=lambda kv: -kv[1])
+        )
         lines.append(
             f"grouped GEMMs: {runs} kernel run{'s' * (runs != 1)} ({flops_text(flops)} FLOPs, "
-            "each token against its own expert only)"
+            f"each token against its own expert only; {shares})"
         )
     by_form: dict[tuple[str, str], list[PlanGemm]] = {}
     capability = target.chip.compute_capability if target is not None else None
