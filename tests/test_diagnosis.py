@@ -839,3 +839,64 @@ def test_inputs_given_too_early_or_as_variables_get_the_curried_form():
         mpjax.diagnose(model, policy="mixed_float16", variables=variables)(x[:, :5])
     doctor = mpjax.diagnose(model, policy="mixed_float16", variables=variables)
     assert repr(doctor).startswith("<Doctor of Net under p=f32,c=f16,o=f32: call it with")
+
+
+# --- A mixture of experts' routing ---------------------------------------------------------
+
+
+def _routed(scope):
+    """A router's choice of 2 of 8 experts, its logits' matmul in the named scope ``scope``:
+    the logits share a large common part and differ by a thousandth of it, below bf16's step."""
+
+    def route(x, w):
+        with jax.named_scope(scope):
+            logits = x @ w
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        _, experts = jax.lax.top_k(probs, 2)
+        return jnp.sum(probs * jax.nn.one_hot(experts[:, 0], 8))
+
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (256, 64)) + 3.0
+    w = 0.5 + 1e-3 * jax.random.normal(kw, (64, 8))
+    return route, x, w
+
+
+def test_the_doctor_finds_tokens_routed_otherwise_than_in_float32_and_routes_their_logits_in_f32():
+    route, x, w = _routed("scorer")
+    report = mpjax.diagnose(route, policy="mixed_bfloat16")(x, w)
+    (row,) = report.routing
+    assert (row.logits_module, row.logits_dtype, row.recommend) == ("scorer", "bfloat16", True)
+    assert row.flipped > 0.2  # the bf16 logits tie where float32's differ
+    assert report.keep == ("scorer",)
+    (rule,) = [r for r in report.rules.rules if not r.builtin]
+    assert rule.key == "scorer" and rule.policy == mpjax.router_policy("mixed_bfloat16")
+    assert report.reasons[-1].startswith("route 'scorer' in float32 (mpjax.router_policy)")
+    assert "its logits' matmul runs in bfloat16" in report.reasons[-1]
+    assert report.to_dict()["routing"][0]["recommend"] is True
+    # Under the recommended rules every token goes where float32 sends it.
+    again = mpjax.diagnose(route, policy=report.rules)(x, w)
+    assert again.routing[0].flipped == 0 and again.rules is None
+    assert "sends every token to the experts float32 does" in again.table()
+
+
+class _Routed(nn.Module):
+    router: str  # the name of the module of the router's logits
+
+    @nn.compact
+    def __call__(self, x):
+        logits = nn.Dense(8, use_bias=False, name=self.router)(x)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        _, experts = jax.lax.top_k(probs, 2)
+        return jnp.sum(probs * jax.nn.one_hot(experts[:, 0], 8))
+
+
+@pytest.mark.parametrize("router, flipped", [("router", False), ("scorer", True)])
+def test_a_linen_router_the_builtin_rule_names_routes_as_float32_does(router, flipped):
+    _, x, w = _routed("")
+    model = mpjax.linen.apply_policy(_Routed(router), "mixed_bfloat16")
+    variables = {"params": {router: {"kernel": w}}}
+    report = mpjax.diagnose(model, variables=variables)(x)
+    (row,) = report.routing
+    assert (row.flipped > 0, row.recommend) == (flipped, flipped)
+    assert row.logits_dtype == ("bfloat16" if flipped else "float32")
+    assert (report.rules is None) is not flipped

@@ -28,12 +28,20 @@ from mpjax.doctor.recommendations import (
     fp8_fitness,
     keep_in_float32,
     loss_scale_advice,
+    routing_changes,
 )
 from mpjax.doctor.side_by_side import STRUCTURAL, Evaluation, Kernels, to_exact
 from mpjax.inspection.describe import Runner, runner_of
 from mpjax.inspection.report import unflatten_with
 from mpjax.policy import is_floating
-from mpjax.rules import Rules, RulesLike, UnmatchedRuleError, as_rules, reported_as
+from mpjax.rules import (
+    Rules,
+    RulesLike,
+    UnmatchedRuleError,
+    as_rules,
+    reported_as,
+    router_policy,
+)
 
 
 def _is_array(leaf: Any) -> bool:
@@ -241,8 +249,10 @@ def _report(results, rules: Rules, dtypes, max_error) -> DiagnosisReport:
     # (a gradient's cast overflows at a birth or under a loss scale, not in a row).
     in_rows = {i: p for i, p in per_site.items() if sites[i].primitive not in STRUCTURAL}
     reasons, keep = keep_in_float32(in_rows, sites, birth, errors, max_error)
+    routing = routing_changes(results, sites, ev.routing)
+    routers = [r.logits_module for r in routing if r.recommend and r.logits_module not in keep]
     recommended = None
-    if keep:
+    if keep or routers:
         recommended = rules
         f32 = (
             rules.default.with_compute_dtype(jnp.float32)
@@ -255,6 +265,10 @@ def _report(results, rules: Rules, dtypes, max_error) -> DiagnosisReport:
                 recommended = recommended.with_rule(path, f32)
             else:
                 recommended = recommended.with_default(f32)
+        for path in dict.fromkeys(routers):
+            recommended = recommended.with_rule(path, router_policy(rules.default))
+    reasons += [r.why for r in routing if r.recommend and r.logits_module in routers]
+    keep += [path for path in dict.fromkeys(routers)]
     gradients = float16_gradients(per_site, sites)
     loss_scale = loss_scale_advice(gradients) if gradients is not None else None
     fp8 = fp8_fitness(results, sites, indices["dots"])
@@ -272,6 +286,7 @@ def _report(results, rules: Rules, dtypes, max_error) -> DiagnosisReport:
         fp8=fp8,
         keep=tuple(keep),
         max_error=max_error,
+        routing=routing,
     )
 
 

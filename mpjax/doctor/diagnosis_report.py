@@ -29,6 +29,7 @@ __all__ = [
     "LossScaleAdvice",
     "LossScaleCandidate",
     "RangeRow",
+    "RoutingRow",
 ]
 
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
@@ -204,6 +205,37 @@ class Fp8Matmul:
 
 
 @dataclasses.dataclass(frozen=True)
+class RoutingRow:
+    """A mixture of experts' routing decision (a ``top_k`` of the forward pass) under the
+    policy, against float32's.
+
+    Attributes:
+      module: the module the ``top_k`` runs in.
+      location: its source line.
+      flipped: the largest share, over the batches, of its rows (tokens) that chose other
+        indices (experts) than in the float32 run.
+      logits_module: the module of the last matmul before it, the router's logits in a
+        mixture of experts (None if no matmul came before it).
+      logits_dtype: the dtype that matmul computes in under the policy.
+      recommend: whether the report's rules route ``logits_module`` in float32
+        (:func:`mpjax.router_policy`): some tokens chose other experts and the logits' matmul
+        runs narrower than float32, in a module a rule can name.
+      why: the finding with its figures.
+    """
+
+    module: str
+    location: str
+    flipped: float
+    logits_module: str | None
+    logits_dtype: str | None
+    recommend: bool
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
 class DiagnosisReport:
     """What :func:`mpjax.diagnose` found; ``str`` gives :meth:`summary` (the verdict and the
     modules it names), :meth:`table` every row, :meth:`to_json` everything.
@@ -225,6 +257,8 @@ class DiagnosisReport:
       keep: the paths of the modules ``rules`` keeps in float32, in the order they first ran
         (``reasons`` says why, in the same order).
       max_error: the error entering a module above which it is kept in float32.
+      routing: per routing decision (a mixture of experts' ``top_k``), how many tokens chose
+        other experts than in float32 and whether ``rules`` routes its logits in float32.
     """
 
     policy: Rules
@@ -240,6 +274,7 @@ class DiagnosisReport:
     fp8: tuple[Fp8Matmul, ...]
     keep: tuple[str, ...] = ()
     max_error: float = 0.05
+    routing: tuple[RoutingRow, ...] = ()
 
     def module(self, path: str, backward: bool = False) -> RangeRow:
         """The ranges of the module at ``path`` in one pass."""
@@ -271,6 +306,7 @@ class DiagnosisReport:
     def _verdict(self) -> list[str]:
         """The verdict's items: why each module is kept in float32, the loss scale, fp8."""
         items = list(self.reasons)
+        items += [r.why for r in self.routing if r.flipped > 0 and not r.recommend]
         if self.loss_scale is not None:
             items.append(self.loss_scale.why)
         if self.batches > 1 and self.fp8:
@@ -433,6 +469,7 @@ class DiagnosisReport:
         lines += ["", f"non-finite born at: {self.birth if self.birth else 'nowhere'}", ""]
         lines += ["recommendations:"]
         lines += [f"- {why}" for why in self.reasons] or ["- the policy keeps every module"]
+        lines += [f"- {r.why}" for r in self.routing if not r.recommend]
         if self.loss_scale is not None:
             lines.append(f"- {self.loss_scale.why}")
         if self.batches > 1:
@@ -561,6 +598,7 @@ class DiagnosisReport:
             "fp8": [m.to_dict() for m in self.fp8],
             "keep": list(self.keep),
             "max_error": self.max_error,
+            "routing": [r.to_dict() for r in self.routing],
         }
 
     def to_json(self) -> str:

@@ -1,7 +1,8 @@
 """What the precision doctor recommends from its measures: the modules to keep in float32
-(values that overflow their dtype, the non-finite birth, too much precision lost), the loss
-scales that keep float16 gradients in range, and which matmuls are fit for fp8 with delayed
-scaling.
+(values that overflow their dtype, the non-finite birth, too much precision lost), the routers
+to keep in float32 (a mixture of experts sending tokens to other experts than float32 would),
+the loss scales that keep float16 gradients in range, and which matmuls are fit for fp8 with
+delayed scaling.
 """
 
 from __future__ import annotations
@@ -11,10 +12,21 @@ import collections
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax.doctor.diagnosis_report import Fp8Matmul, LossScaleAdvice, LossScaleCandidate
+from mpjax.doctor.diagnosis_report import (
+    Fp8Matmul,
+    LossScaleAdvice,
+    LossScaleCandidate,
+    RoutingRow,
+)
 from mpjax.doctor.range_stats import DTYPES, RangeStats, bounds
 
-__all__ = ["float16_gradients", "fp8_fitness", "keep_in_float32", "loss_scale_advice"]
+__all__ = [
+    "float16_gradients",
+    "fp8_fitness",
+    "keep_in_float32",
+    "loss_scale_advice",
+    "routing_changes",
+]
 
 # A matmul is fit for fp8 with delayed scaling when its operands' amax moves by at most this
 # factor between batches: a scale set from earlier batches then neither overflows nor wastes
@@ -138,3 +150,57 @@ def fp8_fitness(results, sites, indices) -> tuple[Fp8Matmul, ...]:
             )
         found.append(Fp8Matmul(s.module, rank, s.backward, amax, ratio, fit, why))
     return tuple(found)
+
+
+def routing_changes(results, sites, routing) -> tuple[RoutingRow, ...]:
+    """Per routing decision (``routing``: the evaluation's ``(top_k site, logits site)``
+    pairs), the largest share of tokens over the batches (``values["routing"]``) that chose
+    other experts than in float32, and whether to route its logits in float32: when some did
+    and the logits' matmul runs narrower than float32 in a module a rule can name."""
+    rows = []
+    for k, (index, logits) in enumerate(routing):
+        s = sites[index]
+        flipped = max(float(values["routing"][k]) for _, values in results)
+        where = f"the top_k in {s.module or '<root>'!r} ({s.location})"
+        source = sites[logits] if logits is not None else None
+        narrow = source is not None and np.dtype(source.dtype).itemsize < 4
+        recommend = bool(flipped > 0 and narrow and source.module)
+        share = f"{100 * flipped:.3g}% of the tokens"
+        if source is None:
+            why = f"routing: {where} chose other experts than float32 for {share}"
+        elif recommend:
+            why = (
+                f"route {source.module!r} in float32 (mpjax.router_policy): {where} sends "
+                f"{share} to other experts than float32 does; its logits' matmul runs in "
+                f"{source.dtype}"
+            )
+        elif flipped > 0 and narrow:
+            why = (
+                f"routing: {where} sends {share} to other experts than float32 does; its "
+                f"logits' matmul runs in {source.dtype} at the root, which no rule can name: "
+                "give the router a module (or a named scope) of its own"
+            )
+        elif flipped > 0:
+            why = (
+                f"routing: {where} sends {share} to other experts than float32 does, though "
+                f"its logits' matmul ({source.module or '<root>'!r}) runs in {source.dtype}: "
+                "the rounding of the router's inputs moves them, which a rule for the router "
+                "does not change"
+            )
+        else:
+            why = (
+                f"routing: {where} sends every token to the experts float32 does (its logits' "
+                f"matmul in {source.dtype})"
+            )
+        rows.append(
+            RoutingRow(
+                module=s.module,
+                location=s.location,
+                flipped=flipped,
+                logits_module=None if source is None else source.module,
+                logits_dtype=None if source is None else source.dtype,
+                recommend=recommend,
+                why=why,
+            )
+        )
+    return tuple(rows)

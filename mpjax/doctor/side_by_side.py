@@ -18,6 +18,10 @@ forward or backward pass.
   counts at the cast that rounds them). The relative error of the value as it ran, against
   the exact one, is what has accumulated.
 - Matmuls have the amax of their two operands (exact) measured, for fp8 fitness.
+- A mixture of experts' routing decision, a ``top_k`` of the forward pass, has the share of
+  its rows measured whose chosen indices differ as it runs from the exact run's: tokens the
+  policy sends to other experts than float32 would. Each is paired with the last forward
+  matmul evaluated before it (the router's logits, in a mixture of experts) and its dtype.
 - Mask fills are not numbers the model computes: where a select (``jnp.where(mask, s, fill)``)
   takes a case that is a constant *fill* (a literal, or a broadcast or cast of one, at least
   :data:`FILL_MIN` in magnitude or not finite: ``finfo(dtype).min``, ``-inf``, ``-1e9``), the
@@ -126,6 +130,7 @@ _ELEMENTWISE = frozenset(
 # A value whose every entry is a mask fill (a fill constant and its broadcasts and casts).
 FILL = "fill"
 _MATMULS = frozenset({"dot_general", "conv_general_dilated"})
+_ROUTING = frozenset({"top_k"})  # a mixture of experts' choice of experts
 _F32 = np.dtype(np.float32)
 
 
@@ -170,6 +175,13 @@ def _relative_error(value: Any, exact: Any) -> jax.Array:
 
     error, norm = lax.cond(_has_nonfinite(value, exact), masked, finite, value, exact)
     return error / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny)
+
+
+def _flipped(actual: jax.Array, exact: jax.Array) -> jax.Array:
+    """The share of the rows of two ``top_k`` index outputs (all axes but the last) that chose
+    a different set of indices: the order within a row aside."""
+    differ = jnp.any(jnp.sort(actual, axis=-1) != jnp.sort(exact, axis=-1), axis=-1)
+    return jnp.mean(differ.astype(jnp.float32))
 
 
 def _nonfinite(x: jax.Array) -> jax.Array:
@@ -290,6 +302,7 @@ _measure_range = jax.jit(range_stats.summarize)
 _measure_amax = jax.jit(_amax)
 _measure_error = jax.jit(_relative_error)
 _measure_error_unmasked = jax.jit(_relative_error_unmasked)
+_measure_flipped = jax.jit(_flipped)
 
 
 @jax.jit
@@ -478,6 +491,11 @@ class Evaluation:
         self._inputs: list[list[Any]] = []
         self._inputs_counted: list[Any] = []
         self._fills: list[bool] = []  # per site: whether its outputs are mask fills
+        # Routing decisions (forward top_k): the share of rows chosen differently (device
+        # values), and per decision its site with the last forward matmul's before it.
+        self._flipped: list[Any] = []
+        self.routing: list[tuple[int, int | None]] = []
+        self._last_matmul: int | None = None
 
     def _counted(self, values: Sequence[Any]) -> list[Any]:
         """Where the non-finite counts of ``values`` (inputs of a jaxpr) are: counted now."""
@@ -630,6 +648,11 @@ class Evaluation:
         inputs = [ins[i][2] for i in _floating(eqn.invars)]
         self._inputs.append(inputs)
         site = len(self._measures) - 1
+        if not backward and eqn.primitive.name in _MATMULS:
+            self._last_matmul = site
+        if not backward and self.compare and eqn.primitive.name in _ROUTING:
+            self._flipped.append(_measure_flipped(ac_out[1], ex_out[1]))
+            self.routing.append((site, self._last_matmul))
         refs: list[Any] = [0] * len(ex_out)
         for rank, i in enumerate(floats_out):
             refs[i] = ("site", site, rank) if plan.counts else ("copy", inputs)
@@ -638,8 +661,11 @@ class Evaluation:
     def assemble(self) -> dict[str, np.ndarray]:
         """Per site, the measures as host values: non-finite counts of outputs and inputs,
         range summaries (counts, extremes), matmul operand amaxes, errors (entering,
-        accumulated), each stacked in the order of ``indices``."""
-        inputs_counted, measured = jax.device_get((self._inputs_counted, self._measures))
+        accumulated), the routing decisions' shares of rows chosen differently, each stacked
+        in the order of ``indices``."""
+        inputs_counted, measured, flipped = jax.device_get(
+            (self._inputs_counted, self._measures, self._flipped)
+        )
 
         def count(ref) -> int:
             if isinstance(ref, int):
@@ -670,6 +696,7 @@ class Evaluation:
             "births": np.array(births, np.int64).reshape(-1, 2),
             "errors": np.array(errors, np.float32).reshape(-1, 2),
             "dots": np.array(dots, np.float32),
+            "routing": np.array(flipped, np.float32),
         }
 
     def indices(self) -> dict[str, list[int]]:
@@ -678,6 +705,7 @@ class Evaluation:
             "births": list(range(len(self._plans))),
             "errors": [i for i, p in enumerate(self._plans) if p.errors],
             "dots": [i for i, p in enumerate(self._plans) if p.operands],
+            "routing": [site for site, _ in self.routing],
         }
 
 
