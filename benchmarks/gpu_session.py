@@ -18,9 +18,9 @@ The parts (``--parts`` picks others, in the order given):
   on the ``small`` preset, batch 16 x 1024: compile time, step time (median and min of 20),
   tokens/s, MFU, peak memory, and each JAX row's plan as XLA compiled it on this GPU.
 - ``medium``: ``bf16_mpjax`` and ``torch_bf16_sdpa`` on ``medium``, layers scanned, batch 8.
-- ``moe``: ``bf16_mpjax`` (the experts' GEMMs grouped: JAX's Mosaic GPU kernels) and
-  ``bf16_hand`` (``lax.ragged_dot`` written by hand: XLA's dense GEMMs) on ``small-moe``,
-  layers scanned, batch 8.
+- ``moe``: ``bf16_mpjax`` (the experts' GEMMs grouped: JAX's Mosaic GPU kernels),
+  ``bf16_hand`` (``lax.ragged_dot`` written by hand: XLA's dense GEMMs) and ``fp8_mpjax``
+  (mpjax's fp8 grouped kernels on Hopper) on ``small-moe``, layers scanned, batch 8.
 - ``quantized_small``: ``bf16_sr`` (bf16 params with stochastic rounding, f32 Adam moments)
   and the same with bf16 moments and with 8-bit (``dynamic8``, ``e4m3``) and 4-bit
   (``dynamic4``) blockwise quantized moments, on ``small``, batch 16 x 1024: what
@@ -113,8 +113,11 @@ ROWS = {
         ("bf16_sr", *bench.QUANTIZED_STATE_KEYS), "small", 16, False, row_s=330.0
     ),
     # A mixture of experts through mpjax's grouped GEMMs (bf16_mpjax) against the same model
-    # written by hand with lax.ragged_dot (bf16_hand: XLA's dense GEMMs over every expert).
-    "moe": RowsPart(("bf16_mpjax", "bf16_hand"), "small-moe", 8, True, rehearse_experts=8),
+    # written by hand with lax.ragged_dot (bf16_hand: XLA's dense GEMMs over every expert),
+    # and in fp8 (fp8_mpjax: on Hopper, mpjax's own fp8 grouped kernels run for real).
+    "moe": RowsPart(
+        ("bf16_mpjax", "bf16_hand", "fp8_mpjax"), "small-moe", 8, True, rehearse_experts=8
+    ),
     "fp8_medium": RowsPart(
         ("bf16_mpjax", "fp8_mpjax", "fp8_delayed_mpjax", "fp8_autocast", "torch_bf16_sdpa"),
         "medium",

@@ -128,7 +128,7 @@ def test_fp8_rows_have_their_mfu_against_the_bf16_and_the_fp8_peak():
 def test_each_issue_runs_its_parts_in_the_order_it_asks_for():
     assert gpu_session.ISSUES["clock"] == ("env", "small", "plans", "medium", "moe")
     moe = gpu_session.ROWS["moe"]
-    assert moe.keys == ("bf16_mpjax", "bf16_hand") and moe.preset == "small-moe"
+    assert moe.keys == ("bf16_mpjax", "bf16_hand", "fp8_mpjax") and moe.preset == "small-moe"
     assert gpu_session.ISSUES["fp8"] == ("env", "fp8_medium", "plans", "gpu_tests", "diagnose")
     assert gpu_session.ISSUES["quantized"] == ("env", "quantized_small", "plans", "small")
     quantized = gpu_session.ROWS["quantized_small"]
@@ -271,12 +271,13 @@ def test_the_clock_rehearsal_writes_every_part(tmp_path):
     _check_env(tmp_path)
     _check_rows(tmp_path, "small", gpu_session.ROWS["small"].keys)
     _check_rows(tmp_path, "medium", gpu_session.ROWS["medium"].keys)
-    _check_rows(tmp_path, "moe", gpu_session.ROWS["moe"].keys, committed=False)
+    _check_rows(tmp_path, "moe", gpu_session.ROWS["moe"].keys)
     plans = _read(tmp_path, "plans.json")
     jax_rows = [k for k in gpu_session.ROWS["small"].keys if not k.startswith("torch")]
     assert set(plans) == {f"small/{k}" for k in jax_rows} | {"medium/bf16_mpjax"} | {
         "moe/bf16_mpjax",
         "moe/bf16_hand",
+        "moe/fp8_mpjax",
     }
     assert plans["medium/bf16_mpjax"]["committed"]["file"].endswith("cpu_medium_plan.json")
     assert "| small | f16_dynamic | not on this device" in (tmp_path / "plans.md").read_text()
