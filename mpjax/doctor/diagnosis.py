@@ -250,7 +250,13 @@ def _report(results, rules: Rules, dtypes, max_error) -> DiagnosisReport:
     in_rows = {i: p for i, p in per_site.items() if sites[i].primitive not in STRUCTURAL}
     reasons, keep = keep_in_float32(in_rows, sites, birth, errors, max_error)
     routing = routing_changes(results, sites, ev.routing)
-    routers = [r.logits_module for r in routing if r.recommend and r.logits_module not in keep]
+    routers: list[str] = list(
+        dict.fromkeys(
+            r.logits_module
+            for r in routing
+            if r.recommend and r.logits_module is not None and r.logits_module not in keep
+        )
+    )
     recommended = None
     if keep or routers:
         recommended = rules
@@ -265,10 +271,10 @@ def _report(results, rules: Rules, dtypes, max_error) -> DiagnosisReport:
                 recommended = recommended.with_rule(path, f32)
             else:
                 recommended = recommended.with_default(f32)
-        for path in dict.fromkeys(routers):
+        for path in routers:
             recommended = recommended.with_rule(path, router_policy(rules.default))
     reasons += [r.why for r in routing if r.recommend and r.logits_module in routers]
-    keep += [path for path in dict.fromkeys(routers)]
+    keep += routers
     gradients = float16_gradients(per_site, sites)
     loss_scale = loss_scale_advice(gradients) if gradients is not None else None
     fp8 = fp8_fitness(results, sites, indices["dots"])

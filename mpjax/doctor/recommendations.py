@@ -164,7 +164,7 @@ def routing_changes(results, sites, routing) -> tuple[RoutingRow, ...]:
         where = f"the top_k in {s.module or '<root>'!r} ({s.location})"
         source = sites[logits] if logits is not None else None
         narrow = source is not None and np.dtype(source.dtype).itemsize < 4
-        recommend = bool(flipped > 0 and narrow and source.module)
+        recommend = bool(flipped > 0 and narrow and source is not None and source.module)
         share = f"{100 * flipped:.3g}% of the tokens"
         if source is None:
             why = f"routing: {where} chose other experts than float32 for {share}"
