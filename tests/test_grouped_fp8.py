@@ -310,8 +310,25 @@ def test_groups_padded_to_the_block_start_on_a_block_of_their_own():
 def test_fp8_kernel_refusals_name_the_reason(form, lhs, rhs, dtypes, reason):
     said = gm.kernel_refusal(9, form, lhs, rhs, *dtypes)
     assert said is None if reason is None else reason in said
-    blackwell = gm.kernel_refusal(10, form, lhs, rhs, *dtypes)
-    assert "Hopper" in blackwell or "two fp8 operands" in blackwell
+    assert "are for Hopper (compute capability 9), not 8" in gm.kernel_refusal(
+        8, "forward", (256, 128), (4, 128, 256), E4M3
+    )
+
+
+@pytest.mark.parametrize(
+    "form, lhs, rhs, reason",
+    [
+        ("forward", (512, 128), (4, 128, 256), None),
+        ("input_gradient", (512, 256), (4, 256, 256), None),
+        ("weight_gradient", (512, 128), (512, 256), "JAX has no Blackwell kernel"),
+        ("forward", (500, 128), (4, 128, 256), "the tokens (500) is not a multiple of 256"),
+    ],
+)
+def test_fp8_on_blackwell_takes_jaxs_bf16_kernels_where_they_take_the_shapes(
+    form, lhs, rhs, reason
+):
+    said = gm.kernel_refusal(10, form, lhs, rhs, E5M2, E4M3)
+    assert said is None if reason is None else reason in said
 
 
 def test_mixed_fp8_kernels_are_refused_where_this_jax_cannot_multiply_them():
@@ -374,6 +391,19 @@ def _compile(target, recipe):
     assert result.returncode == 0, result.stderr[-3000:]
     calls, summary = result.stdout.split("\n", 1)
     return int(calls), summary
+
+
+@pytest.mark.slow
+def test_a_b200_runs_fp8_forward_and_input_gradient_in_jaxs_bf16_kernels_widened():
+    # No fp8 grouped kernel for Blackwell: the fp8 values widened to bf16 (exact) in JAX's
+    # Blackwell kernels, where XLA would expand them dense; the weight gradient XLA's.
+    calls, summary = _compile("b200", "current")
+    assert calls == 2
+    assert "grouped GEMMs: 2 kernel runs (17.2G FLOPs" in summary and "bfloat16 100.0%" in summary
+    assert (
+        "expanded dense by XLA: weight_gradient, 1 run, 68.7G FLOPs for 8.59G of work (JAX has "
+        "no Blackwell kernel for the weight gradient)"
+    ) in summary
 
 
 @pytest.mark.slow

@@ -26,7 +26,10 @@ when the program is lowered for its target (:func:`mpjax.jax_compat.gpu_chosen_p
 
 The kernels take bf16 or f16 operands, accumulate in f32 and write their operands' dtype: a
 weight gradient on them is rounded to the compute dtype once, then widened to the reduce dtype
-(XLA's path writes it in the reduce dtype). Rows past ``sum(group_sizes)`` belong to no group
+(XLA's path writes it in the reduce dtype). fp8 operands (:mod:`mpjax.grouped.fp8`) take
+mpjax's own fp8 kernels on Hopper (:mod:`mpjax.grouped.kernels`, float32 results), and on
+Blackwell JAX's bf16 kernels on the fp8 values widened to bf16 (exact), their result rounded
+once to bf16: the fp8 numbers at bf16's speed. Rows past ``sum(group_sizes)`` belong to no group
 and come out zero, as from ``lax.ragged_dot``.
 
 Mosaic GPU compiles its kernels for one GPU architecture per process: after a kernel compiled
@@ -237,8 +240,8 @@ def kernel_refusal(
     """Why no kernel takes a grouped GEMM of ``form`` on a GPU of compute capability ``major``
     (9: Hopper, 10: Blackwell), or None if one does: the operands' dtypes (``dtype``, and
     ``rhs_dtype`` where it differs), a dimension the kernel's tiles do not divide, no kernel
-    for that GPU. bf16 and f16 operands take JAX's kernels, fp8 ones mpjax's
-    (:mod:`mpjax.grouped.kernels`, Hopper only).
+    for that GPU. bf16 and f16 operands take JAX's kernels; fp8 ones mpjax's on Hopper
+    (:mod:`mpjax.grouped.kernels`), and JAX's bf16 ones on Blackwell, widened.
 
     >>> kernel_refusal(9, "forward", (4096, 1024), (8, 1024, 2048), jnp.bfloat16) is None
     True
@@ -252,7 +255,13 @@ def kernel_refusal(
     red, out = (n, k) if form == "input_gradient" else (k, n)
     red_name, out_name = ("N", "K") if form == "input_gradient" else ("K", "N")
     if dtype in _FP8_DTYPES or rhs_dtype in _FP8_DTYPES:
-        return _fp8_refusal(major, form, rows, (red, red_name), (out, out_name), dtype, rhs_dtype)
+        if major == 10 and dtype in _FP8_DTYPES and rhs_dtype in _FP8_DTYPES:
+            # Blackwell: JAX's bf16 kernels on the fp8 values, widened exactly (see _choose).
+            dtype = rhs_dtype = np.dtype(jnp.bfloat16)
+        else:
+            return _fp8_refusal(
+                major, form, rows, (red, red_name), (out, out_name), dtype, rhs_dtype
+            )
     if dtype not in _KERNEL_DTYPES or rhs_dtype != dtype:
         names = dtype.name if rhs_dtype == dtype else f"{dtype.name} and {rhs_dtype.name}"
         return f"the kernels take bfloat16, float16 or float8 operands, not {names}"
@@ -385,6 +394,17 @@ def _hopper_fp8(
     return _zero_past_groups(out, group_sizes).astype(out_dtype)
 
 
+def _blackwell_widened(
+    lhs: Any, rhs: Any, group_sizes: Any, *, form: str, out_dtype: Any, precision: Any = None
+) -> Any:
+    """fp8 operands on Blackwell, where mpjax has no fp8 kernel: JAX's bf16 kernel on them
+    widened to bf16 (exactly: every e4m3 and e5m2 value is a bf16 value), its float32
+    accumulation rounded once to bf16 as the kernel writes it. The fp8 numbers at bf16's
+    speed, where XLA would expand the GEMM dense over every expert."""
+    widened = (x.astype(jnp.bfloat16) for x in (lhs, rhs))
+    return _blackwell(*widened, group_sizes, form=form, out_dtype=out_dtype)
+
+
 # The compute capability Mosaic GPU compiled kernels for in this process (see the docstring).
 _mosaic_capability: list[tuple[int, int]] = []
 
@@ -408,7 +428,7 @@ def _choose(target: jax_compat.GpuTarget, avals: Sequence[Any], params: dict) ->
     if not _mosaic_capability:
         _mosaic_capability.append(target.capability)
     if np.dtype(lhs.dtype) in _FP8_DTYPES:
-        return _hopper_fp8
+        return _hopper_fp8 if major == 9 else _blackwell_widened
     return _hopper if major == 9 else _blackwell
 
 
