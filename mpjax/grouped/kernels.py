@@ -53,6 +53,45 @@ def _cores() -> int:
     return int(jax.devices()[0].core_count)
 
 
+def _accumulated(lhs_gmem, rhs_gmem, lhs_block, rhs_block, steps, run=None) -> Any:
+    """``sum_j lhs tile(j) @ rhs tile(j)^T`` over ``steps`` pipelined steps, in float32
+    registers: tiles of ``BLOCK x BLOCK`` at ``lhs_block(j)`` and ``rhs_block(j)``, both
+    contiguous along the contraction, :data:`_STAGES` in flight; zeros where ``run`` (if given)
+    is false."""
+
+    def accumulate(acc_ref):
+        def pipeline():
+            plgpu.emit_pipeline(
+                lambda _, a, b: plgpu.wgmma(acc_ref, a, b.transpose((1, 0))),
+                grid=(steps,),
+                in_specs=[
+                    plgpu.BlockSpec((BLOCK, BLOCK), lhs_block, delay_release=1),
+                    plgpu.BlockSpec((BLOCK, BLOCK), rhs_block, delay_release=1),
+                ],
+                max_concurrent_steps=_STAGES,
+            )(lhs_gmem, rhs_gmem)
+
+        if run is None:
+            pipeline()
+        else:
+            pl.when(run)(pipeline)
+        return acc_ref[...]
+
+    return pl.run_scoped(accumulate, plgpu.ACC((BLOCK, BLOCK)))
+
+
+def _launch(body: Any, shape: tuple[int, ...], *operands: jax.Array) -> jax.Array:
+    """``body`` run as a kernel on every SM (the ``"sm"`` axis), writing float32 ``shape``."""
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(shape, jnp.float32),
+        grid=(_cores(),),
+        grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return kernel(*operands)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Group:
     """The group of one block of rows of :func:`ragged_dot`'s traversal, which visits a block
@@ -102,19 +141,13 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Ar
             mi, ni = plgpu.planar_snake(loop.index[0], (grid_m, grid_n), 1, _GRID_BLOCK_N)
             info = _Group.of(sizes_gmem, groups, BLOCK, mi)
 
-            def accumulate(acc_ref):
-                plgpu.emit_pipeline(
-                    lambda _, a, b: plgpu.wgmma(acc_ref, a, b.transpose((1, 0))),
-                    grid=(k // BLOCK,),
-                    in_specs=[
-                        plgpu.BlockSpec((BLOCK, BLOCK), lambda j: (info.block, j), delay_release=1),
-                        plgpu.BlockSpec((BLOCK, BLOCK), lambda j: (ni, j), delay_release=1),
-                    ],
-                    max_concurrent_steps=_STAGES,
-                )(lhs_gmem, rhs_gmem.at[info.group])
-                return acc_ref[...]
-
-            acc = pl.run_scoped(accumulate, plgpu.ACC((BLOCK, BLOCK)))
+            acc = _accumulated(
+                lhs_gmem,
+                rhs_gmem.at[info.group],
+                lambda j: (info.block, j),
+                lambda j: (ni, j),
+                k // BLOCK,
+            )
 
             @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM((BLOCK, BLOCK), jnp.float32))
             def _(out_smem):
@@ -140,14 +173,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Ar
                     start += info.size & step
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((m, n), jnp.float32),
-        grid=(_cores(),),
-        grid_names=("sm",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
-    return kernel(group_sizes.astype(jnp.int32), lhs, rhs)
+    return _launch(body, (m, n), group_sizes.astype(jnp.int32), lhs, rhs)
 
 
 def padded_rows(rows: int, groups: int) -> int:
@@ -204,26 +230,14 @@ def transposed_ragged_dot(
             mi, ni = plgpu.planar_snake(loop.index[1], (grid_m, grid_n), 1, _GRID_BLOCK_N)
             first = lax.div(starts_gmem[g], BLOCK)  # the group's first block of rows
 
-            def accumulate(acc_ref):
-                @pl.when(blocks_gmem[g] > 0)
-                def _():
-                    plgpu.emit_pipeline(
-                        lambda _, a, b: plgpu.wgmma(acc_ref, a, b.transpose((1, 0))),
-                        grid=(blocks_gmem[g],),
-                        in_specs=[
-                            plgpu.BlockSpec(
-                                (BLOCK, BLOCK), lambda j: (mi, first + j), delay_release=1
-                            ),
-                            plgpu.BlockSpec(
-                                (BLOCK, BLOCK), lambda j: (ni, first + j), delay_release=1
-                            ),
-                        ],
-                        max_concurrent_steps=_STAGES,
-                    )(lhs_gmem, rhs_gmem)
-
-                return acc_ref[...]
-
-            acc = pl.run_scoped(accumulate, plgpu.ACC((BLOCK, BLOCK)))
+            acc = _accumulated(
+                lhs_gmem,
+                rhs_gmem,
+                lambda j: (mi, first + j),
+                lambda j: (ni, first + j),
+                blocks_gmem[g],
+                run=blocks_gmem[g] > 0,
+            )
 
             @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM((BLOCK, BLOCK), jnp.float32))
             def _(out_smem):
@@ -235,11 +249,6 @@ def transposed_ragged_dot(
                 )
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((groups, k, n), jnp.float32),
-        grid=(_cores(),),
-        grid_names=("sm",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    return _launch(
+        body, (groups, k, n), starts.astype(jnp.int32), blocks.astype(jnp.int32), lhs_t, rhs_t
     )
-    return kernel(starts.astype(jnp.int32), blocks.astype(jnp.int32), lhs_t, rhs_t)

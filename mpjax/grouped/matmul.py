@@ -401,8 +401,8 @@ def _blackwell_widened(
     widened to bf16 (exactly: every e4m3 and e5m2 value is a bf16 value), its float32
     accumulation rounded once to bf16 as the kernel writes it. The fp8 numbers at bf16's
     speed, where XLA would expand the GEMM dense over every expert."""
-    widened = (x.astype(jnp.bfloat16) for x in (lhs, rhs))
-    return _blackwell(*widened, group_sizes, form=form, out_dtype=out_dtype)
+    lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
+    return _blackwell(lhs, rhs, group_sizes, form=form, out_dtype=out_dtype)
 
 
 # The compute capability Mosaic GPU compiled kernels for in this process (see the docstring).
