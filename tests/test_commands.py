@@ -127,6 +127,21 @@ def _fresh_copy(destination: pathlib.Path) -> pathlib.Path:
     return destination
 
 
+def _fresh_checkout(tmp_path: pathlib.Path) -> tuple[pathlib.Path, dict[str, str]]:
+    """A fresh copy of the repository under ``tmp_path`` and the environment its commands run
+    in (this Python first on the PATH, the copy importable, the CPU); skips without git."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs the git checkout, to copy the repository as a clone holds it")
+    copy = _fresh_copy(tmp_path / "repo")
+    env = {
+        "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(copy),
+        "JAX_PLATFORMS": "cpu",
+        "HOME": os.environ.get("HOME", str(tmp_path)),
+    }
+    return copy, env
+
+
 def _run(command: str, env: dict[str, str], cwd: pathlib.Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
@@ -135,15 +150,7 @@ def _run(command: str, env: dict[str, str], cwd: pathlib.Path) -> subprocess.Com
 
 @pytest.mark.parametrize("page", _documents())
 def test_commands_run_in_order_on_a_fresh_copy(page, tmp_path):
-    if shutil.which("git") is None or not (ROOT / ".git").exists():
-        pytest.skip("needs the git checkout, to copy the repository as a clone holds it")
-    copy = _fresh_copy(tmp_path / "repo")
-    base = {
-        "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "PYTHONPATH": str(copy),
-        "JAX_PLATFORMS": "cpu",
-        "HOME": os.environ.get("HOME", str(tmp_path)),
-    }
+    copy, base = _fresh_checkout(tmp_path)
     background: list[tuple[str, subprocess.Popen]] = []
     ran = []
     for command, env, run in _plan(ROOT / page):
@@ -180,15 +187,7 @@ def test_commands_run_in_order_on_a_fresh_copy(page, tmp_path):
 def test_the_readmes_set_up_command_runs_twice_in_a_row(tmp_path):
     # People run a set-up command again (a new shell, another day): the second run must succeed
     # too, and says what it did with the first run's folder.
-    if shutil.which("git") is None or not (ROOT / ".git").exists():
-        pytest.skip("needs the git checkout, to copy the repository as a clone holds it")
-    copy = _fresh_copy(tmp_path / "repo")
-    env = {
-        "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "PYTHONPATH": str(copy),
-        "JAX_PLATFORMS": "cpu",
-        "HOME": os.environ.get("HOME", str(tmp_path)),
-    }
+    copy, env = _fresh_checkout(tmp_path)
     (command, _, run), *_ = [row for row in _plan(ROOT / "README.md") if row[1] is not None]
     first, second = (_run(run, env, copy) for _ in range(2))
     for result in first, second:
