@@ -41,8 +41,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 __all__ = ["BLOCK", "pad_groups", "padded_rows", "ragged_dot", "transposed_ragged_dot"]
 
 BLOCK = 128
-"""The kernels' tile: 128 rows (tokens, or features of the weight gradient) by 128 columns by
-128 fp8 values of contraction (the 128-byte swizzle of Hopper's fp8 ``wgmma``)."""
+"""Each side of the kernels' tiles, in rows (tokens, or features of the weight gradient),
+columns and fp8 values of contraction (the 128-byte swizzle of Hopper's fp8 ``wgmma``)."""
 _STAGES = 4  # tiles in flight: 4 x (2 x 16 KiB) + a 64 KiB float32 result tile
 _GRID_BLOCK_N = 8  # JAX's choice: 8 column tiles per stripe of the traversal
 
