@@ -108,10 +108,9 @@ def assert_floating_matmuls_bf16(subject: Subject, *, routers_in_f32: bool = Fal
     for name, report in zip(("forward", "backward"), subject.matmuls):
         floating, _ = split_by_kind(report)
         assert floating, f"{name}: no floating matmul found\n{report}"
+        expected = {True: (F32, F32), False: (BF16, BF16)}
         wrong = [
-            m
-            for m in floating
-            if m.operand_dtypes != ((F32, F32) if routers_in_f32 and _in_router(m) else (BF16, BF16))
+            m for m in floating if m.operand_dtypes != expected[routers_in_f32 and _in_router(m)]
         ]
         counts = ", ".join(f"{n} {a} x {b}" for (a, b), n in report.operand_dtypes().items())
         assert not wrong, (
