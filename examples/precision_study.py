@@ -184,10 +184,29 @@ SETUPS = [
         "mixed bf16 + MXFP8 matmuls (a scale per 32 values), head in bf16",
         "mixed_bfloat16_mxfp8",
     ),
+    # NVFP4 in all three GEMMs: by the format's definition alone, with NVIDIA's whole training
+    # recipe (the preset's default), and with the recipe less each of its ingredients in turn.
+    Setup(
+        "mixed_bf16_nvfp4_plain",
+        "mixed bf16 + NVFP4 matmuls, none of the recipe, head in bf16",
+        "p=f32,c=bf16,o=f32,fp8=nvfp4;plain",
+    ),
     Setup(
         "mixed_bf16_nvfp4",
-        "mixed bf16 + NVFP4 forward matmuls (MXFP8 gradients), head in bf16",
+        "mixed bf16 + NVFP4 matmuls, NVIDIA's recipe, head in bf16",
         "mixed_bfloat16_nvfp4",
+    ),
+    *(
+        Setup(
+            f"mixed_bf16_nvfp4_{option}",
+            f"mixed bf16 + NVFP4 matmuls, the recipe less {what}, head in bf16",
+            f"p=f32,c=bf16,o=f32,fp8=nvfp4;{option}",
+        )
+        for option, what in (
+            ("no_hadamard", "the Hadamard transforms"),
+            ("no_stochastic_rounding", "stochastic rounding"),
+            ("no_2d", "16 x 16 weight tiles"),
+        )
     ),
     # A mixture of experts (8 experts, 2 per token) in every block: float32, mpjax's grouped
     # GEMMs in bf16 with the router kept f32 by its built-in rule, and the same bf16 written by

@@ -19,10 +19,25 @@ accumulates:
 :func:`dot_general` quantizes both operands of a matmul along its contraction, forward, and in
 the backward pass quantizes the incoming gradient and the saved operands again along the
 backward GEMMs' contractions (a block runs along the contraction, so each GEMM needs its own
-quantization of the same operand): all three GEMMs run block-scaled. Under NVFP4 the two
-backward GEMMs run in MXFP8: 4-bit gradients need stochastic rounding and random Hadamard
-transforms to train (NVIDIA's NVFP4 recipe), which mpjax does not implement. The gradients
-reaching the operands are the backward GEMMs' results (a straight-through estimator).
+quantization of the same operand): all three GEMMs run block-scaled, in the same format. The
+gradients reaching the operands are the backward GEMMs' results (a straight-through estimator).
+
+4-bit values do not train by the format's definition alone. NVFP4 takes NVIDIA's training
+recipe (arXiv 2509.25149, Transformer Engine's ``NVFP4BlockScaling``) by default, each
+ingredient switchable for ablations:
+
+- **a random Hadamard transform** (:func:`hadamard_transform`, 16 x 16) on both inputs of the
+  weight-gradient GEMM, along its contraction (the tokens), with one fixed random sign vector:
+  it spreads an outlier over its 16 neighbours, so the block's scale fits the others better.
+  The transform is orthogonal and both operands take it, so the product is unchanged before
+  rounding. The tensor's amax is taken after it.
+- **stochastic rounding** (``quantize(..., key=...)``) of the output gradient, in both gradient
+  GEMMs: each value rounds up or down with the probabilities that make its expectation exact,
+  so small gradients are not lost to rounding to nearest. Weights and activations round to
+  nearest (stochastic rounding of forward tensors diverged in NVIDIA's runs).
+- **2D weight blocks** (:func:`quantize_tiles`): the weight, the ``rhs``, quantized in 16 x 16
+  tiles, so the forward GEMM (blocked along its rows' contraction) and the input-gradient GEMM
+  (along its columns') multiply the same quantized weight.
 
 The GEMMs are ``jax.nn.scaled_matmul``, which XLA compiles to cuDNN's block-scaled GEMM
 (``__cudnn$blockScaledDot``) on Blackwell GPUs. Elsewhere (a Hopper GPU, a TPU, the CPU) it
@@ -51,6 +66,7 @@ from mpjax import fp8, jax_compat
 
 __all__ = [
     "FORMATS",
+    "HADAMARD_SIZES",
     "MXFP8",
     "NVFP4",
     "BlockFormat",
@@ -58,7 +74,10 @@ __all__ = [
     "EmulationWarning",
     "dequantize",
     "dot_general",
+    "hadamard_transform",
     "quantize",
+    "quantize_tiles",
+    "transpose_tiles",
     "unaligned",
 ]
 
@@ -103,8 +122,6 @@ NVFP4 = BlockFormat("nvfp4", E2M1, E4M3, 16, 2, True)
 tensor."""
 FORMATS = {f.name: f for f in (MXFP8, NVFP4)}
 """The block formats by name."""
-# The format of the two backward GEMMs under each forward format.
-_GRADIENT_FORMAT = {"mxfp8": MXFP8, "nvfp4": MXFP8}
 
 
 class EmulationWarning(UserWarning):
@@ -164,7 +181,43 @@ def _saturated(y: jax.Array, bound: float, dtype: np.dtype) -> jax.Array:
     return jnp.where(jnp.isfinite(y), jnp.clip(y, -bound, bound), y).astype(dtype)
 
 
-def _mx_quantize(blocks: jax.Array, fmt: BlockFormat) -> tuple[jax.Array, jax.Array]:
+def _stochastic(y: jax.Array, fmt: BlockFormat, key: jax.Array) -> jax.Array:
+    """``y`` (float32) rounded to ``fmt.data`` stochastically, saturating at ±``data_max``.
+
+    Between the two values of the format around ``|y|``, ``lower`` and ``lower + spacing``
+    (the spacing a power of two: the format's step in ``|y|``'s binade, or its subnormal step),
+    the upper is taken with probability ``(|y| - lower) / spacing``, so the expected result is
+    ``y``. Both the division by the spacing and ``lower`` are exact in float32; the
+    probability is compared with a uniform draw of 23 bits."""
+    info = jnp.finfo(fmt.data)
+    magnitude = jnp.clip(jnp.abs(y), 0.0, fmt.data_max)
+    _, exponent = jnp.frexp(magnitude)  # floor(log2 |y|) + 1
+    spacing = jnp.ldexp(
+        jnp.ones_like(magnitude), jnp.maximum(exponent - 1, info.minexp) - info.nmant
+    )
+    steps = magnitude / spacing
+    lower = jnp.floor(steps)
+    up = jax.random.uniform(_typed_key(key), y.shape, _F32) < steps - lower
+    rounded = jnp.minimum((lower + up.astype(_F32)) * spacing, fmt.data_max)
+    return jnp.where(jnp.isfinite(y), jnp.copysign(rounded, y), y).astype(fmt.data)
+
+
+def _typed_key(key: jax.Array) -> jax.Array:
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key
+    return jax.random.wrap_key_data(key)
+
+
+def _rounded(y: jax.Array, fmt: BlockFormat, key: jax.Array | None) -> jax.Array:
+    """``y`` in ``fmt.data``: to nearest without a key, stochastically with one."""
+    if key is None:
+        return _saturated(y, fmt.data_max, fmt.data)
+    return _stochastic(y, fmt, key)
+
+
+def _mx_quantize(
+    blocks: jax.Array, fmt: BlockFormat, key: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
     """OCP MX: the scale exponent ``floor(log2(amax)) - emax``, written as e8m0 bits."""
     amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
     _, exponent = jnp.frexp(amax)  # amax = m * 2**exponent, m in [0.5, 1): floor(log2) + 1
@@ -175,10 +228,12 @@ def _mx_quantize(blocks: jax.Array, fmt: BlockFormat) -> tuple[jax.Array, jax.Ar
     scales = lax.bitcast_convert_type(bits, fmt.scale)
     # Dividing by 2**shared is exact: scaling by a power of two, one step, no subnormal scale.
     values = jnp.ldexp(blocks, (-jnp.where(finite, shared, 0)).astype(jnp.int32))
-    return _saturated(values, fmt.data_max, fmt.data), scales[..., 0]
+    return _rounded(values, fmt, key), scales[..., 0]
 
 
-def _nv_quantize(blocks: jax.Array, fmt: BlockFormat) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _nv_quantize(
+    blocks: jax.Array, fmt: BlockFormat, key: jax.Array | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """NVFP4: a float32 tensor scale that maps amax to ``6 * 448``, e4m3 block scales."""
     scale_max = float(jnp.finfo(fmt.scale).max)
     amax = jnp.max(jnp.abs(blocks))
@@ -190,13 +245,39 @@ def _nv_quantize(blocks: jax.Array, fmt: BlockFormat) -> tuple[jax.Array, jax.Ar
     divisor = scales.astype(_F32) * tensor
     values = jnp.where(divisor > 0, blocks / jnp.where(divisor > 0, divisor, 1.0), 0.0)
     values = jnp.where(jnp.isfinite(blocks), values, blocks)
-    return _saturated(values, fmt.data_max, fmt.data), scales[..., 0], tensor
+    return _rounded(values, fmt, key), scales[..., 0], tensor
 
 
-def quantize(x: jax.Array, format: BlockFormat | str = "mxfp8") -> BlockQuantized:
+def _quantized_blocks(
+    blocks: jax.Array, fmt: BlockFormat, key: jax.Array | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    if fmt.tensor_scale:
+        return _nv_quantize(blocks, fmt, key)
+    data, scales = _mx_quantize(blocks, fmt, key)
+    return data, scales, jnp.ones((), _F32)
+
+
+def _barrier(data: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
+    # Where no block-scaled kernel takes the values, XLA dequantizes them, and its
+    # SimplifyFPConversions (on by default) would fold f32 -> e4m3 -> bf16 into one conversion:
+    # the GEMM would multiply unrounded values. The barrier keeps the rounding.
+    return lax.optimization_barrier((data, scales))
+
+
+def quantize(
+    x: jax.Array, format: BlockFormat | str = "mxfp8", *, key: jax.Array | None = None
+) -> BlockQuantized:
     """``x`` in the block ``format``, blocked along its last axis (a multiple of the block size).
 
-    Computed in float32 whatever ``x``'s dtype.
+    Computed in float32 whatever ``x``'s dtype. The values round to nearest (ties to even);
+    with a ``key``, stochastically (unbiased: the expected dequantized value of each element is
+    the element divided by its scales and multiplied back, saturation aside), the draws a
+    function of the key alone, so one key gives one result.
+
+    Args:
+      x: the tensor.
+      format: ``"mxfp8"``, ``"nvfp4"`` or a :class:`BlockFormat`.
+      key: a PRNG key (typed, or raw key data) for stochastic rounding; None rounds to nearest.
 
     Raises:
       ValueError: for an unknown format or a last axis that is not a multiple of its block.
@@ -208,16 +289,135 @@ def quantize(x: jax.Array, format: BlockFormat | str = "mxfp8") -> BlockQuantize
     """
     fmt = block_format(format)
     x = jnp.asarray(x)
-    blocks = _blocks(x.astype(_F32), fmt.block)
-    if fmt.tensor_scale:
-        data, scales, tensor = _nv_quantize(blocks, fmt)
-    else:
-        (data, scales), tensor = _mx_quantize(blocks, fmt), jnp.ones((), _F32)
-    # Where no block-scaled kernel takes the values, XLA dequantizes them, and its
-    # SimplifyFPConversions (on by default) would fold f32 -> e4m3 -> bf16 into one conversion:
-    # the GEMM would multiply unrounded values. The barrier keeps the rounding.
-    data, scales = lax.optimization_barrier((data.reshape(x.shape), scales))
+    data, scales, tensor = _quantized_blocks(_blocks(x.astype(_F32), fmt.block), fmt, key)
+    data, scales = _barrier(data.reshape(x.shape), scales)
     return BlockQuantized(data, scales, tensor)
+
+
+def _tiles_of(x: jax.Array, tile: int) -> jax.Array:
+    """``x (..., R, C)`` as ``(..., R / tile, C / tile, tile * tile)``: each tile's values."""
+    *lead, rows, cols = x.shape
+    if rows % tile or cols % tile:
+        raise ValueError(
+            f"A tile-quantized operand's last two axes must be multiples of the tile size {tile}; "
+            f"got shape {tuple(x.shape)}."
+        )
+    tiles = x.reshape(*lead, rows // tile, tile, cols // tile, tile)
+    return jnp.swapaxes(tiles, -3, -2).reshape(*lead, rows // tile, cols // tile, tile * tile)
+
+
+def _untiled(tiles: jax.Array, tile: int) -> jax.Array:
+    *lead, row_tiles, col_tiles, _ = tiles.shape
+    x = tiles.reshape(*lead, row_tiles, col_tiles, tile, tile)
+    return jnp.swapaxes(x, -3, -2).reshape(*lead, row_tiles * tile, col_tiles * tile)
+
+
+def quantize_tiles(x: jax.Array, format: BlockFormat | str = "nvfp4") -> BlockQuantized:
+    """``x (..., R, C)`` in the block ``format`` with one scale per ``block x block`` tile of
+    its last two axes (2D blocks: NVFP4's recipe quantizes weights so), rounded to nearest.
+
+    The result is blocked along the last axis like :func:`quantize`'s (its ``scales`` hold each
+    tile's scale once per row of the tile), so it feeds a GEMM that contracts ``C``;
+    :func:`transpose_tiles` gives the same values blocked along ``R``, for the GEMM that
+    contracts ``R``: both GEMMs multiply one quantized tensor.
+
+    Raises:
+      ValueError: for an unknown format, or last two axes that are not multiples of its block.
+
+    >>> import jax.numpy as jnp
+    >>> w = jnp.ones((32, 32)).at[:16, :16].set(4.0)
+    >>> q = quantize_tiles(w)  # a tile of 4s, three of 1s: each its scale, values all 6
+    >>> q.scales.shape, sorted(set(q.scales.astype(jnp.float32).ravel().tolist()))
+    ((32, 2), [112.0, 448.0])
+    """
+    fmt = block_format(format)
+    x = jnp.asarray(x)
+    if x.ndim < 2:
+        raise ValueError(
+            f"quantize_tiles takes a tensor of at least two axes; got shape {tuple(x.shape)}."
+        )
+    tiles = _tiles_of(x.astype(_F32), fmt.block)
+    data, scales, tensor = _quantized_blocks(tiles, fmt, None)
+    data = _untiled(data, fmt.block)
+    data, scales = _barrier(data, jnp.repeat(scales, fmt.block, axis=-2))
+    return BlockQuantized(data, scales, tensor)
+
+
+def transpose_tiles(q: BlockQuantized) -> BlockQuantized:
+    """A :func:`quantize_tiles` result for the transposed tensor (its last two axes swapped),
+    blocked along the new last axis: the same quantized values and tile scales."""
+    rows, cols = q.data.shape[-2:]
+    block = cols // q.scales.shape[-1]
+    tile_scales = q.scales[..., ::block, :]  # (..., R / block, C / block)
+    scales = jnp.repeat(jnp.swapaxes(tile_scales, -1, -2), block, axis=-2)
+    return BlockQuantized(jnp.swapaxes(q.data, -1, -2), scales, q.tensor_scale)
+
+
+# --- The random Hadamard transform --------------------------------------------------------------
+
+HADAMARD_SIZES = (16,)
+"""The sizes :func:`hadamard_transform` takes: NVIDIA's recipe transforms in blocks of 16, the
+NVFP4 block."""
+# One fixed random sign vector (drawn once, by a fair coin), shared by every transform, as in
+# NVIDIA's recipe. Any fixed signs keep the transform orthogonal.
+_HADAMARD_SIGNS = np.array(
+    [1, -1, -1, 1, 1, 1, -1, 1, -1, -1, 1, -1, 1, 1, -1, -1], dtype=np.float32
+)
+
+
+def hadamard_matrix(size: int = 16) -> np.ndarray:
+    """The random Hadamard matrix of :func:`hadamard_transform`: ``H diag(s) / sqrt(size)``,
+    ``H`` Sylvester's ``size x size`` Hadamard matrix (``H[i, j] = (-1)**popcount(i & j)``)
+    and ``s`` the fixed sign vector; orthogonal, its entries ``±1 / sqrt(size)``."""
+    _check_hadamard_size(size)
+    i = np.arange(size)
+    parity = np.vectorize(lambda v: bin(v).count("1") % 2)(i[:, None] & i[None, :])
+    sylvester = np.where(parity, -1.0, 1.0).astype(np.float32)
+    return sylvester * _HADAMARD_SIGNS[None, :size] / np.float32(np.sqrt(size))
+
+
+def _check_hadamard_size(size: Any) -> None:
+    if isinstance(size, bool) or size not in HADAMARD_SIZES:
+        raise ValueError(
+            f"hadamard_transform(size=...) must be one of {', '.join(map(str, HADAMARD_SIZES))}; "
+            f"got {size!r}."
+        )
+
+
+def hadamard_transform(x: jax.Array, size: int = 16) -> jax.Array:
+    """``x`` with each run of ``size`` consecutive values along its last axis multiplied by
+    :func:`hadamard_matrix`: ``v -> H diag(s) v / sqrt(size)``, in float32.
+
+    The matrix is orthogonal, so the transform keeps dot products along the last axis: two
+    operands that contract that axis, both transformed, multiply to the same result (up to
+    float32 rounding). It runs as a fast Walsh-Hadamard transform (``log2(size)`` stages of
+    sums and differences, no matmul).
+
+    Raises:
+      ValueError: for a ``size`` not in :data:`HADAMARD_SIZES`, or a last axis that is not a
+        multiple of it.
+
+    >>> import jax.numpy as jnp
+    >>> y = hadamard_transform(jnp.zeros(16).at[0].set(4.0))  # a spike spreads evenly
+    >>> sorted(set(jnp.abs(y).tolist()))
+    [1.0]
+    """
+    _check_hadamard_size(size)
+    x = jnp.asarray(x).astype(_F32)
+    *lead, k = x.shape
+    if k % size:
+        raise ValueError(
+            f"hadamard_transform: the last axis must be a multiple of size={size}; got shape "
+            f"{tuple(x.shape)}."
+        )
+    v = x.reshape(-1, size) * _HADAMARD_SIGNS[:size]
+    half = size // 2
+    while half:  # Sylvester's recursion, H_2n = [[H_n, H_n], [H_n, -H_n]]: one stage per level
+        pairs = v.reshape(-1, size // (2 * half), 2, half)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        v = jnp.stack([a + b, a - b], axis=2).reshape(-1, size)
+        half //= 2
+    return (v * np.float32(1 / np.sqrt(size))).reshape(x.shape)
 
 
 def dequantize(q: BlockQuantized, dtype: Any = jnp.float32) -> jax.Array:
@@ -282,35 +482,66 @@ def unaligned(
 ) -> str | None:
     """Why a ``dot_general`` of these shapes cannot run block-scaled in ``format``, or None
     when it can: each of its three GEMMs contracts an axis whose size must be a multiple of
-    its format's block (the contraction K forward; the rhs's kept size N and the lhs's kept
-    size M, for the two backward GEMMs)."""
+    the format's block (the contraction K forward; the rhs's kept size N and the lhs's kept
+    size M, for the two backward GEMMs). The same sizes make NVFP4's 16 x 16 weight tiles and
+    16-value Hadamard transforms fit."""
     fmt = block_format(format)
-    gradient = _GRADIENT_FORMAT[fmt.name]
     lhs, rhs = _layouts(lhs_shape, rhs_shape, dimension_numbers)
-    sizes = (("K", lhs.sizes[2], fmt), ("N", rhs.sizes[1], gradient), ("M", lhs.sizes[1], gradient))
-    wrong = [f"{name}={size}" for name, size, f in sizes if size % f.block]
+    sizes = (("K", lhs.sizes[2]), ("N", rhs.sizes[1]), ("M", lhs.sizes[1]))
+    wrong = [f"{name}={size}" for name, size in sizes if size % fmt.block]
     if not wrong:
         return None
     return (
         f"{', '.join(wrong)} not a multiple of {fmt.name}'s block of {fmt.block}"
-        + ("" if gradient is fmt else f" (its gradients' {gradient.name}: {gradient.block})")
-        + f" (lhs {tuple(lhs_shape)}, rhs {tuple(rhs_shape)})"
+        f" (lhs {tuple(lhs_shape)}, rhs {tuple(rhs_shape)})"
     )
 
 
-def _scaled(a: jax.Array, b: jax.Array, fmt: BlockFormat, out: np.dtype) -> jax.Array:
-    """``a (B, M, K) x b (B, N, K) -> (B, M, N)`` with both quantized in ``fmt`` along K."""
-    qa, qb = quantize(a, fmt), quantize(b, fmt)
-    if not fmt.tensor_scale:
+class _Recipe(NamedTuple):
+    """The NVFP4 recipe's ingredients a ``dot_general`` runs with (all off for MXFP8), and
+    whether the caller gave the stochastic rounding's key."""
+
+    hadamard: bool
+    stochastic_rounding: bool
+    weight_blocks_2d: bool
+    explicit_key: bool
+
+
+def _product(qa: BlockQuantized, qb: BlockQuantized, out: np.dtype) -> jax.Array:
+    """``a (B, M, K) x b (B, N, K) -> (B, M, N)`` of two operands quantized along K."""
+    if qa.data.dtype != E2M1:
         return jax.nn.scaled_matmul(qa.data, qb.data, qa.scales, qb.scales, out)
     product = jax.nn.scaled_matmul(qa.data, qb.data, qa.scales, qb.scales, _F32)
     return (product * (qa.tensor_scale * qb.tensor_scale)).astype(out)
 
 
-def _forward(lhs, rhs, dimension_numbers, name):
+def _weight(r3: jax.Array, fmt: BlockFormat, recipe: _Recipe) -> BlockQuantized:
+    """The weight ``(B, N, K)`` quantized for the forward GEMM, along K."""
+    return quantize_tiles(r3, fmt) if recipe.weight_blocks_2d else quantize(r3, fmt)
+
+
+# The seed of the stochastic rounding's key when the caller gives none: the key is then made
+# from it and the bits of the gradient being rounded.
+_GRADIENT_SEED = 0x4E564634
+
+
+def _gradient_key(g: jax.Array) -> jax.Array:
+    """A key from the bits of ``g``: two wrapping sums (of the bits, and of the bits times an
+    odd constant xor their high half), folded into a fixed seed. The same gradient gives the
+    same key (a step is reproducible and a resumed run repeats it), another step's or another
+    device's gradient another key."""
+    bits = lax.bitcast_convert_type(g.astype(_F32), jnp.uint32)
+    total = jnp.sum(bits, dtype=jnp.uint32)
+    mixed = jnp.sum((bits * np.uint32(0x9E3779B1)) ^ (bits >> 16), dtype=jnp.uint32)
+    key = jax.random.fold_in(jax.random.key(_GRADIENT_SEED), total)
+    return jax.random.key_data(jax.random.fold_in(key, mixed))
+
+
+def _forward(lhs, rhs, key, dimension_numbers, name, recipe):
     fmt = FORMATS[name]
     lhs_layout, rhs_layout = _layouts(lhs.shape, rhs.shape, dimension_numbers)
-    out = _scaled(lhs_layout.to_bmk(lhs), rhs_layout.to_bmk(rhs), fmt, np.dtype(lhs.dtype))
+    l3, r3 = lhs_layout.to_bmk(lhs), rhs_layout.to_bmk(rhs)
+    out = _product(quantize(l3, fmt), _weight(r3, fmt, recipe), np.dtype(lhs.dtype))
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     shape = (
         *(lhs.shape[a] for a in lhs_batch),
@@ -320,25 +551,38 @@ def _forward(lhs, rhs, dimension_numbers, name):
     return out.reshape(shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _dot(lhs, rhs, dimension_numbers, name):
-    return _forward(lhs, rhs, dimension_numbers, name)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _dot(lhs, rhs, key, dimension_numbers, name, recipe):
+    return _forward(lhs, rhs, key, dimension_numbers, name, recipe)
 
 
-def _dot_fwd(lhs, rhs, dimension_numbers, name):
-    return _forward(lhs, rhs, dimension_numbers, name), (lhs, rhs)
+def _dot_fwd(lhs, rhs, key, dimension_numbers, name, recipe):
+    return _forward(lhs, rhs, key, dimension_numbers, name, recipe), (lhs, rhs, key)
 
 
-def _dot_bwd(dimension_numbers, name, residuals, g):
-    lhs, rhs = residuals
-    fmt = _GRADIENT_FORMAT[name]
+def _dot_bwd(dimension_numbers, name, recipe, residuals, g):
+    lhs, rhs, key = residuals
+    fmt = FORMATS[name]
     lhs_layout, rhs_layout = _layouts(lhs.shape, rhs.shape, dimension_numbers)
     l3, r3 = lhs_layout.to_bmk(lhs), rhs_layout.to_bmk(rhs)
     g3 = g.reshape(l3.shape[0], l3.shape[1], r3.shape[1]).astype(lhs.dtype)
-    # dlhs (B, M, K) = g (B, M, N) . rhs (B, N, K): contract N. drhs (B, N, K): contract M.
-    dlhs = _scaled(g3, jnp.swapaxes(r3, 1, 2), fmt, np.dtype(lhs.dtype))
-    drhs = _scaled(jnp.swapaxes(g3, 1, 2), jnp.swapaxes(l3, 1, 2), fmt, np.dtype(rhs.dtype))
-    return lhs_layout.from_bmk(dlhs), rhs_layout.from_bmk(drhs)
+    input_key = weight_key = None
+    if recipe.stochastic_rounding:
+        base = key if recipe.explicit_key else _gradient_key(g3)
+        input_key, weight_key = (jax.random.fold_in(_typed_key(base), i) for i in (1, 2))
+    # dlhs (B, M, K) = g (B, M, N) . rhs (B, N, K): contract N, the weight as the forward saw it.
+    if recipe.weight_blocks_2d:
+        weight_t = transpose_tiles(quantize_tiles(r3, fmt))
+    else:
+        weight_t = quantize(jnp.swapaxes(r3, 1, 2), fmt)
+    dlhs = _product(quantize(g3, fmt, key=input_key), weight_t, np.dtype(lhs.dtype))
+    # drhs (B, N, K) = g^T (B, N, M) . lhs^T (B, K, M): contract M, the tokens.
+    g_t, lhs_t = jnp.swapaxes(g3, 1, 2), jnp.swapaxes(l3, 1, 2)
+    if recipe.hadamard:
+        g_t, lhs_t = hadamard_transform(g_t), hadamard_transform(lhs_t)
+    drhs = _product(quantize(g_t, fmt, key=weight_key), quantize(lhs_t, fmt), np.dtype(rhs.dtype))
+    key_cotangent = np.zeros(key.shape, jax.dtypes.float0)
+    return lhs_layout.from_bmk(dlhs), rhs_layout.from_bmk(drhs), key_cotangent
 
 
 _dot.defvjp(_dot_fwd, _dot_bwd)
@@ -391,12 +635,39 @@ def _warn_if_emulated(fmt: BlockFormat) -> None:
     )
 
 
+def recipe_ingredients(format: BlockFormat | str, **flags: bool | None) -> dict[str, bool]:
+    """Each of NVFP4's recipe ingredients (:data:`mpjax.fp8.NVFP4_INGREDIENTS`) on or off for
+    ``format``: a flag left None takes the format's default (on for NVFP4; MXFP8 has none).
+
+    Raises:
+      ValueError: for an ingredient set on MXFP8, naming it and the format that takes it.
+      TypeError: for a flag that is not a bool or None.
+    """
+    fmt = block_format(format)
+    resolved = {}
+    for name in fp8.NVFP4_INGREDIENTS:
+        flag = flags.get(name)
+        if flag is not None and not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be True, False or None; got {flag!r}.")
+        if flag is not None and fmt is not NVFP4 and flag:
+            raise ValueError(
+                f"{name}=True is an ingredient of NVFP4's training recipe; format "
+                f"{fmt.name!r} takes none (format='nvfp4' does)."
+            )
+        resolved[name] = bool(fmt is NVFP4 if flag is None else flag)
+    return resolved
+
+
 def dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
     dimension_numbers: Any,
     format: BlockFormat | str = "mxfp8",
     *,
+    hadamard: bool | None = None,
+    stochastic_rounding: bool | None = None,
+    weight_blocks_2d: bool | None = None,
+    key: jax.Array | None = None,
     precision: Any = None,
 ) -> jax.Array:
     """``lax.dot_general`` with block-scaled operands, forward and backward.
@@ -404,19 +675,32 @@ def dot_general(
     Both operands are cast to the wider of their two dtypes (the compute dtype: bfloat16,
     float16 or float32, which the result has), quantized along the contraction in ``format``
     and multiplied by ``jax.nn.scaled_matmul``. Under ``jax.grad`` the incoming gradient
-    and the saved operands are quantized along each backward GEMM's contraction (in MXFP8 for
-    both formats) and both backward GEMMs run block-scaled too.
+    and the saved operands are quantized along each backward GEMM's contraction, in the same
+    format: all three GEMMs run block-scaled.
+
+    NVFP4 runs NVIDIA's training recipe (this module's docstring), each ingredient on unless
+    turned off: the ``rhs`` is taken as the weight for the 2D blocks (``x @ w``, as Flax's and
+    most JAX layers multiply).
 
     Args:
       lhs, rhs: the operands.
       dimension_numbers: as for ``lax.dot_general``.
       format: ``"mxfp8"``, ``"nvfp4"`` or a :class:`BlockFormat`.
+      hadamard: NVFP4: a random Hadamard transform on both inputs of the weight-gradient GEMM
+        (default on).
+      stochastic_rounding: NVFP4: the output gradient rounded stochastically in both gradient
+        GEMMs (default on).
+      weight_blocks_2d: NVFP4: the ``rhs`` quantized in 16 x 16 tiles (default on).
+      key: the stochastic rounding's PRNG key (typed or raw key data). None makes one from the
+        bits of the gradient being rounded: reproducible (the same step rounds the same way,
+        and a resumed run repeats it), different at each step and on each device, nothing to
+        carry or checkpoint.
       precision: must be None or ``DEFAULT``: block-scaled GEMMs have one precision.
 
     Raises:
-      ValueError: for an unknown format, a precision other than the default, a compute dtype
-        other than bf16/f16/f32, or shapes whose contractions are not multiples of the block
-        (:func:`unaligned` says which).
+      ValueError: for an unknown format, a recipe ingredient turned on for MXFP8, a precision
+        other than the default, a compute dtype other than bf16/f16/f32, or shapes whose
+        contractions are not multiples of the block (:func:`unaligned` says which).
 
     >>> import jax.numpy as jnp
     >>> x, w = jnp.full((32, 64), 3.0, jnp.bfloat16), jnp.full((64, 32), 0.5, jnp.bfloat16)
@@ -424,6 +708,12 @@ def dot_general(
     Array([96, 96, 96], dtype=bfloat16)
     """
     fmt = block_format(format)
+    ingredients = recipe_ingredients(
+        fmt,
+        hadamard=hadamard,
+        stochastic_rounding=stochastic_rounding,
+        weight_blocks_2d=weight_blocks_2d,
+    )
     if precision not in (None, lax.Precision.DEFAULT) and precision != (
         lax.Precision.DEFAULT,
         lax.Precision.DEFAULT,
@@ -437,5 +727,25 @@ def dot_general(
     reason = unaligned(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers, fmt)
     if reason is not None:
         raise ValueError(f"block_scaled.dot_general: cannot run in {fmt.name}: {reason}.")
+    recipe = _Recipe(**ingredients, explicit_key=key is not None)
+    key_data = _key_data(key)
     _warn_if_emulated(fmt)
-    return _dot(lhs.astype(compute), rhs.astype(compute), dimension_numbers, fmt.name)
+    return _dot(
+        lhs.astype(compute), rhs.astype(compute), key_data, dimension_numbers, fmt.name, recipe
+    )
+
+
+def _key_data(key: Any) -> jax.Array:
+    """Raw key data for the custom VJP (a placeholder when there is no key)."""
+    if key is None:
+        return jnp.zeros((2,), jnp.uint32)
+    if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.shape != ():
+            raise ValueError(f"dot_general(key=...) must be one PRNG key; got shape {key.shape}.")
+        return jax.random.key_data(key)
+    if isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32 and key.ndim == 1:
+        return jnp.asarray(key)
+    raise TypeError(
+        "dot_general(key=...) must be a PRNG key (jax.random.key(0)) or raw key data "
+        f"(jax.random.PRNGKey(0)); got {key!r} of type {type(key).__name__}."
+    )

@@ -68,13 +68,22 @@ SCALINGS = ("current", "delayed", "rowwise", "mxfp8", "nvfp4")
 """The scaling modes :class:`Fp8Recipe` accepts."""
 BLOCK_SCALINGS = ("mxfp8", "nvfp4")
 """The scalings that run matmuls in a block format (:mod:`mpjax.block_scaled`)."""
+NVFP4_INGREDIENTS = ("hadamard", "stochastic_rounding", "weight_blocks_2d")
+"""The ingredients of NVIDIA's NVFP4 training recipe (:mod:`mpjax.block_scaled`), as
+:class:`Fp8Recipe` and :func:`mpjax.block_scaled.dot_general` name them."""
+# Their names in the string form, where each is turned off.
+_INGREDIENT_OPTIONS = {
+    "no_hadamard": "hadamard",
+    "no_stochastic_rounding": "stochastic_rounding",
+    "no_2d": "weight_blocks_2d",
+}
 
 _F32 = np.dtype(jnp.float32)
 _COMPUTE_DTYPES = frozenset(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 _MAX_MARGIN = 16
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Fp8Recipe:
     """How the matmuls of a policy run in fp8.
 
@@ -94,10 +103,17 @@ class Fp8Recipe:
       batched: also run batched matmuls (those with batch dimensions: attention's ``q @ k^T``
         and ``p @ v``, per-expert einsums) in fp8. By default only unbatched matmuls run in fp8:
         dense layers and einsums against a weight, where Transformer Engine runs fp8 too.
+      hadamard, stochastic_rounding, weight_blocks_2d: ``"nvfp4"`` only: the ingredients of
+        NVIDIA's NVFP4 training recipe (:mod:`mpjax.block_scaled`): a random Hadamard
+        transform on the weight gradient's inputs, stochastic rounding of the output
+        gradient, the weight in 16 x 16 tiles. Left None, each is on for NVFP4 (the whole
+        recipe, for training) and absent for the other scalings; False turns one off, for an
+        ablation (Transformer Engine's ``disable_rht``, ``disable_stochastic_rounding``,
+        ``disable_2d_quantization``).
 
     ``str(recipe)`` is the form policy strings use (``"current"``, ``"current;margin=1"``,
-    ``"delayed;history=16"``) and :meth:`parse` reads it back; options left at their
-    defaults are left out.
+    ``"delayed;history=16"``, ``"nvfp4;no_hadamard"``, ``"nvfp4;plain"`` for NVFP4 with none of
+    the recipe) and :meth:`parse` reads it back; options left at their defaults are left out.
 
     >>> Fp8Recipe()
     Fp8Recipe(scaling='current', history=1024, margin=0, batched=False)
@@ -109,6 +125,9 @@ class Fp8Recipe:
     history: int = 1024
     margin: int = 0
     batched: bool = False
+    hadamard: bool | None = None
+    stochastic_rounding: bool | None = None
+    weight_blocks_2d: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.scaling, str) or self.scaling not in SCALINGS:
@@ -143,6 +162,26 @@ class Fp8Recipe:
         object.__setattr__(self, "history", int(self.history))
         object.__setattr__(self, "margin", int(self.margin))
         object.__setattr__(self, "batched", bool(self.batched))
+        for name in NVFP4_INGREDIENTS:
+            flag = getattr(self, name)
+            if flag is not None and not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(
+                    f"Fp8Recipe({name}=...) must be True, False or None; got {flag!r} of type "
+                    f"{type(flag).__name__}."
+                )
+            if self.scaling != "nvfp4":
+                if flag is not None:
+                    raise ValueError(
+                        f"Fp8Recipe({name}=...) is an ingredient of NVFP4's training recipe; "
+                        f"scaling {self.scaling!r} takes none (scaling='nvfp4' does)."
+                    )
+                continue
+            object.__setattr__(self, name, True if flag is None else bool(flag))
+
+    def __repr__(self) -> str:
+        fields = (f.name for f in dataclasses.fields(self))
+        shown = (f"{n}={getattr(self, n)!r}" for n in fields if getattr(self, n) is not None)
+        return f"Fp8Recipe({', '.join(shown)})"
 
     def __str__(self) -> str:
         parts = [self.scaling]
@@ -152,12 +191,16 @@ class Fp8Recipe:
             parts.append(f"margin={self.margin}")
         if self.batched:
             parts.append("batched")
+        if self.scaling == "nvfp4":
+            off = [o for o, name in _INGREDIENT_OPTIONS.items() if not getattr(self, name)]
+            parts.extend(["plain"] if len(off) == len(_INGREDIENT_OPTIONS) else off)
         return ";".join(parts)
 
     @classmethod
     def parse(cls, text: str) -> Fp8Recipe:
         """Reads the string form: the scaling, then ``;``-separated options (``margin=N``,
-        ``batched``).
+        ``history=N``, ``batched``; for ``nvfp4``, ``no_hadamard``, ``no_stochastic_rounding``,
+        ``no_2d``, or ``plain`` for none of the recipe).
 
         Raises:
           ValueError: for an unknown scaling or option, or a margin that is not an integer.
@@ -173,13 +216,18 @@ class Fp8Recipe:
             key, sep, value = option.partition("=")
             if option == "batched":
                 fields["batched"] = True
+            elif option in _INGREDIENT_OPTIONS and scaling == "nvfp4":
+                fields[_INGREDIENT_OPTIONS[option]] = False
+            elif option == "plain" and scaling == "nvfp4":
+                fields.update(dict.fromkeys(NVFP4_INGREDIENTS, False))
             elif key in ("margin", "history") and sep and value.lstrip("-").isdigit():
                 fields[key] = int(value)
             else:
                 raise ValueError(
                     f"Unknown fp8 option {option!r} in {text!r}. Options: history=N (delayed "
-                    "scaling's amax history, at least 1), margin=N (an integer from 0 to 16) "
-                    "and batched, after the scaling, separated by ';'."
+                    "scaling's amax history, at least 1), margin=N (an integer from 0 to 16), "
+                    "batched, and for nvfp4 alone no_hadamard, no_stochastic_rounding, no_2d "
+                    "or plain (none of NVIDIA's recipe), after the scaling, separated by ';'."
                 )
         return cls(**fields)
 

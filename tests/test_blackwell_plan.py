@@ -313,14 +313,13 @@ def mpjax_value_and_grad(dot):
 @needs_plugin
 @pytest.mark.parametrize("fmt, forward", [("mxfp8", E4M3), ("nvfp4", E2M1)], ids=["mxfp8", "nvfp4"])
 def test_mpjax_block_scaled_matmuls_are_three_block_scaled_gemms_on_a_b200(fmt, forward):
-    """All three GEMMs of mpjax's block-scaled matmul are cuDNN block-scaled ones: under NVFP4
-    the forward in fp4 and both gradients in MXFP8 (where JAX's own NVFP4 runs them in bf16)."""
+    """All three GEMMs of mpjax's block-scaled matmul are cuDNN block-scaled ones, in the
+    format: under NVFP4's recipe all three in fp4 (where JAX's own NVFP4 runs the gradients in
+    bf16), the Hadamard transforms and the quantizations in the fusions around them."""
     dot = functools.partial(mpjax.block_scaled.dot_general, dimension_numbers=DIMS, format=fmt)
     plan = mpjax.plan(mpjax_value_and_grad(dot), "b200")(sds((M, K)), sds((K, N)))
-    gemms = sorted((g.lhs_dtype.name, g.library) for g in plan.gemms)
-    assert sorted(gemms) == sorted(
-        [(forward.name, "cudnn_block_scaled")] + [(E4M3.name, "cudnn_block_scaled")] * 2
-    ), str(plan)
+    gemms = sorted((g.lhs_dtype.name, g.rhs_dtype.name, g.library) for g in plan.gemms)
+    assert gemms == [(forward.name, forward.name, "cudnn_block_scaled")] * 3, str(plan)
     assert plan.flop_share("block_scaled") == 1.0
 
 
@@ -332,6 +331,21 @@ def test_rowwise_fp8_on_an_h100_is_one_fp8_gemm_per_matmul_scaled_after():
     plan = mpjax.plan(mpjax_value_and_grad(dot), "h100")(sds((M, K)), sds((K, N)))
     assert [(g.lhs_dtype, g.rhs_dtype) for g in plan.gemms] == [(E4M3, E4M3)] * 3, str(plan)
     assert plan.flop_share("fp8") == 1.0
+
+
+@pytest.mark.slow
+@needs_plugin
+def test_the_example_small_step_under_nvfp4s_recipe_runs_all_three_gemms_in_fp4_on_a_b200():
+    """NVIDIA's recipe (Hadamard transforms, stochastic rounding, 16 x 16 weight tiles) keeps
+    every dense layer's three GEMMs in fp4, forward and backward: at least 80% of the matmul
+    FLOPs. The transforms are sums and differences in the fusions around the GEMMs: no matmul
+    of their own."""
+    config, plan = example_plan("small", "mixed_bfloat16_nvfp4", target="b200")
+    scaled = [g for g in plan.gemms if g.block_scaled]
+    assert sum(g.executions for g in scaled) == 3 * 4 * config.n_layer, str(plan)
+    assert {(g.lhs_dtype, g.rhs_dtype, g.scale_dtype) for g in scaled} == {(E2M1, E2M1, E4M3)}
+    assert {(g.lhs_dtype, g.rhs_dtype) for g in plan.gemms if not g.block_scaled} == {(BF16, BF16)}
+    assert plan.flop_share("fp4") >= 0.8, str(plan)
 
 
 @pytest.mark.slow

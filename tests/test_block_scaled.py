@@ -131,34 +131,64 @@ def test_dequantized_values_are_within_half_a_step_of_the_format(name):
 # --- The matmul, against the same arithmetic by hand ----------------------------------------
 
 
-def hand_written(lhs, rhs, forward, backward):
+def hand_written(lhs, rhs, name, hadamard=False, tiles=False):
     """``lhs @ rhs`` and its gradients with each GEMM's operands quantized along that GEMM's
-    contraction, dequantized, and multiplied in float32: what the block-scaled GEMMs compute."""
+    contraction (rounded to nearest), dequantized, and multiplied in float32: what the
+    block-scaled GEMMs compute. ``tiles``: the weight ``rhs`` in 16 x 16 tiles, the same in
+    both GEMMs that read it; ``hadamard``: both inputs of the weight gradient transformed along
+    the tokens first."""
 
-    def qdq(x, fmt):  # quantized along the last axis
-        return block_scaled.dequantize(block_scaled.quantize(x, fmt))
+    def qdq(x):  # quantized along the last axis
+        return block_scaled.dequantize(block_scaled.quantize(x, name))
 
-    out = qdq(lhs, forward) @ qdq(rhs.T, forward).T
+    def weight(w):  # rhs as the forward GEMM's (N, K) operand
+        return block_scaled.dequantize(block_scaled.quantize_tiles(w, name)) if tiles else qdq(w)
+
+    def transform(x):
+        return block_scaled.hadamard_transform(x) if hadamard else x
+
+    out = qdq(lhs) @ weight(rhs.T).T
 
     def grads(g):
-        dlhs = qdq(g, backward) @ qdq(rhs, backward).T
-        drhs = (qdq(g.T, backward) @ qdq(lhs.T, backward).T).T
+        w_t = weight(rhs.T).T if tiles else qdq(rhs)  # (K, N): blocked along N
+        dlhs = qdq(g) @ w_t.T
+        drhs = (qdq(transform(g.T)) @ qdq(transform(lhs.T)).T).T
         return dlhs, drhs
 
     return out, grads
 
 
-@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
-def test_block_scaled_matmul_is_the_quantized_arithmetic_forward_and_backward(name):
+# (format, the recipe's ingredients turned on): stochastic rounding has tests of its own.
+ARITHMETIC = [
+    ("mxfp8", {}),
+    ("nvfp4", {}),
+    ("nvfp4", {"hadamard": True}),
+    ("nvfp4", {"tiles": True}),
+    ("nvfp4", {"hadamard": True, "tiles": True}),
+]
+
+
+@pytest.mark.parametrize("name, ingredients", ARITHMETIC, ids=lambda v: str(v))
+def test_block_scaled_matmul_is_the_quantized_arithmetic_forward_and_backward(name, ingredients):
     lhs = normal((64, 128), 3, 4.0).astype(jnp.bfloat16)
     rhs = normal((128, 96), 4, 0.05).astype(jnp.bfloat16)
     g = normal((64, 96), 5).astype(jnp.bfloat16)
+    flags = (
+        {}
+        if name == "mxfp8"
+        else dict(
+            hadamard=ingredients.get("hadamard", False),
+            weight_blocks_2d=ingredients.get("tiles", False),
+            stochastic_rounding=False,
+        )
+    )
 
     @jax.jit
     def both(lhs, rhs, g):
-        out, vjp = jax.vjp(lambda a, b: block_scaled.dot_general(a, b, DENSE, name), lhs, rhs)
+        dot = lambda a, b: block_scaled.dot_general(a, b, DENSE, name, **flags)  # noqa: E731
+        out, vjp = jax.vjp(dot, lhs, rhs)
         f32 = [x.astype(jnp.float32) for x in (lhs, rhs, g)]
-        expected, grads = hand_written(f32[0], f32[1], name, "mxfp8")
+        expected, grads = hand_written(f32[0], f32[1], name, **ingredients)
         return (out, *vjp(g)), (expected, *grads(f32[2]))
 
     (out, dlhs, drhs), (expected, expected_dlhs, expected_drhs) = both(lhs, rhs, g)
@@ -241,10 +271,22 @@ def test_bad_block_scaled_calls_name_what_is_wrong():
             block_scaled.dot_general(jnp.ones((32, 32), jnp.float64), jnp.ones((32, 32)), DENSE)
     with pytest.raises(ValueError, match="precision=...\\) must be None"):
         block_scaled.dot_general(x[:, :32], w[:32], DENSE, precision=jax.lax.Precision.HIGHEST)
-    assert block_scaled.unaligned((64, 64), (64, 48), DENSE, "nvfp4") == (
-        "N=48 not a multiple of nvfp4's block of 16 (its gradients' mxfp8: 32) "
-        "(lhs (64, 64), rhs (64, 48))"
+    assert block_scaled.unaligned((64, 64), (64, 48), DENSE, "nvfp4") is None
+    assert block_scaled.unaligned((24, 64), (64, 40), DENSE, "nvfp4") == (
+        "N=40, M=24 not a multiple of nvfp4's block of 16 (lhs (24, 64), rhs (64, 40))"
     )
+    with pytest.raises(ValueError, match="hadamard=True is an ingredient of NVFP4's training"):
+        block_scaled.dot_general(x[:, :32], w[:32], DENSE, "mxfp8", hadamard=True)
+    with pytest.raises(TypeError, match="stochastic_rounding must be True, False or None"):
+        block_scaled.dot_general(x[:, :32], w[:32], DENSE, "nvfp4", stochastic_rounding=1)
+    with pytest.raises(TypeError, match="key=...\\) must be a PRNG key"):
+        block_scaled.dot_general(x[:, :32], w[:32], DENSE, "nvfp4", key=3)
+    with pytest.raises(ValueError, match="must be one of 16; got 8"):
+        block_scaled.hadamard_transform(x, 8)
+    with pytest.raises(ValueError, match="last axis must be a multiple of size=16"):
+        block_scaled.hadamard_transform(x[:, :24])
+    with pytest.raises(ValueError, match="last two axes must be multiples of the tile size 16"):
+        block_scaled.quantize_tiles(x[:24, :32])
 
 
 # --- Rowwise fp8 ------------------------------------------------------------------------------
@@ -331,7 +373,8 @@ FP8_DOT = ("dot_general", "float8_e4m3fn", "float8_e4m3fn")
         # layer's input gradient too, dead code that XLA removes); the batched einsums (2
         # forward, 4 backward) stay in bf16.
         ("mixed_bfloat16_mxfp8", {MXFP8_GEMM: 6, BF16_DOT: 6}),
-        ("mixed_bfloat16_nvfp4", {NVFP4_GEMM: 2, MXFP8_GEMM: 4, BF16_DOT: 6}),
+        ("mixed_bfloat16_nvfp4", {NVFP4_GEMM: 6, BF16_DOT: 6}),
+        ("p=f32,c=bf16,o=f32,fp8=nvfp4;plain", {NVFP4_GEMM: 6, BF16_DOT: 6}),
         ("mixed_bfloat16_fp8_rowwise", {FP8_DOT: 6, BF16_DOT: 6}),
         ("p=f32,c=bf16,o=f32,fp8=mxfp8;batched", {MXFP8_GEMM: 12}),
     ],
@@ -387,7 +430,7 @@ def test_nnx_and_equinox_models_run_block_scaled_forward_and_backward():
     mpjax.nnx.set_policy(model, "mixed_bfloat16_nvfp4")
     graph, state = nnx.split(model)
     loss = lambda s: jnp.mean(nnx.merge(graph, s)(x) ** 2)  # noqa: E731
-    assert gemms(mpjax.inspect_matmuls(jax.grad(loss))(state)) == {NVFP4_GEMM: 2, MXFP8_GEMM: 4}
+    assert gemms(mpjax.inspect_matmuls(jax.grad(loss))(state)) == {NVFP4_GEMM: 6}
 
     # Equinox layers multiply one example at a time, and a matvec's weight gradient contracts
     # an axis of 1: wrapped, they run in bf16 and say why; autocast over the vmapped call puts

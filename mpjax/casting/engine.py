@@ -356,6 +356,7 @@ class Interpreter:
                 block_scaled.dot_general,
                 dimension_numbers=p.dimension_numbers,
                 format=recipe.scaling,
+                **{name: getattr(recipe, name) for name in fp8.NVFP4_INGREDIENTS},
             )
             return dot, _Narrow(recipe.scaling, block_scaled.FORMATS[recipe.scaling].data)
         if recipe.scaling == "rowwise":

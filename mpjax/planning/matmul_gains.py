@@ -162,8 +162,6 @@ def _gemm(
     m = math.prod(lhs.shape) // (batch * k)
     n = math.prod(rhs.shape) // (batch * k)
     fmt = _format(recipe)
-    if fmt == "nvfp4" and backward:  # NVFP4's gradient GEMMs run in MXFP8
-        fmt = "mxfp8"
     size = np.dtype(lhs.dtype).itemsize
     flops = 2.0 * batch * m * n * k
     operands, out = batch * (m * k + k * n), batch * m * n
