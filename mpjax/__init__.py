@@ -22,6 +22,7 @@ from mpjax.casting.regions import FULL_PRECISION_SCOPE, full_precision
 from mpjax.casting.trace_context import AutocastWarning
 from mpjax.doctor.diagnosis import Doctor, diagnose
 from mpjax.doctor.diagnosis_report import DiagnosisReport
+from mpjax.doctor.layer_stack import LayerStack, edge_block_rules, layer_stack
 from mpjax.doctor.monitor import ModuleCheck, PrecisionMonitor
 from mpjax.experts import ragged_dot
 from mpjax.fp8 import Fp8Recipe
@@ -193,6 +194,7 @@ __all__ = [
     "QuantizationChoices",
     "QuantizedArray",
     "QuantizedState",
+    "LayerStack",
     "Resolution",
     "Rule",
     "RuleWarning",
@@ -216,7 +218,9 @@ __all__ = [
     "full_precision",
     "psum_gradients",
     "embedding_policy",
+    "edge_block_rules",
     "get_policy",
+    "layer_stack",
     "plan",
     "plan_mesh",
     "plan_unavailable",

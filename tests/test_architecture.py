@@ -100,7 +100,7 @@ LAYERS = (
     # The precision doctor's parts: the side-by-side evaluation of a jaxpr under a policy and
     # in f32, and the report it fills.
     {"doctor.side_by_side", "doctor.diagnosis_report"},
-    {"doctor.recommendations"},  # what the doctor recommends from the measures
+    {"doctor.recommendations", "doctor.layer_stack"},  # rules from the measures, or the stack
     {"doctor.diagnosis"},  # runs what describe takes, side by side under a policy and in f32
     {"linen", "nnx", "flax_serialization", "equinox"},  # the Flax and Equinox integrations
     {"grouped", "casting", "optim", "inspection", "planning", "doctor"},  # docstring-only __init__s
@@ -136,6 +136,7 @@ FLAX_FREE = (
     "doctor.side_by_side",
     "doctor.diagnosis_report",
     "doctor.recommendations",
+    "doctor.layer_stack",
     "doctor.diagnosis",
     "doctor.monitor",
 )

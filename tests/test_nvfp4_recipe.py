@@ -5,6 +5,7 @@ gradient when none is given, and the recipe's strings and policies."""
 
 import warnings
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -240,3 +241,71 @@ def test_autocast_runs_each_variant_as_the_call_with_its_flags(spec):
     )(x, w)
     for got, want in zip(by_policy, by_hand):
         np.testing.assert_array_equal(got, want)
+
+
+# --- Which blocks stay bf16 ---------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(32)(nn.gelu(nn.Dense(32)(x)))
+
+
+class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(4):
+            x = Block()(x)
+        return nn.Dense(16, name="head")(x)
+
+
+def test_linen_edge_blocks_stay_bf16_and_describe_shows_each_modules_format():
+    x = normal((32, 32), 12)
+    variables = Stack().init(jax.random.key(0), x)
+    assert mpjax.layer_stack(variables).blocks == ("Block_0", "Block_1", "Block_2", "Block_3")
+    kept = mpjax.edge_block_rules(variables, first=1, last=1)
+    assert [key.pattern for key in kept] == ["Block_0(?:[/.].*)?", "Block_3(?:[/.].*)?"]
+    rules = mpjax.Rules({**kept, "head": "mixed_bfloat16"}, default="mixed_bfloat16_nvfp4")
+    report = mpjax.describe(mpjax.linen.apply_policy(Stack(), rules), variables=variables)(x)
+    formats = {row.path: set(dict(row.matmuls)) for row in report.rows if row.matmuls}
+    for path, found in formats.items():
+        narrow = path.split("/")[0] in ("Block_1", "Block_2")
+        want = "float4_e2m1fn,float4_e2m1fn@nvfp4" if narrow else "bf16,bf16"
+        assert found == {want}, (path, found)
+    assert len(formats) == 9
+
+
+def test_the_stack_is_found_in_nnx_and_equinox_paths():
+    eqx = pytest.importorskip("equinox")
+    mlp = eqx.nn.MLP(8, 8, 16, depth=3, key=jax.random.key(0))
+    stack = mpjax.layer_stack(mpjax.equinox.module_paths(mlp))
+    assert stack == mpjax.LayerStack("layers[]", tuple(f"layers[{i}]" for i in range(4)))
+    paths = ["embed", "blocks/0", "blocks/0/attn", "blocks/0/Dense_1", "blocks/1", "blocks/2"]
+    (key,) = mpjax.edge_block_rules(paths, first=0, last=1)
+    assert key.fullmatch("blocks/2") and key.fullmatch("blocks/2/attn")
+    assert not key.fullmatch("blocks/20") and not key.fullmatch("blocks/1")
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (
+            lambda: mpjax.edge_block_rules(["h0", "h1"], 1, 1),
+            ValueError,
+            "keeps every one of the 2",
+        ),
+        (lambda: mpjax.edge_block_rules(["h0", "h1", "h2"], -1), ValueError, "0 or more; got -1"),
+        (lambda: mpjax.edge_block_rules(["h0", "h1", "h2"], 1.0), TypeError, "must be an int"),
+        (lambda: mpjax.layer_stack(["embed", "head"]), ValueError, "no stack of blocks"),
+        (lambda: mpjax.layer_stack("h0"), TypeError, "takes module paths"),
+        (
+            lambda: mpjax.edge_block_rules(["h0", "h1", "h2"], policy="mixed_bf16"),
+            ValueError,
+            r"edge_block_rules\(policy=...\)",
+        ),
+    ],
+)
+def test_bad_edge_block_calls_name_what_is_wrong(call, error, match):
+    with pytest.raises(error, match=match):
+        call()

@@ -8,6 +8,8 @@ what to do about it.
 - :mod:`mpjax.doctor.diagnosis_report`: ``DiagnosisReport``, its rows, table, JSON and plots;
   :mod:`mpjax.doctor.recommendations`: the modules to keep in float32, the loss-scale range and
   fp8 fitness it advises.
+- :mod:`mpjax.doctor.layer_stack`: a model's stack of blocks, and the rules that keep the
+  blocks at its ends out of a narrow format.
 - :mod:`mpjax.doctor.monitor`: ``PrecisionMonitor``, the same ranges measured inside a jitted
   train step every N steps.
 """
