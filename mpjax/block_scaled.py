@@ -234,9 +234,14 @@ def _mx_quantize(
 def _nv_quantize(
     blocks: jax.Array, fmt: BlockFormat, key: jax.Array | None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """NVFP4: a float32 tensor scale that maps amax to ``6 * 448``, e4m3 block scales."""
+    """NVFP4: a float32 tensor scale that maps amax to ``6 * 448``, e4m3 block scales. Under a
+    ``shard_map`` the amax is the whole tensor's, taken over the axes it is sharded over (the
+    rule of Transformer Engine), so each shard quantizes as its part of the whole tensor does;
+    under ``jit`` the reduction is the whole tensor's already."""
     scale_max = float(jnp.finfo(fmt.scale).max)
     amax = jnp.max(jnp.abs(blocks))
+    if sharded := jax_compat.varying_axes(blocks):
+        amax = lax.pmax(amax, sharded)
     tensor = jnp.where(
         jnp.isfinite(amax), jnp.where(amax > 0, amax / (fmt.data_max * scale_max), 1.0), jnp.nan
     ).astype(_F32)

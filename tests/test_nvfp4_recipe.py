@@ -125,7 +125,8 @@ def test_the_gradient_rounds_stochastically_unbiased_with_the_key_made_from_it()
         .at[:, 0, 0]
         .set(jnp.arange(steps, dtype=jnp.float32) * 1e-3)
     )
-    samples = np.asarray(jax.jit(jax.vmap(input_gradient))(gs), np.float64)
+    # lax.map, not vmap: jax 0.8.1 cannot batch a scaled matmul with one operand unbatched.
+    samples = np.asarray(jax.jit(lambda gs: jax.lax.map(input_gradient, gs))(gs), np.float64)
     again = np.asarray(jax.jit(input_gradient)(gs[3]))
     np.testing.assert_array_equal(samples[3], again)  # one gradient, one rounding
     assert not np.array_equal(samples[3], samples[4])
@@ -309,3 +310,29 @@ def test_the_stack_is_found_in_nnx_and_equinox_paths():
 def test_bad_edge_block_calls_name_what_is_wrong(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+# --- Sharded tensors ----------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (the suite fakes 8 CPUs)")
+def test_a_shard_quantizes_as_its_part_of_the_whole_tensor():
+    """Under shard_map the tensor scale comes from the amax of the whole tensor, all-reduced
+    over the axes it is sharded over: each shard's NVFP4 values, block scales and tensor scale
+    are those of its rows of the whole tensor, bit for bit."""
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]), ("data",))
+    x = normal((64, 32), 13).at[5, 3].set(900.0)  # the amax on the first device only
+    whole = block_scaled.quantize(x, "nvfp4")
+
+    def local(x):
+        assert mpjax.jax_compat.varying_axes(x) == ("data",)  # read off the type, per version
+        q = block_scaled.quantize(x, "nvfp4")
+        return q.data.view(jnp.uint8), q.scales.view(jnp.uint8), q.tensor_scale[None]
+
+    spec = jax.sharding.PartitionSpec("data")
+    run = jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=(spec, spec, spec))
+    data, scales, tensor = jax.jit(run)(x)
+    np.testing.assert_array_equal(data, whole.data.view(jnp.uint8))
+    np.testing.assert_array_equal(scales, whole.scales.view(jnp.uint8))
+    np.testing.assert_array_equal(tensor, np.full(4, whole.tensor_scale))
+    assert mpjax.jax_compat.varying_axes(x) == ()  # outside a shard_map: none

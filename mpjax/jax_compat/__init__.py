@@ -30,6 +30,8 @@ CI runs it on the oldest and the newest). The differences handled here:
   Mosaic GPU's Hopper ``wgmma`` from 0.12 (:func:`mosaic_mixed_fp8_wgmma`);
   XLA's CPU runtime lacks some bf16 x bf16 -> f32 dots (:func:`widen_narrow_dots_on_cpu`);
   block-scaled GEMMs on the CPU, absent from jax 0.8.1 and in bf16 in 0.12 (:func:`emulate_block_scaled_matmuls_on_cpu`).
+* The axes a value varies over inside a ``shard_map`` (:func:`varying_axes`): the type's
+  ``vma`` in jax 0.8.1, its ``manual_axis_type.varying`` in 0.12.
 * Pallas's TPU flash attention (:func:`pallas_flash_attention`) and
   ``force_tpu_interpret_mode`` (:func:`pallas_tpu_interpreted`) are the same in 0.8.1 and 0.12.
 * A step's loops (:func:`loops`, :func:`unrolled`): the ``scan`` param ``unroll`` and how
@@ -52,6 +54,7 @@ from mpjax.jax_compat._devices import (  # noqa: F401
     partitioned_axes,
     traced_mesh,
     traced_platform,
+    varying_axes,
 )
 from mpjax.jax_compat._jaxprs import (  # noqa: F401
     CALL_PRIMITIVES,

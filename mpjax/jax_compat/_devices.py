@@ -61,6 +61,18 @@ def manual_axes(x: Any) -> frozenset[str]:
     return frozenset(name for name, kind in types if kind == jax.sharding.AxisType.Manual)
 
 
+def varying_axes(x: Any) -> tuple[str, ...]:
+    """The manual axes of an enclosing ``shard_map`` over which ``x`` differs from device to
+    device, sorted: the axes it is sharded over there. None outside a ``shard_map``, or under
+    one with ``check_vma=False``. jax 0.8.1 keeps them in the type's ``vma``; 0.12 in its
+    ``manual_axis_type.varying``."""
+    aval = jax.typeof(x)
+    varying = getattr(aval, "vma", None)
+    if varying is None:
+        varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return tuple(sorted(varying or ()))
+
+
 def traced_mesh(x: Any) -> Any:
     """The abstract mesh of ``x``'s sharding as it is traced (``jax.sharding.AbstractMesh``,
     which ``jax.shard_map`` takes), or None where it has none."""
