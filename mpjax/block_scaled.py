@@ -74,6 +74,7 @@ __all__ = [
     "EmulationWarning",
     "dequantize",
     "dot_general",
+    "hadamard_matrix",
     "hadamard_transform",
     "quantize",
     "quantize_tiles",
@@ -640,7 +641,7 @@ def _warn_if_emulated(fmt: BlockFormat) -> None:
     )
 
 
-def recipe_ingredients(format: BlockFormat | str, **flags: bool | None) -> dict[str, bool]:
+def _recipe_ingredients(format: BlockFormat | str, **flags: bool | None) -> dict[str, bool]:
     """Each of NVFP4's recipe ingredients (:data:`mpjax.fp8.NVFP4_INGREDIENTS`) on or off for
     ``format``: a flag left None takes the format's default (on for NVFP4; MXFP8 has none).
 
@@ -713,7 +714,7 @@ def dot_general(
     Array([96, 96, 96], dtype=bfloat16)
     """
     fmt = block_format(format)
-    ingredients = recipe_ingredients(
+    ingredients = _recipe_ingredients(
         fmt,
         hadamard=hadamard,
         stochastic_rounding=stochastic_rounding,
