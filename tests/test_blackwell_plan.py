@@ -335,28 +335,27 @@ def test_rowwise_fp8_on_an_h100_is_one_fp8_gemm_per_matmul_scaled_after():
 
 @pytest.mark.slow
 @needs_plugin
-def test_the_example_small_step_under_nvfp4s_recipe_runs_all_three_gemms_in_fp4_on_a_b200():
-    """NVIDIA's recipe (Hadamard transforms, stochastic rounding, 16 x 16 weight tiles) keeps
-    every dense layer's three GEMMs in fp4, forward and backward: at least 80% of the matmul
-    FLOPs. The transforms are sums and differences in the fusions around the GEMMs: no matmul
-    of their own."""
-    config, plan = example_plan("small", "mixed_bfloat16_nvfp4", target="b200")
-    scaled = [g for g in plan.gemms if g.block_scaled]
-    assert sum(g.executions for g in scaled) == 3 * 4 * config.n_layer, str(plan)
-    assert {(g.lhs_dtype, g.rhs_dtype, g.scale_dtype) for g in scaled} == {(E2M1, E2M1, E4M3)}
-    assert {(g.lhs_dtype, g.rhs_dtype) for g in plan.gemms if not g.block_scaled} == {(BF16, BF16)}
-    assert plan.flop_share("fp4") >= 0.8, str(plan)
-
-
-@pytest.mark.slow
-@needs_plugin
-def test_the_example_small_step_runs_its_dense_layers_in_mxfp8_on_a_b200():
+@pytest.mark.parametrize(
+    "policy, operands, scale, share",
+    [
+        ("mixed_bfloat16_mxfp8", E4M3, E8M0, "block_scaled"),
+        ("mixed_bfloat16_nvfp4", E2M1, E4M3, "fp4"),
+    ],
+    ids=["mxfp8", "nvfp4"],
+)
+def test_the_example_small_step_runs_its_dense_layers_block_scaled_on_a_b200(
+    policy, operands, scale, share
+):
     """Every dense layer of every block runs its three GEMMs block-scaled, forward and
     backward: at least 80% of the matmul FLOPs. The rest is the tied output head and the
-    embedding's gradient, kept in bf16 by the example's rule for fp8 policies."""
-    config, plan = example_plan("small", "mixed_bfloat16_mxfp8", target="b200")
+    embedding's gradient, kept in bf16 by the example's rule for fp8 policies. Under NVFP4's
+    recipe all three in fp4: its Hadamard transforms are sums and differences in the fusions
+    around the GEMMs, no matmul of their own."""
+    config, plan = example_plan("small", policy, target="b200")
     scaled = [g for g in plan.gemms if g.block_scaled]
     assert sum(g.executions for g in scaled) == 3 * 4 * config.n_layer, str(plan)
-    assert {(g.lhs_dtype, g.rhs_dtype, g.scale_dtype) for g in scaled} == {(E4M3, E4M3, E8M0)}
+    assert {(g.lhs_dtype, g.rhs_dtype, g.scale_dtype) for g in scaled} == {
+        (operands, operands, scale)
+    }
     assert {(g.lhs_dtype, g.rhs_dtype) for g in plan.gemms if not g.block_scaled} == {(BF16, BF16)}
-    assert plan.flop_share("block_scaled") >= 0.8, str(plan)
+    assert plan.flop_share(share) >= 0.8, str(plan)
