@@ -92,6 +92,7 @@ def test_blackwell_targets_parse_as_chips_and_clusters():
         ("b200", "NVIDIA B200"),
         ("gb200", "NVIDIA GB200"),
         ("b300", "NVIDIA B300"),
+        ("gb300", "NVIDIA GB300"),
     ):
         target = parse_target(name.upper())
         assert (target.name, target.topology, target.chips) == (name, "1x1x1", 1)
@@ -100,7 +101,7 @@ def test_blackwell_targets_parse_as_chips_and_clusters():
     assert parse_target("b200:8").topology == "1x1x8" and parse_target("b200:8").chips == 8
     assert parse_target("gb200:2x4").topology == "1x2x4" and parse_target("gb200:2x4").chips == 8
     assert parse_target("b300:4x8").topology == "1x4x8"
-    assert CHIPS["b300"].compute_capability == (10, 3)
+    assert CHIPS["b300"].compute_capability == CHIPS["gb300"].compute_capability == (10, 3)
     assert CHIPS["h100"].compute_capability == (9, 0) and not CHIPS["h100"].block_scaled_gemms
     assert CHIPS["v5p"].compute_capability is None and not CHIPS["v5p"].block_scaled_gemms
 
@@ -116,7 +117,9 @@ def test_blackwell_peaks_are_the_published_dense_ones():
     }
     assert CHIPS["gb200"].peak_flops["fp4"] == 2 * CHIPS["gb200"].peak_flops["fp8"] == 10000 * tera
     assert CHIPS["b300"].peak_flops["fp4"] == 13500 * tera
+    assert CHIPS["gb300"].peak_flops["fp4"] == 6 * CHIPS["gb300"].peak_flops["bf16"] == 15000 * tera
     assert {CHIPS[c].hbm_bandwidth for c in ("b200", "gb200", "b300")} == {8e12}
+    assert CHIPS["gb300"].hbm_bandwidth == 7.93e12  # XLA's description: 7.928 TB/s
 
 
 def test_an_unknown_target_names_the_blackwell_ones_and_their_clusters():
@@ -129,7 +132,7 @@ def test_an_unknown_target_names_the_blackwell_ones_and_their_clusters():
 
 
 @needs_plugin
-@pytest.mark.parametrize("target", ["b200", "gb200", "b300"])
+@pytest.mark.parametrize("target", ["b200", "gb200", "b300", "gb300"])
 def test_blackwell_targets_compile(target):
     plan = mpjax.plan(jnp.matmul, target)(sds((M, K)), sds((K, N)))
     assert (plan.target, plan.device) == (target, CHIPS[target].device)
@@ -213,7 +216,8 @@ def test_nvfp4_on_a_b200_is_an_fp4_block_scaled_gemm_at_the_fp4_peak():
 
 @needs_plugin
 @pytest.mark.parametrize(
-    "target, mode, peak", [("gb200", "mxfp8", 5000e12), ("b300", "nvfp4", 13500e12)]
+    "target, mode, peak",
+    [("gb200", "mxfp8", 5000e12), ("b300", "nvfp4", 13500e12), ("gb300", "nvfp4", 15000e12)],
 )
 def test_the_other_blackwell_chips_run_block_scaled_gemms_at_their_peaks(target, mode, peak):
     plan = plan_of(scaled_matmul(mode), target, sds((M, K)), sds((K, N)))

@@ -218,7 +218,7 @@ def test_the_other_targets_compile(target, device):
     assert (plan.target, plan.device) == (target, device)
     assert only(plan.gemms).lhs_dtype == BF16
     gpus = {c for c in CHIPS if CHIPS[c].platform == "gpu"}  # Blackwell's: test_blackwell_plan
-    assert gpus == {"h100", "a100", "h200", "b200", "gb200", "b300"}
+    assert gpus == {"h100", "a100", "h200", "b200", "gb200", "b300", "gb300"}
 
 
 @needs_compiler

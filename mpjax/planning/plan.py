@@ -611,7 +611,7 @@ def plan(
       fn: a function JAX can ``jit``. One already wrapped in ``jax.jit`` is lowered as it is,
         so its static arguments stay static.
       target: a GPU, ``"h100"`` (H100 SXM 80GB), ``"a100"`` (A100 SXM 80GB), ``"h200"``,
-        ``"b200"``, ``"gb200"`` (a GB200's GPU) or ``"b300"``; GPUs on hosts (``"h100:2x8"``,
+        ``"b200"``, ``"gb200"`` (a GB200's GPU), ``"b300"`` or ``"gb300"``; GPUs on hosts (``"h100:2x8"``,
         ``"b200:8"``); a TPU chip, ``"v4"``, ``"v5e"``, ``"v5p"`` or ``"v6e"``; or a TPU slice
         (``"v5p:2x2x1"``). :func:`plan_mesh` gives a target's devices for sharded arguments
         (unsharded ones are replicated on every device).

@@ -2,7 +2,7 @@
 the figures a plan sets its estimates against (memory, bandwidth, peak matmul rates).
 
 A target is named by its chip (``"h100"``, ``"a100"``, ``"h200"``, the Blackwell ``"b200"``,
-``"gb200"`` and ``"b300"``; ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"``, Ironwood's ``"tpu7x"``) for
+``"gb200"``, ``"b300"`` and ``"gb300"``; ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"``, Ironwood's ``"tpu7x"``) for
 one chip; for a TPU by a slice topology (``"v5p:2x2x1"``, ``"v5e:2x2"``, ``"tpu7x:2x2x1"``) for the
 chips of that slice; for GPUs by hosts
 and GPUs per host (``"h100:2x8"``, ``"b200:8"``, ``"gb200:2x4"``). The figures are the vendors'
@@ -167,6 +167,23 @@ CHIPS: dict[str, Chip] = {
                 "f32": 75 * _T,
             },
             "b300.txtpb",
+        ),
+        # Blackwell Ultra in a Grace Blackwell superchip (GB300 NVL72): the bf16, fp8 and tf32
+        # rates of a GB200, fp4 dense 15 PF (1,080 PF over 72 GPUs, published dense).
+        Chip(
+            "gb300",
+            "gpu",
+            "NVIDIA GB300",
+            297_021_079_552,
+            7.93e12,
+            {
+                "bf16": 2500 * _T,
+                "fp8": 5000 * _T,
+                "fp4": 15000 * _T,
+                "tf32": 1250 * _T,
+                "f32": 80 * _T,
+            },
+            "gb300.txtpb",
         ),
         # Inter-chip interconnect, per chip: 2,400, 1,600, 4,800 and 3,584 Gbps.
         Chip("v4", "tpu", "TPU v4", 32 * _GIB, 1.2e12, {"bf16": 275 * _T}, "", 300e9),
