@@ -45,6 +45,8 @@ def test_the_hadamard_matrix_is_sylvesters_with_the_sign_vector_and_orthogonal()
 
 def test_the_transform_is_the_matrix_on_each_run_of_16_exactly_for_small_integers():
     x = np.random.default_rng(0).integers(-64, 64, (3, 5, 64)).astype(np.float32)
+    transformed = block_scaled.hadamard_transform(jnp.asarray(x, jnp.bfloat16))
+    assert transformed.dtype == jnp.float32  # any input dtype: the transform is float32
     got = np.asarray(block_scaled.hadamard_transform(jnp.asarray(x)))
     runs = x.reshape(-1, 16).astype(np.float64)
     want = (runs @ block_scaled.hadamard_matrix(16).astype(np.float64).T).reshape(x.shape)
@@ -155,6 +157,11 @@ def tiles_by_hand(w):
 def test_tiles_quantize_by_the_definition_and_transpose_to_the_same_values():
     w = np.asarray(normal((32, 64), 8)) * np.repeat(np.array([1.0, 50.0, 0.01, 3.0]), 16)[None, :]
     q = block_scaled.quantize_tiles(jnp.asarray(w))
+    assert (q.data.dtype, q.scales.dtype, q.tensor_scale.dtype) == (
+        jnp.float4_e2m1fn,
+        jnp.float8_e4m3fn,
+        jnp.float32,
+    )
     elements, scale, tensor = tiles_by_hand(w)
     np.testing.assert_array_equal(np.asarray(q.data.astype(jnp.float32)), elements)
     np.testing.assert_array_equal(np.asarray(q.scales.astype(jnp.float32))[::16], scale)
