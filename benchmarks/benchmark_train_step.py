@@ -547,6 +547,8 @@ def plan_fields(plan: mpjax.Plan, model_flops: float | None = None) -> dict:
         "estimated_mfu": plan.mfu(model_flops) if model_flops else plan.mfu(),
         "bytes_accessed": plan.bytes_accessed,
         "roofline_step_s": plan.roofline_seconds,
+        "fusion_bytes": plan.fusion_bytes,
+        "fusion_step_s": plan.fusion_seconds,
         "float32_precisions": plan.float32_precisions(),
         "flop_share": {d: plan.flop_share(d) for d in PLAN_DTYPES},
         "matmul_flops": plan.total_flops,
@@ -877,7 +879,7 @@ def plan_table(report: dict) -> list[str]:
         if plan is None:
             continue
         if isinstance(plan, str):
-            rows.append(f"| {v.name} | no plan: {plan} |" + " |" * 12)
+            rows.append(f"| {v.name} | no plan: {plan} |" + " |" * 14)
             continue
         memory = plan.get("memory")
         if memory is None:
@@ -886,16 +888,22 @@ def plan_table(report: dict) -> list[str]:
             verdict = "fits" if memory["fits"] else "does not fit"
             held = f"{_gb(memory['temp_bytes'])} ({verdict})"
         if not plan.get("compiled", True):
-            rows.append(f"| {v.name} | {plan['source']} |" + " |" * 8 + f" {held} |" + " |" * 3)
+            rows.append(f"| {v.name} | {plan['source']} |" + " |" * 8 + f" {held} |" + " |" * 5)
             continue
         shares = " | ".join(f"{100 * plan['flop_share'][d]:.1f}%" for d in PLAN_DTYPES)
         estimate = plan.get("estimated_step_s")
         mfu = plan.get("estimated_mfu")
         roofline = plan.get("roofline_step_s")
+        moved, moving = plan.get("fusion_bytes"), plan.get("fusion_step_s")
+        traffic = fused = "-"
+        if moved is not None and moving is not None:
+            traffic = f"{_gb(moved)}, {1e3 * moving:.2f} ms"
+            if roofline is not None:
+                fused = f"{1e3 * (roofline + moving):.1f} ms"
         times = (
             f"{'-' if estimate is None else f'{1e3 * estimate:.1f} ms'} | "
             f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} | "
-            f"{'-' if roofline is None else f'{1e3 * roofline:.1f} ms'}"
+            f"{'-' if roofline is None else f'{1e3 * roofline:.1f} ms'} | {traffic} | {fused}"
         )
         rows.append(
             f"| {v.name} | {plan['source']} | {shares} | {plan['gemms']} ({plan['fp8_gemms']}) | "
@@ -911,12 +919,15 @@ def plan_table(report: dict) -> list[str]:
         "calls forward / backward, the dtypes scatters accumulate in, fusions, temporaries "
         "(XLA's memory analysis, against the device's memory), and the times: XLA's estimate "
         "(TPU only; an estimate, not a measurement), the MFU of the model FLOPs at that "
-        "estimate, and the roofline bound (matmul FLOPs at the published peak).",
+        "estimate, the roofline bound (matmul FLOPs at the published peak), and on a GPU the "
+        "bytes its fusions that are no matmul move with their time at the published memory "
+        "bandwidth, and the roofline with that time added (nothing overlapped).",
         "",
         "| variant | plan | bf16 | f16 | fp8 | f32 | GEMMs (fp8) | fused attention fwd / bwd "
-        "| scatters | fusions | temporaries | estimated step | estimated MFU | roofline |",
+        "| scatters | fusions | temporaries | estimated step | estimated MFU | roofline "
+        "| fusions' traffic | roofline + traffic |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: "
-        "| ---: |",
+        "| ---: | ---: | ---: |",
         *rows,
     ]
 

@@ -63,6 +63,7 @@ LAYERS = (
         "planning.targets",
         "planning.rows",
         "planning.grouped",  # the grouped GEMMs a plan reads: kernels, dense expansions
+        "planning.traffic",  # the bytes a GPU step's fusions that are no matmul move
         "planning.collectives",
         "planning.deviceless",  # compile-only GPUs and TPUs, and their compiles
         "planning.compile_only",  # tracing for devices this process lacks (AOT compiles)

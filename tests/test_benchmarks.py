@@ -136,6 +136,7 @@ def test_plan_table_shows_each_plan_and_why_a_row_has_none():
         "estimated_mfu": 0.33,
         "roofline_step_s": 0.0337,
     }
+    gpu = {"roofline_step_s": 0.02, "fusion_bytes": 2.5e9, "fusion_step_s": 0.00075}
     too_big = {"source": "deviceless v5e", "compiled": False}
     too_big["memory"] = {"temp_bytes": 19.9e9, "fits": False}
     report = {
@@ -144,16 +145,20 @@ def test_plan_table_shows_each_plan_and_why_a_row_has_none():
             "bf16_mpjax": {"plan": "no plugin"},
             "f32": {"plan": too_big},
             "bf16_hand": {"plan": tpu},
+            "bf16_autocast": {"plan": plan | gpu},
         }
     }
     lines = bench.plan_table(report)
     by_name = {line.split(" | ")[0].lstrip("| "): line for line in lines if line.startswith("| ")}
     fp8_row = by_name[next(v.name for v in bench.VARIANTS if v.key == "fp8_mpjax")]
-    assert "| 25.0% | 0.0% | 75.0% | 0.0% | 51 (48) | 4 / 4 | float32 | 300 | - | - | - | - |" in (
-        fp8_row
+    assert (
+        "| 25.0% | 0.0% | 75.0% | 0.0% | 51 (48) | 4 / 4 | float32 | 300 | - | - | - | - | - | - |"
+        in fp8_row
     )
     tpu_row = by_name[next(v.name for v in bench.VARIANTS if v.key == "bf16_hand")]
-    assert tpu_row.endswith("| 2.50 GB (fits) | 102.4 ms | 33.0% | 33.7 ms |")
+    assert tpu_row.endswith("| 2.50 GB (fits) | 102.4 ms | 33.0% | 33.7 ms | - | - |")
+    gpu_row = by_name[next(v.name for v in bench.VARIANTS if v.key == "bf16_autocast")]
+    assert gpu_row.endswith("| 20.0 ms | 2.50 GB, 0.75 ms | 20.8 ms |")
     f32_row = by_name[next(v.name for v in bench.VARIANTS if v.key == "f32")]
     assert "19.90 GB (does not fit)" in f32_row and f32_row.count("|") == lines[-1].count("|")
     no_plan = by_name[next(v.name for v in bench.VARIANTS if v.key == "bf16_mpjax")]

@@ -7,6 +7,8 @@
   attention, scatters) and from XLA's memory analysis.
 - :mod:`mpjax.planning.grouped`: the grouped GEMMs of a mixture of experts, as kernels or as
   the dense GEMMs XLA expanded them into (with the FLOPs they waste).
+- :mod:`mpjax.planning.traffic`: the bytes a GPU step's fusions that are no matmul read and
+  write (norms, casts, quantizations, the optimizer), and their time at the memory bandwidth.
 - :mod:`mpjax.planning.hlo_text`: the text form of optimized HLO, parsed into computations and
   instructions.
 - :mod:`mpjax.planning.collectives`: what a sharded step sends between devices, by kind, dtype,

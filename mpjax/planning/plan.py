@@ -68,6 +68,7 @@ from mpjax.planning.rows import (
     read_module,
 )
 from mpjax.planning.targets import known_target, parse_target
+from mpjax.planning.traffic import fusion_traffic
 from mpjax.table import flops_text, format_table, seconds_text, shape_text
 
 __all__ = ["Plan", "plan"]
@@ -100,6 +101,7 @@ def _read(hlo_text: str, platform: str) -> dict[str, Any]:
     }
     read = read_module(module, platform)
     read["gemms"] = annotate_grouped(read["gemms"]) + read_grouped(module)
+    read["fusion_bytes"] = fusion_traffic(module) if platform == "gpu" else None
     return {**read, **loops}
 
 
@@ -134,6 +136,9 @@ class Plan:
         ``optimal_seconds``; None on a GPU, and where the cost model's figure is not positive).
         An estimate, not a measurement.
       bytes_accessed: the memory traffic XLA's cost model counts for one call (TPU only).
+      fusion_bytes: the bytes one call's fusions that are no GEMM read and write, counted from
+        the optimized HLO (GPU only, where XLA's cost model gives nothing without a device:
+        :mod:`mpjax.planning.traffic` says how); None on a TPU, whose estimate covers them.
       rejected_seconds: XLA's cost model's time for one call where it is no time (zero or
         negative, seen for large steps on a v5e and a TPU7x), which the plan does not take as
         an estimate; None otherwise.
@@ -172,6 +177,7 @@ class Plan:
     memory: PlanMemory | None = None
     estimated_seconds: float | None = None
     bytes_accessed: float | None = None
+    fusion_bytes: int | None = None
     modelled_flops: float | None = None
     rejected_seconds: float | None = None
     peak_flops: float | None = None
@@ -315,6 +321,17 @@ class Plan:
         )
 
     @property
+    def fusion_seconds(self) -> float | None:
+        """``fusion_bytes`` at the device's published memory bandwidth: the least time the
+        kernels that are no matmul (norms, casts, quantizations, the optimizer) take, which
+        :attr:`roofline_seconds` leaves out. None without a count (TPU plans) or target
+        figures. A bound from the compiled program, not a measurement."""
+        target = known_target(self.target)
+        if self.fusion_bytes is None or target is None:
+            return None
+        return self.fusion_bytes / target.chip.hbm_bandwidth
+
+    @property
     def uncosted_seconds(self) -> float | None:
         """The time XLA's estimate leaves out for the fused attention kernels that declare no
         cost (``PlanAttention.declares_cost``: Pallas's backward kernels), taken as their
@@ -420,6 +437,13 @@ class Plan:
         if roofline:
             lines.append(
                 f"roofline bound (matmul FLOPs at the published peaks): {seconds_text(roofline)}"
+            )
+        moved = self.fusion_seconds
+        if roofline and moved is not None and self.fusion_bytes is not None:
+            lines.append(
+                f"fusions that are no matmul move {bytes_text(self.fusion_bytes)}: "
+                f"{seconds_text(moved)} at the published memory bandwidth, "
+                f"{seconds_text(roofline + moved)} with the matmuls, none overlapped"
             )
         if self.collectives:
             moved = ", ".join(f"{k} {bytes_text(v)}" for k, v in self.collective_bytes().items())
@@ -560,6 +584,8 @@ class Plan:
             "uncosted_seconds": self.uncosted_seconds,
             "estimated_mfu": self.mfu(),
             "bytes_accessed": self.bytes_accessed,
+            "fusion_bytes": self.fusion_bytes,
+            "fusion_seconds": self.fusion_seconds,
             "modelled_flops": self.modelled_flops,
             "rejected_seconds": self.rejected_seconds,
             "loops": [{**_row(loop), "modelled": loop.modelled} for loop in self.loops],
