@@ -38,6 +38,7 @@ import sys
 import sysconfig
 import time
 import traceback
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -77,6 +78,7 @@ POLICY = (
     "mixed_bfloat16"  # any mpjax policy: float32, mixed_bfloat16, mixed_bfloat16_fp8, bfloat16...
 )
 FP8_HEAD = False  # under an fp8 policy, run the (tied) output head in fp8 too
+WIDE_EDGE_BLOCKS = (0, 0)  # under fp8 or a block format, first and last blocks kept in bf16
 LOSS_SCALE = "auto"  # auto (dynamic for float16, none otherwise), dynamic, static:N or none
 MASTER_WEIGHTS = True  # keep an f32 master copy when the policy stores params in bf16/f16
 PARAM_ROUNDING = "nearest"  # without master weights: nearest, stochastic or kahan
@@ -136,6 +138,7 @@ class TrainConfig:
     shared_expert: bool = SHARED_EXPERT
     policy: str = POLICY
     fp8_head: bool = FP8_HEAD
+    wide_edge_blocks: tuple[int, int] = WIDE_EDGE_BLOCKS
     mode: str = MODE
     loss_scale: str = LOSS_SCALE
     master_weights: bool = MASTER_WEIGHTS
@@ -265,6 +268,8 @@ _TRAJECTORY_FIELDS = (
     "expert_ratio",
     "shared_expert",
     "policy",
+    "fp8_head",
+    "wide_edge_blocks",
     "loss_scale",
     "master_weights",
     "param_rounding",
@@ -451,8 +456,40 @@ def head_rule(config: GPTConfig, policy: mpjax.Policy, fp8_head: bool, scope: st
     return {scope + ("wte*" if config.tie_embeddings else "head"): policy.with_fp8(None)}
 
 
+def edge_block_rules(config: GPTConfig, policy: mpjax.Policy, wide: tuple[int, int]) -> dict:
+    """Rules that keep the first and last blocks (``wide``: how many at each end) out of the
+    policy's fp8 or block format, in its compute dtype, as NVIDIA's NVFP4 recipe keeps a few
+    blocks at each end in bf16 (:func:`mpjax.edge_block_rules`). Empty for ``(0, 0)``.
+
+    Raises:
+      ValueError: for blocks kept wide under a policy with no fp8 or block format, or in a
+        model whose blocks are scanned (one block, its params stacked: no block of its own to
+        keep).
+    """
+    if not any(wide):
+        return {}
+    if policy.fp8 is None:
+        raise ValueError(
+            f"it keeps blocks out of a policy's fp8 or block format, and policy {policy} has "
+            "none. Use it with mixed_bfloat16_nvfp4, mixed_bfloat16_mxfp8, "
+            "mixed_bfloat16_fp8 or another policy with fp8=."
+        )
+    if config.scan_layers:
+        raise ValueError(
+            "it needs the blocks as modules of their own (h0, h1, ...), which --scan-layers "
+            "replaces with one block run over stacked params."
+        )
+    blocks = [f"h{i}" for i in range(config.n_layer)]
+    return mpjax.edge_block_rules(blocks, *wide, policy=policy.with_fp8(None))
+
+
 def build_model(
-    config: GPTConfig, policy: mpjax.Policy, mode: str = MODE, *, fp8_head: bool = FP8_HEAD
+    config: GPTConfig,
+    policy: mpjax.Policy,
+    mode: str = MODE,
+    *,
+    fp8_head: bool = FP8_HEAD,
+    wide_edge_blocks: tuple[int, int] = WIDE_EDGE_BLOCKS,
 ):
     """The model a policy trains; every mode has linen's ``init``/``apply`` and the same params.
 
@@ -472,11 +509,18 @@ def build_model(
         ``"autocast"``: the unmodified model's ``apply`` under :func:`mpjax.autocast`.
 
       fp8_head: run the output head in fp8 too.
+      wide_edge_blocks: how many of the first and of the last blocks keep the compute dtype
+        under an fp8 or block-format policy (:func:`edge_block_rules`); mode ``"mpjax"`` only.
 
     Raises:
-      ValueError: for an unknown ``mode``, or an fp8 policy in ``"hand"`` mode (Flax's
-        ``dtype`` attributes cannot say fp8).
+      ValueError: for an unknown ``mode``, an fp8 policy in ``"hand"`` mode (Flax's
+        ``dtype`` attributes cannot say fp8), or ``wide_edge_blocks`` in another mode than
+        ``"mpjax"`` or that :func:`edge_block_rules` refuses.
     """
+    if any(wide_edge_blocks) and mode != "mpjax":
+        raise ValueError(
+            f"--wide-edge-blocks takes --mode mpjax (the model wrapped with rules); got {mode!r}."
+        )
     if mode == "mpjax":
         # The head's rule first (the first matching rule wins); a tied head is the embedding,
         # so its rule keeps the embedding's rows in the compute dtype too.
@@ -486,6 +530,18 @@ def build_model(
             LayerNorm: mpjax.norm_policy,
             Embed: mpjax.embedding_policy,
         }
+        wide = edge_block_rules(config, policy, wide_edge_blocks)
+        if wide:
+            # The first matching rule wins, and mpjax's built-in rules come after these: the
+            # norms' and the router's rules go before the kept blocks', so that inside them
+            # norms stay f32 and the router f32, as everywhere. That they overlap is the point:
+            # the warning that says so is known here.
+            if config.n_experts:
+                rules[mpjax.rules.ROUTER_PATHS] = mpjax.router_policy
+            rules.update(wide)
+            warnings.filterwarnings(
+                "ignore", r"rule 're:h\d+\(.*' is ambiguous at", mpjax.RuleWarning
+            )
         return mpjax.linen.apply_policy(GPT(config), mpjax.Rules(rules, default=policy))
     if mode == "hand":
         if policy.fp8 is not None:
@@ -1005,6 +1061,8 @@ def resumed_config(cfg: TrainConfig, meta: dict, where: pathlib.Path) -> TrainCo
     for name, value in saved.items():
         if name not in fields or name == "steps":
             continue
+        if isinstance(value, list):  # JSON keeps a tuple (--wide-edge-blocks) as a list
+            value = tuple(value)
         if name not in explicit:
             changes[name] = value
         elif name in _TRAJECTORY_FIELDS and getattr(cfg, name) != value:
@@ -1253,6 +1311,18 @@ def validate(cfg: TrainConfig) -> None:
             f"--policy {cfg.policy} runs matmuls in fp8, which dtypes written by hand cannot "
             "express: use --mode mpjax or --mode autocast."
         )
+    if any(cfg.wide_edge_blocks):
+        if cfg.mode != "mpjax":
+            raise ValueError(
+                "--wide-edge-blocks takes --mode mpjax (the model wrapped with rules); got "
+                f"--mode {cfg.mode}."
+            )
+        try:
+            edge_block_rules(cfg.model_config(), policy, cfg.wide_edge_blocks)
+        except ValueError as error:
+            raise ValueError(
+                f"--wide-edge-blocks {' '.join(map(str, cfg.wide_edge_blocks))}: {error}"
+            ) from None
     resolve_loss_scale(cfg.loss_scale, policy)
     if cfg.param_rounding not in mpjax.PARAM_ROUNDINGS:
         raise ValueError(
@@ -1435,7 +1505,9 @@ def diagnose(cfg: TrainConfig) -> mpjax.DiagnosisReport:
     train_data, _ = split_corpus(load_corpus(cfg.data, cfg.max_bytes), cfg.val_fraction)
     rng = np.random.default_rng(cfg.seed)
     x, y = sample_batch(train_data, rng, (cfg.diagnose_batch,), mcfg.block_size)
-    model = build_model(mcfg, policy, cfg.mode, fp8_head=cfg.fp8_head)
+    model = build_model(
+        mcfg, policy, cfg.mode, fp8_head=cfg.fp8_head, wide_edge_blocks=cfg.wide_edge_blocks
+    )
     variables = jax.jit(model.init)(jax.random.key(cfg.seed), x)
     fp8 = variables.get("fp8")
 
@@ -1465,7 +1537,9 @@ def plan_step(cfg: TrainConfig, model_config: GPTConfig | None = None) -> mpjax.
     mcfg = dataclasses.replace(
         model_config or cfg.model_config(), block_input_sharding=sharding.activation_sharding(mesh)
     )
-    model = build_model(mcfg, policy, cfg.mode, fp8_head=cfg.fp8_head)
+    model = build_model(
+        mcfg, policy, cfg.mode, fp8_head=cfg.fp8_head, wide_edge_blocks=cfg.wide_edge_blocks
+    )
     tx = make_optimizer(cfg, policy)
     abstract = jax.eval_shape(lambda: init_state(model, tx, cfg.seed, mcfg.block_size))
     shardings = sharding.state_shardings(abstract, mesh)
@@ -1566,7 +1640,9 @@ def train(cfg: TrainConfig) -> dict:
     rng = np.random.default_rng(cfg.seed)
 
     # Model, optimizer, state.
-    model = build_model(mcfg, policy, cfg.mode, fp8_head=cfg.fp8_head)
+    model = build_model(
+        mcfg, policy, cfg.mode, fp8_head=cfg.fp8_head, wide_edge_blocks=cfg.wide_edge_blocks
+    )
     tx = make_optimizer(cfg, policy)
     state = init_state(model, tx, cfg.seed, seq_len, mesh)
     state_shardings = jax.tree.map(lambda a: a.sharding, state)
@@ -1734,7 +1810,13 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.sample_bytes > 0:
         # Sampling runs on one device: the model without the mesh's placement of activations.
         one_device = dataclasses.replace(mcfg, block_input_sharding=None)
-        sampler = build_model(one_device, policy, cfg.mode, fp8_head=cfg.fp8_head)
+        sampler = build_model(
+            one_device,
+            policy,
+            cfg.mode,
+            fp8_head=cfg.fp8_head,
+            wide_edge_blocks=cfg.wide_edge_blocks,
+        )
         summary["sample"] = sample_text(
             sampler, state.params, cfg, jax.random.key(cfg.seed), state.fp8
         )
@@ -1819,6 +1901,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each flag's default once: not for on/off flags (their help says what they do)
     nor for flags without a default (their help says what happens then)."""
@@ -1898,6 +1987,15 @@ def make_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=FP8_HEAD,
         help="under an fp8 policy, run the output head's matmul in fp8 too (default: bf16)",
+    )
+    g.add_argument(
+        "--wide-edge-blocks",
+        nargs=2,
+        type=_non_negative_int,
+        metavar=("FIRST", "LAST"),
+        default=WIDE_EDGE_BLOCKS,
+        help="under an fp8 or block-format policy, keep the first FIRST and the last LAST "
+        "blocks in the compute dtype, as NVIDIA's NVFP4 recipe does (mode mpjax; default: 0 0)",
     )
     g.add_argument(
         "--mode",
@@ -2124,6 +2222,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     quiet.set_defaults(**dict.fromkeys(vars(args), not_given))
     given = vars(quiet.parse_args(argv))
     explicit = tuple(sorted(k for k, v in given.items() if v is not not_given))
+    args.wide_edge_blocks = tuple(args.wide_edge_blocks)  # argparse gives nargs=2 as a list
     cfg = TrainConfig(**vars(args), explicit=explicit)
     try:
         validate(cfg)

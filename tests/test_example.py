@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -714,6 +715,53 @@ def _tokens(batch=2, config=SMALL, seed=0):
 
 def _init(config):
     return jax.jit(gpt.GPT(config).init)(jax.random.key(0), _tokens(config=config))["params"]
+
+
+@pytest.mark.filterwarnings("ignore::mpjax.block_scaled.EmulationWarning")
+def test_wide_edge_blocks_keep_the_first_and_last_blocks_out_of_nvfp4():
+    """``--wide-edge-blocks 1 1`` under NVFP4: the first and last of 4 blocks multiply in bf16
+    forward and backward, the middle two in e2m1, as NVIDIA's recipe keeps its edge blocks;
+    the tied head stays bf16 as under any fp8 policy."""
+    config = dataclasses.replace(SMALL, n_layer=4, d_model=64, n_head=2)
+    policy = mpjax.get_policy("mixed_bfloat16_nvfp4")
+    x, y = _tokens(config=config, seed=1), _tokens(config=config, seed=2)
+    params = {}
+    counts = {}
+    for wide in ((0, 0), (1, 1)):
+        model = tt.build_model(config, policy, "mpjax", wide_edge_blocks=wide)
+        params = params or model.init(jax.random.key(0), x)["params"]
+        with warnings.catch_warnings(record=True) as caught:  # the filters as they are
+            report = mpjax.describe(model, variables={"params": params})(x)
+        # The kept blocks overlap the norms' rules on purpose: nothing warns of it.
+        assert not [w for w in caught if "re:h" in str(w.message)], [str(w.message) for w in caught]
+        formats = {row.path: set(dict(row.matmuls)) for row in report.rows if row.matmuls}
+        narrow = {p.split("/")[0] for p, f in formats.items() if any("e2m1" in d for d in f)}
+        assert narrow == ({"h0", "h1", "h2", "h3"} if wide == (0, 0) else {"h1", "h2"})
+        # The kept blocks' norms keep the norm rule (f32 in, compute dtype out), as elsewhere.
+        norms = {row.path: row.policy for row in report.rows if row.path.endswith(("ln1", "ln2"))}
+        assert len(norms) == 8 and len(set(norms.values())) == 1, norms
+        assert set(norms.values()) == {mpjax.norm_policy(policy)}, norms
+        grad = jax.grad(lambda p, m=model: tt.loss_fn(m, p, x, y))
+        dtypes = mpjax.inspect_matmuls(grad)(params).operand_dtypes()
+        counts[wide] = sum(n for d, n in dtypes.items() if "float4_e2m1fn" in d)
+    # 4 dense layers a block, 3 GEMMs each (forward and both gradients), on both operands.
+    assert counts[(0, 0)] == 4 * 4 * 3 and counts[(1, 1)] == 2 * 4 * 3, counts
+
+
+def test_wide_edge_blocks_are_refused_where_they_cannot_apply(capsys):
+    nvfp4 = ["--policy", "mixed_bfloat16_nvfp4", "--n-layer", "4"]
+    for argv, says in [
+        (["--wide-edge-blocks", "1", "1"], "has none"),
+        ([*nvfp4, "--wide-edge-blocks", "2", "2"], "keeps every one of the 4 blocks"),
+        ([*nvfp4, "--wide-edge-blocks", "1", "1", "--mode", "autocast"], "takes --mode mpjax"),
+        ([*nvfp4, "--wide-edge-blocks", "1", "1", "--scan-layers"], "--scan-layers"),
+        ([*nvfp4, "--wide-edge-blocks", "1", "-1"], "must be 0 or more"),
+    ]:
+        with pytest.raises(SystemExit):
+            tt.parse_args(argv)
+        err = capsys.readouterr().err
+        assert "--wide-edge-blocks" in err and says in err, err
+    assert tt.parse_args([*nvfp4, "--wide-edge-blocks", "1", "2"]).wide_edge_blocks == (1, 2)
 
 
 @pytest.mark.slow
