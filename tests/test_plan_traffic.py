@@ -26,8 +26,9 @@ _HLO = """HloModule m, entry_computation_layout={}
   %param_0 = f32[3,64,64]{2,1,0} parameter(0)
   %param_1 = s32[] parameter(1)
   %zero = s32[] constant(0)
-  %ds = f32[1,64,64]{2,1,0} dynamic-slice(%param_0, %param_1, %zero, %zero), dynamic_slice_sizes={1,64,64}
-  ROOT %r = f32[64,64]{1,0} bitcast(%ds)
+  %flat = f32[3,4096]{1,0} bitcast(%param_0)
+  %row = f32[1,4096]{1,0} dynamic-slice(%flat, %param_1, %zero), dynamic_slice_sizes={1,4096}
+  ROOT %r = f32[64,64]{1,0} bitcast(%row)
 }
 
 %put (param_0: f32[3,64,64], param_1: f32[64,64], param_2: s32[]) -> f32[3,64,64] {
@@ -95,7 +96,8 @@ _INDEX = 4  # the loop counter, an s32
 def test_each_fusion_moves_what_it_reads_and_writes():
     module = parse_module(_HLO)
     body, entry = module.computations["body"], module.entry_computation
-    # A layer's weight out of the stack: the slice, not the stack; the index read whole.
+    # A layer's weight out of the stack (seen through a bitcast): the slice, not the stack;
+    # the index read whole.
     assert fusion_bytes(module, body["layer"]) == _LAYER + _INDEX + _LAYER
     # A gradient written in place: the update read and written, the stack it goes into neither
     # read nor written whole.

@@ -438,12 +438,12 @@ class Plan:
             lines.append(
                 f"roofline bound (matmul FLOPs at the published peaks): {seconds_text(roofline)}"
             )
-        moved = self.fusion_seconds
-        if roofline and moved is not None and self.fusion_bytes is not None:
+        traffic = self.fusion_seconds
+        if roofline and traffic is not None and self.fusion_bytes is not None:
             lines.append(
                 f"fusions that are no matmul move {bytes_text(self.fusion_bytes)}: "
-                f"{seconds_text(moved)} at the published memory bandwidth, "
-                f"{seconds_text(roofline + moved)} with the matmuls, none overlapped"
+                f"{seconds_text(traffic)} at the published memory bandwidth, "
+                f"{seconds_text(roofline + traffic)} with the matmuls, none overlapped"
             )
         if self.collectives:
             moved = ", ".join(f"{k} {bytes_text(v)}" for k, v in self.collective_bytes().items())

@@ -14,8 +14,9 @@ optimized HLO itself:
   ``dynamic-update-slice`` root, as a scanned layer's slot of a stacked gradient), whose
   buffer it does not read;
 - it reads each parameter whole, or only the parts that slices take where every use of the
-  parameter is a ``slice``, ``dynamic-slice`` or ``gather`` (a scanned layer's weights out of
-  the stack);
+  parameter is a ``slice``, ``dynamic-slice`` or ``gather``, seen through bitcasts and
+  reshapes (a scanned layer's weights out of the stack, one weight out of a buffer XLA packed
+  several into);
 - a fusion that holds a GEMM (Triton's, cuDNN's) is the GEMM's, which the roofline counts by its
   FLOPs, and is left out;
 - each counts as often as its loop runs (:func:`mpjax.planning.rows.kernel_computations`).
@@ -36,6 +37,7 @@ __all__ = ["fusion_bytes", "fusion_traffic"]
 
 _GEMM_OPCODES = frozenset({"dot", "convolution", "custom-call", "scaled-dot"})
 _SLICING = frozenset({"slice", "dynamic-slice", "gather"})
+_VIEWS = frozenset({"bitcast", "reshape"})
 _IN_PLACE = "dynamic-update-slice"
 _BITS = re.compile(r"[a-z]*?(\d+)")
 
@@ -57,15 +59,33 @@ def _users(computation: HloComputation, name: str) -> list[HloInstruction]:
     return [inst for inst in computation.instructions if name in inst.operands]
 
 
+def _sliced(computation: HloComputation, name: str) -> int | None:
+    """The bytes the slices of ``name`` take where every use of it is a slice (seen through
+    bitcasts and reshapes, which move nothing); None where a use reads it whole."""
+    users = _users(computation, name)
+    if not users:
+        return None
+    total = 0
+    for user in users:
+        if user.opcode in _SLICING and user.operands[0] == name:
+            total += _bytes(user.shapes)
+            continue
+        inner = _sliced(computation, user.name) if user.opcode in _VIEWS else None
+        if inner is None:
+            return None
+        total += inner
+    return total
+
+
 def _read(computation: HloComputation, parameter: HloInstruction) -> int:
     """What a fused computation reads of one of its parameters: nothing of a buffer it updates
     in place, the slices every use takes, or the whole parameter."""
     users = _users(computation, parameter.name)
     if users and all(u.opcode == _IN_PLACE and u.operands[0] == parameter.name for u in users):
         return 0  # the buffer updated in place
-    if users and all(u.opcode in _SLICING and u.operands[0] == parameter.name for u in users):
-        return sum(_bytes(u.shapes) for u in users)
-    return _bytes(parameter.shapes)
+    sliced = _sliced(computation, parameter.name)
+    whole = _bytes(parameter.shapes)
+    return whole if sliced is None else min(sliced, whole)
 
 
 def _written(computation: HloComputation, root: HloInstruction) -> int:
