@@ -548,3 +548,43 @@ def test_the_comm_precision_benchmark_shows_each_reduce_dtype_on_the_wire(target
         # What is gathered in f32 is tiny: the norms' scales and biases (2 * 2 * 256 a block).
         assert sum(r["bytes"] for r in f32_gathers) <= 8 * 2 * 2 * 256 * 4 + 2 * 256 * 4, rows
     assert "| all-gather bfloat16 forward |" in comm.markdown({"targets": {target: {"x": summary}}})
+
+
+# ------------------------------------------------------------------- NVFP4's recipe, per GEMM
+
+
+def test_the_nvfp4_gradient_errors_show_what_stochastic_rounding_removes(tmp_path):
+    """``benchmarks/nvfp4_gradient_errors.py`` measures each recipe case's GEMMs against
+    float32. Rounding to nearest is one answer whatever the key: its mean over draws is its one
+    draw. Stochastic rounding of the output gradient draws a new answer per key, each further
+    from float32 than rounding to nearest, whose mean comes closer: the gradient's rounding
+    averages out, the other operand's stays."""
+    import nvfp4_gradient_errors as errors
+
+    report = errors.main(
+        ["--tokens", "256", "--d-in", "64", "--d-out", "64", "--draws", "16"]
+        + ["--out-dir", str(tmp_path)]
+    )
+    results = report["results"]
+    assert list(results) == list(errors.CASES)
+    for name, flags in errors.CASES.items():
+        for part in errors.PARTS:
+            one, mean = results[name][part]["one_draw"], results[name][part]["mean_of_draws"]
+            assert 0 < one < 0.5 and 0 < mean < 0.5, (name, part)
+            if part == "output" or not flags["stochastic_rounding"]:
+                assert mean == pytest.approx(one, rel=1e-6), (name, part)
+            else:
+                assert mean < 0.9 * one, (name, part)
+    # The forward GEMM rounds its weight by tiles or by rows, and nothing else differs.
+    recipe, rows = results["NVFP4, the recipe"], results["the recipe less 16 x 16 weight tiles"]
+    assert recipe["output"]["one_draw"] != rows["output"]["one_draw"]
+    written = json.loads((tmp_path / "nvfp4_gradient_errors.json").read_text())
+    assert written["results"] == results
+    assert "| NVFP4, the recipe |" in (tmp_path / "nvfp4_gradient_errors.md").read_text()
+
+
+def test_the_nvfp4_gradient_errors_take_only_blocks_of_16():
+    import nvfp4_gradient_errors as errors
+
+    with pytest.raises(SystemExit):
+        errors.main(["--tokens", "100"])
