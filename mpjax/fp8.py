@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -110,10 +111,15 @@ class Fp8Recipe:
         recipe, for training) and absent for the other scalings; False turns one off, for an
         ablation (Transformer Engine's ``disable_rht``, ``disable_stochastic_rounding``,
         ``disable_2d_quantization``).
+      capacity: block formats only: a mixture of experts' grouped GEMMs run as batched
+        block-scaled GEMMs over each expert's first ``capacity * rows / experts`` rows (rounded
+        up to 128), dropping the rows past that, as Switch Transformer's capacity factor
+        (:mod:`mpjax.grouped.capacity`). None (the default): they run grouped in the compute
+        dtype, dropping nothing, since no grouped GEMM takes a block format.
 
     ``str(recipe)`` is the form policy strings use (``"current"``, ``"current;margin=1"``,
     ``"delayed;history=16"``, ``"nvfp4;no_hadamard"``, ``"nvfp4;plain"`` for NVFP4 with none of
-    the recipe) and :meth:`parse` reads it back; options left at their defaults are left out.
+    the recipe, ``"mxfp8;capacity=1.25"``) and :meth:`parse` reads it back; options left at their defaults are left out.
 
     >>> Fp8Recipe()
     Fp8Recipe(scaling='current', history=1024, margin=0, batched=False)
@@ -128,6 +134,7 @@ class Fp8Recipe:
     hadamard: bool | None = None
     stochastic_rounding: bool | None = None
     weight_blocks_2d: bool | None = None
+    capacity: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.scaling, str) or self.scaling not in SCALINGS:
@@ -177,6 +184,25 @@ class Fp8Recipe:
                     )
                 continue
             object.__setattr__(self, name, True if flag is None else bool(flag))
+        if self.capacity is not None:
+            if isinstance(self.capacity, bool) or not isinstance(
+                self.capacity, (int, float, np.integer, np.floating)
+            ):
+                raise TypeError(
+                    f"Fp8Recipe(capacity=...) must be a number (experts' slots per expert's "
+                    f"share of the rows, such as 1.25) or None; got {self.capacity!r}."
+                )
+            if not (math.isfinite(self.capacity) and self.capacity > 0):
+                raise ValueError(
+                    f"Fp8Recipe(capacity=...) must be positive and finite; got {self.capacity}."
+                )
+            if self.scaling not in BLOCK_SCALINGS:
+                raise ValueError(
+                    f"Fp8Recipe(capacity=...) runs experts as batched block-scaled GEMMs; "
+                    f"scaling {self.scaling!r} has grouped fp8 GEMMs and takes none "
+                    f"({', '.join(BLOCK_SCALINGS)} do)."
+                )
+            object.__setattr__(self, "capacity", float(self.capacity))
 
     def __repr__(self) -> str:
         fields = (f.name for f in dataclasses.fields(self))
@@ -194,6 +220,8 @@ class Fp8Recipe:
         if self.scaling == "nvfp4":
             off = [o for o, name in _INGREDIENT_OPTIONS.items() if not getattr(self, name)]
             parts.extend(["plain"] if len(off) == len(_INGREDIENT_OPTIONS) else off)
+        if self.capacity is not None:
+            parts.append(f"capacity={self.capacity:g}")
         return ";".join(parts)
 
     @classmethod
@@ -222,12 +250,16 @@ class Fp8Recipe:
                 fields.update(dict.fromkeys(NVFP4_INGREDIENTS, False))
             elif key in ("margin", "history") and sep and value.lstrip("-").isdigit():
                 fields[key] = int(value)
+            elif key == "capacity" and sep and _is_number(value):
+                fields[key] = float(value)
             else:
                 raise ValueError(
                     f"Unknown fp8 option {option!r} in {text!r}. Options: history=N (delayed "
                     "scaling's amax history, at least 1), margin=N (an integer from 0 to 16), "
-                    "batched, and for nvfp4 alone no_hadamard, no_stochastic_rounding, no_2d "
-                    "or plain (none of NVIDIA's recipe), after the scaling, separated by ';'."
+                    "batched, for mxfp8 and nvfp4 capacity=F (experts as batched GEMMs over "
+                    "F times their share of the rows), and for nvfp4 alone no_hadamard, "
+                    "no_stochastic_rounding, no_2d or plain (none of NVIDIA's recipe), after "
+                    "the scaling, separated by ';'."
                 )
         return cls(**fields)
 
@@ -241,6 +273,14 @@ class Fp8Recipe:
         recipe: always when ``batched``, else only without batch dimensions."""
         (_, _), (lhs_batch, rhs_batch) = dimension_numbers
         return self.batched or not (len(lhs_batch) or len(rhs_batch))
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def fp8_recipe(spec: Fp8Recipe | str) -> Fp8Recipe:

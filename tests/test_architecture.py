@@ -51,6 +51,7 @@ LAYERS = (
     {"grouped.kernels"},  # mpjax's Mosaic GPU kernels for grouped GEMMs JAX has none for
     {"grouped.matmul"},  # grouped GEMMs (mixture of experts), kernels chosen per target
     {"grouped.fp8"},  # grouped GEMMs in fp8: the recipes' scales around them
+    {"grouped.capacity"},  # block-scaled experts as batched GEMMs over each expert's slots
     {"policy"},
     {"rules"},
     # The casting engine's parts, the inspection of jaxprs, and the optimizer side.
@@ -115,6 +116,7 @@ FLAX_FREE = (
     "grouped.kernels",
     "grouped.matmul",
     "grouped.fp8",
+    "grouped.capacity",
     "policy",
     "casting.collectives",
     "casting.gradient_reduction",

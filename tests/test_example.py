@@ -1640,6 +1640,27 @@ def test_the_moe_step_planned_for_an_h100_runs_its_expert_gemms_in_fp8(policy):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("recipe, block", [("mxfp8", 32), ("nvfp4", 16)])
+def test_the_moe_step_at_a_capacity_runs_its_experts_block_scaled_on_a_b200(recipe, block):
+    """A block format with a capacity runs every expert GEMM, forward and both gradients, as a
+    batched block-scaled GEMM over each expert's slots: 2048 tokens x top-2 over 8 experts at
+    capacity 1.25 are 640 slots each, 1.25 times the rows' FLOPs, all of them block-scaled."""
+    if mpjax.plan_unavailable("b200") is not None:
+        pytest.skip(f"the plan cannot compile: {mpjax.plan_unavailable('b200')}")
+    policy = f"p=f32,c=bf16,o=f32,fp8={recipe};capacity=1.25"
+    printed = _plan_lines(*MOE_FLAGS, "--d-model", "256", "--policy", policy, "--plan", "b200")
+    match = re.search(
+        r"experts at a capacity: (\d+) batched GEMM runs, [^(]*\(every slot multiplied: "
+        r"([\d.]+)x\), ([\d.]+)% of them block-scaled",
+        printed,
+    )
+    assert match is not None, printed
+    assert int(match[1]) == 4 * 2 * 3  # forward and both gradients of every expert GEMM
+    assert float(match[2]) == 1.25 and float(match[3]) >= 80.0  # in fact all of them
+    assert "expanded dense" not in printed and "grouped GEMMs:" not in printed
+
+
+@pytest.mark.slow
 def test_the_moe_step_planned_for_a_b200_names_the_weight_gradient_it_runs_dense():
     if mpjax.plan_unavailable() is not None:
         pytest.skip(f"the plan cannot compile: {mpjax.plan_unavailable()}")

@@ -42,8 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mpjax import fp8
+from mpjax import block_scaled, fp8
 from mpjax import jax_compat as compat
+from mpjax.grouped import capacity as grouped_capacity
 from mpjax.grouped import fp8 as grouped_fp8
 from mpjax.grouped import matmul as grouped_matmul
 from mpjax.policy import Policy, is_floating
@@ -309,7 +310,23 @@ def _grouped(
 
     label = "grouped"
     if recipe is not None:  # a block format: no grouped GEMM takes it
-        label = f"grouped (not {recipe.scaling}: no block-scaled grouped GEMM)"
+        why: str | None = "no block-scaled grouped GEMM; a capacity runs them batched"
+        if recipe.capacity is not None:
+            why = grouped_capacity.refusal(lhs.shape, rhs.shape, transposed, recipe.scaling)
+            if why is None:
+
+                def at_capacity(invals, params):
+                    x, w, sizes = invals
+                    out = grouped_capacity.capacity_dot(
+                        x, w, sizes, recipe=recipe, compute=compute, transposed=transposed
+                    )
+                    return [out]
+
+                label = f"grouped {recipe.scaling} at capacity {recipe.capacity:g}"
+                return Route(
+                    frozenset({0, 1}), at_capacity, label, block_scaled.FORMATS[recipe.scaling].data
+                )
+        label = f"grouped (not {recipe.scaling}: {why})"
     return Route(frozenset({0, 1}), grouped, label)
 
 

@@ -9,6 +9,10 @@ into the compiled program's op names, so each of these reads as one :class:`~mpj
 with its ``grouped`` form and ``model_flops``, the FLOPs the grouped GEMM needs. A
 ``lax.ragged_dot`` written without mpjax carries no such scope: its dense expansion is named by
 its op name (``.../ragged_dot_general``), its needed FLOPs unknown.
+
+A block format's experts at a capacity (:mod:`mpjax.grouped.capacity`) run as batched
+block-scaled GEMMs over every expert's slots; their scope marks them ``grouped="at_capacity"``
+with the ragged dot's ``model_flops``, so the summary shows what the slots' padding costs.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from mpjax.grouped import capacity
 from mpjax.grouped.matmul import SCOPE, kernel_refusal
 from mpjax.planning.hlo_text import HloInstruction, HloModule
 from mpjax.planning.rows import (
@@ -37,6 +42,8 @@ __all__ = ["annotate_grouped", "grouped_lines", "read_grouped"]
 _MOSAIC = "mosaic_gpu_v2"
 _TPU_RAGGED_DOT = "ragged-dot-none"  # XLA's TPU kernel (its metadata call is ragged-dot-metadata)
 _RAGGED = "ragged_dot_general"  # JAX's primitive, in the op name of what XLA made of it
+AT_CAPACITY = "at_capacity"
+"""The ``grouped`` form of the batched GEMMs of experts at a capacity."""
 
 
 def _scoped(op_name: str) -> tuple[str, int, int, int] | None:
@@ -128,7 +135,11 @@ def annotate_grouped(gemms: Sequence[PlanGemm]) -> tuple[PlanGemm, ...]:
     marked = []
     for g in gemms:
         scoped = _scoped(g.op_name)
-        if scoped is not None:
+        at_capacity = capacity.SCOPE.search(g.op_name)
+        if at_capacity is not None:
+            rows, k, n = (int(at_capacity[key]) for key in ("rows", "k", "n"))
+            g = dataclasses.replace(g, grouped=AT_CAPACITY, model_flops=_model_flops(rows, k, n))
+        elif scoped is not None:
             form, rows, k, n = scoped
             g = dataclasses.replace(g, grouped=form, model_flops=_model_flops(rows, k, n))
         elif g.op_name.rsplit("/", 1)[-1].startswith(_RAGGED):
@@ -140,9 +151,21 @@ def annotate_grouped(gemms: Sequence[PlanGemm]) -> tuple[PlanGemm, ...]:
 def grouped_lines(gemms: Sequence[PlanGemm], target: Target | None) -> list[str]:
     """A plan's summary of its grouped GEMMs: those that run as kernels, and the dense GEMMs
     XLA expanded ragged dots into, with the FLOPs they waste and why no kernel took them."""
+    batched = [g for g in gemms if g.grouped == AT_CAPACITY]
+    gemms = [g for g in gemms if g.grouped != AT_CAPACITY]
     kernels = [g for g in gemms if g.grouped and g.library in ("mosaic", "mxu")]
     dense = [g for g in gemms if g.grouped and g.library not in ("mosaic", "mxu")]
     lines = []
+    if batched:
+        runs = sum(g.executions for g in batched)
+        flops = sum(g.flops * g.executions for g in batched)
+        work = sum((g.model_flops or 0) * g.executions for g in batched)
+        scaled = sum(g.flops * g.executions for g in batched if g.block_scaled)
+        lines.append(
+            f"experts at a capacity: {runs} batched GEMM run{'s' * (runs != 1)}, "
+            f"{flops_text(flops)} FLOPs for {flops_text(work)} of work (every slot "
+            f"multiplied: {flops / work:.2f}x), {scaled / flops:.1%} of them block-scaled"
+        )
     if kernels:
         runs = sum(g.executions for g in kernels)
         flops = sum(g.flops * g.executions for g in kernels)
