@@ -530,6 +530,12 @@ def build_model(
             LayerNorm: mpjax.norm_policy,
             Embed: mpjax.embedding_policy,
         }
+        if config.tie_embeddings and head_rule(config, head, fp8_head):
+            # The tied head is the token embedding: its rule claims the embedding before the
+            # embeddings' class rule, on purpose (the warning that says so is known here).
+            warnings.filterwarnings(
+                "ignore", r"rule '[\w.]*Embed' is ambiguous at 'wte'", mpjax.RuleWarning
+            )
         wide = edge_block_rules(config, policy, wide_edge_blocks)
         if wide:
             # The first matching rule wins, and mpjax's built-in rules come after these: the
