@@ -225,6 +225,21 @@ SETUPS = [
         experts=8,
         mode="hand",
     ),
+    # MXFP8 on the same mixture: its experts grouped in bf16 (no grouped GEMM takes a block
+    # format), or as batched MXFP8 GEMMs over each expert's slots at a capacity of 1.25 (384
+    # slots of 256 rows on average here), rows past it dropped (mpjax.grouped.capacity).
+    Setup(
+        "moe_mxfp8",
+        "MoE: mixed bf16 + MXFP8 dense matmuls, experts grouped in bf16",
+        "mixed_bfloat16_mxfp8",
+        experts=8,
+    ),
+    Setup(
+        "moe_mxfp8_capacity",
+        "MoE: mixed bf16 + MXFP8, experts too at a capacity of 1.25",
+        "p=f32,c=bf16,o=f32,fp8=mxfp8;capacity=1.25",
+        experts=8,
+    ),
     Setup("mixed_f16_none", "mixed f16, no loss scaling", "mixed_float16", loss_scale="none"),
     Setup(
         "mixed_f16_dynamic",
