@@ -17,7 +17,7 @@ Writes the table into docs/precision_study.md (between the table markers), every
 of every run into docs/precision_study.json, and three plots into docs/:
 precision_study_loss.png, precision_study_unmoved.png, precision_study_gradients.png.
 
-    python examples/precision_study.py                     # 27 setups x 3 seeds, ~2.5 h on 2 CPU cores
+    python examples/precision_study.py                     # 29 setups x 3 seeds, ~2.75 h on 2 CPU cores
     python examples/precision_study.py --seeds 0 --setups f32 bf16_nearest bf16_sr --steps 300
     python examples/precision_study.py --add --setups mixed_bf16_fp8 mixed_bf16_fp8_head
     python examples/precision_study.py --render-only   # the table and plots from the JSON
