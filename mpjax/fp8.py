@@ -119,7 +119,8 @@ class Fp8Recipe:
 
     ``str(recipe)`` is the form policy strings use (``"current"``, ``"current;margin=1"``,
     ``"delayed;history=16"``, ``"nvfp4;no_hadamard"``, ``"nvfp4;plain"`` for NVFP4 with none of
-    the recipe, ``"mxfp8;capacity=1.25"``) and :meth:`parse` reads it back; options left at their defaults are left out.
+    the recipe, ``"mxfp8;capacity=1.25"``) and :meth:`parse` reads it back; options left at
+    their defaults are left out.
 
     >>> Fp8Recipe()
     Fp8Recipe(scaling='current', history=1024, margin=0, batched=False)

@@ -180,9 +180,8 @@ def gpu_chosen_primitive(
     def cuda(ctx: Any, *args: Any, **params: Any) -> Any:
         target = _lowering_target(ctx)
         chosen = None if target is None else choose(target, ctx.avals_in, params)
-        if chosen is None:
+        if target is None or chosen is None:
             return _mlir.lower_fun(default, multiple_results=False)(ctx, *args, **params)
-        assert target is not None
         with _as_default_gpu(target):
             return _mlir.lower_fun(chosen, multiple_results=False)(ctx, *args, **params)
 

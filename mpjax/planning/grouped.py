@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpjax.grouped import capacity
-from mpjax.grouped.matmul import SCOPE, kernel_refusal
+from mpjax.grouped.matmul import FORMS, SCOPE, kernel_refusal
 from mpjax.planning.hlo_text import HloInstruction, HloModule
 from mpjax.planning.rows import (
     PlanGemm,
@@ -156,7 +156,7 @@ def grouped_lines(gemms: Sequence[PlanGemm], target: Target | None) -> list[str]
     kernels = [g for g in gemms if g.grouped and g.library in ("mosaic", "mxu")]
     dense = [g for g in gemms if g.grouped and g.library not in ("mosaic", "mxu")]
     lines = []
-    if batched:
+    if batched and all(g.model_flops for g in batched):
         runs = sum(g.executions for g in batched)
         flops = sum(g.flops * g.executions for g in batched)
         work = sum((g.model_flops or 0) * g.executions for g in batched)
@@ -184,8 +184,9 @@ def grouped_lines(gemms: Sequence[PlanGemm], target: Target | None) -> list[str]
     capability = target.chip.compute_capability if target is not None else None
     for g in dense:
         reason = None
-        if capability is not None and g.grouped in ("forward", "input_gradient", "weight_gradient"):
-            lhs, rhs = _operand_shapes(g)
+        shapes = _operand_shapes(g)
+        if capability is not None and shapes is not None and g.grouped in FORMS:
+            lhs, rhs = shapes
             reason = kernel_refusal(capability[0], g.grouped, lhs, rhs, np.dtype(g.lhs_dtype))
         by_form.setdefault((g.grouped or "", reason or ""), []).append(g)
     for (form, reason), group in by_form.items():
@@ -210,11 +211,13 @@ def _per_group_shapes(form: str, rows: int, k: int, n: int) -> tuple[tuple[int, 
     return (rows, k), (rows, n)
 
 
-def _operand_shapes(g: PlanGemm) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _operand_shapes(g: PlanGemm) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """The grouped GEMM's operand shapes as :func:`~mpjax.grouped.matmul.kernel_refusal`
-    takes them (one group for the weights), from its scope's sizes."""
+    takes them (one group for the weights), from its scope's sizes; None for a GEMM whose op
+    name carries no grouped GEMM's scope (a ``lax.ragged_dot`` written without mpjax)."""
     scoped = _scoped(g.op_name)
-    assert scoped is not None
+    if scoped is None:
+        return None
     form, rows, k, n = scoped
     if form == "weight_gradient":
         return (rows, k), (rows, n)

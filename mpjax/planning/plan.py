@@ -441,7 +441,7 @@ class Plan:
         traffic = self.fusion_seconds
         if roofline and traffic is not None and self.fusion_bytes is not None:
             lines.append(
-                f"fusions that are no matmul move {bytes_text(self.fusion_bytes)}: "
+                f"fusions that are no matmul move {bytes_text(self.fusion_bytes)}: a bound of "
                 f"{seconds_text(traffic)} at the published memory bandwidth, "
                 f"{seconds_text(roofline + traffic)} with the matmuls, none overlapped"
             )
