@@ -57,6 +57,8 @@ def test_capacity_is_each_experts_share_of_the_rows_rounded_up_to_the_row_tile()
     assert gc.capacity_rows(4 * M, 4, 1.25) == 384  # 320 rounded up to 3 x 128
     assert gc.capacity_rows(4 * M, 4, 1.0) == 256
     assert gc.capacity_rows(8, 4, 1.0) == 128  # never below one tile
+    assert gc.slots(jnp.asarray(SIZES), M, 96).dtype == np.dtype(np.int32)
+    assert gc.dropped_rows(jnp.asarray(SIZES, np.int64), 96).dtype == np.dtype(np.int32)
     slot = np.asarray(gc.slots(jnp.asarray(SIZES), M, 96))
     kept = _kept(SIZES, 96)
     assert (slot[~kept] == 4 * 96).all() and len(set(slot[kept])) == kept.sum()
