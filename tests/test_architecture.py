@@ -49,6 +49,7 @@ LAYERS = (
     {"jax_compat", "jax_compat._jaxprs", "jax_compat._lowering", "jax_compat._devices"},
     {"fp8", "block_scaled"},  # the narrow matmuls: per-tensor and rowwise fp8, block formats
     {"grouped.kernels"},  # mpjax's Mosaic GPU kernels for grouped GEMMs JAX has none for
+    {"grouped.blackwell"},  # mpjax's Blackwell kernel for the experts' weight gradient
     {"grouped.matmul"},  # grouped GEMMs (mixture of experts), kernels chosen per target
     {"grouped.fp8"},  # grouped GEMMs in fp8: the recipes' scales around them
     {"grouped.capacity"},  # block-scaled experts as batched GEMMs over each expert's slots
@@ -114,6 +115,7 @@ LAYER = {module: i for i, layer in enumerate(LAYERS) for module in layer}
 FLAX_FREE = (
     "fp8",
     "grouped.kernels",
+    "grouped.blackwell",
     "grouped.matmul",
     "grouped.fp8",
     "grouped.capacity",

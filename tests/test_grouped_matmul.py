@@ -332,7 +332,10 @@ def test_traced_group_sizes_are_checked_for_shape_only():
         (10, "forward", (4096, 1024), (8, 1024, 2048), BF16, None),
         (10, "forward", (4000, 1024), (8, 1024, 2048), BF16, "the tokens (4000)"),
         (10, "input_gradient", (4096, 2048), (8, 1024, 2048), BF16, None),
-        (10, "weight_gradient", (4096, 1024), (4096, 2048), BF16, "no Blackwell kernel"),
+        (10, "weight_gradient", (4096, 1024), (4096, 2048), BF16, None),  # mpjax's kernel
+        (10, "weight_gradient", (4095, 1024), (4095, 2048), BF16, None),  # the tokens padded
+        (10, "weight_gradient", (4096, 1000), (4096, 2048), BF16, "K=1000 is not a multiple"),
+        (10, "weight_gradient", (0, 1024), (0, 2048), BF16, "no tokens"),
         (8, "forward", (4096, 1024), (8, 1024, 2048), BF16, "compute capability 8"),
     ],
 )
@@ -360,6 +363,61 @@ def test_the_hopper_kernels_compute_what_xla_does(form):
     scale = float(jnp.max(jnp.abs(xla)))
     rtol = tolerance(F32, reduction) + tolerance(BF16, 0)  # the kernel writes bf16
     np.testing.assert_allclose(kernel, xla, rtol=rtol, atol=rtol * scale)
+
+
+# Group sizes for mpjax's Blackwell weight-gradient kernel in 3 SMs, its tiles 2 x 3 per
+# group: groups without tokens (first, between and last), of one token, of a whole block and
+# one more (3 steps), more than the 4 stages of its ring (11 steps), rows past the groups.
+BLACKWELL_SIZES = [0, 700, 1, 129, 0, 255, 0]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not jax_compat.mosaic_gpu_interpretable(), reason="this JAX has no Mosaic GPU interpreter"
+)
+@pytest.mark.parametrize("scale", [1.0, 1000.0])
+def test_the_blackwell_weight_gradient_kernel_computes_each_experts_gradient(scale):
+    # mpjax's kernel in Pallas's GPU interpreter, with its race detector, as mpjax calls it
+    # for a B200: each SM's tiles of groups of every size in a row, so a stage of the ring is
+    # refilled across tiles and groups. Against float64, at magnitudes up to the thousands.
+    rows, k, n = 1100, 256, 384
+    sizes = jnp.asarray(BLACKWELL_SIZES, jnp.int32)
+    kx, kg = jax.random.split(jax.random.key(3))
+    x = (jax.random.normal(kx, (rows, k)) * scale).astype(BF16)
+    g = jax.random.normal(kg, (rows, n)).astype(BF16)
+    with jax_compat.mosaic_gpu_interpreted(cores=3, detect_races=True):
+        kernel = gm._blackwell(x, g, sizes, form="weight_gradient", out_dtype=F32)
+    x64, g64 = np.asarray(x, np.float64), np.asarray(g, np.float64)
+    ends = np.cumsum(BLACKWELL_SIZES)
+    exact = np.stack(
+        [
+            x64[end - size : end].T @ g64[end - size : end]
+            for size, end in zip(BLACKWELL_SIZES, ends)
+        ]
+    )
+    assert kernel.dtype == F32 and kernel.shape == (len(BLACKWELL_SIZES), k, n)
+    assert not np.asarray(kernel[np.asarray(BLACKWELL_SIZES) == 0]).any()  # no tokens: zeros
+    # float32 accumulation of bf16 products (exact in float32) over each group's tokens
+    magnitude = np.stack(
+        [
+            np.abs(x64[end - size : end]).T @ np.abs(g64[end - size : end])
+            for size, end in zip(BLACKWELL_SIZES, ends)
+        ]
+    )
+    assert (np.abs(np.asarray(kernel, np.float64) - exact) <= tolerance(F32, 700) * magnitude).all()
+
+
+def test_the_blackwell_weight_gradient_kernel_refuses_what_it_cannot_tile():
+    from mpjax.grouped import blackwell
+
+    starts, blocks = jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.int32)
+    x, g = jnp.zeros((256, 128), BF16), jnp.zeros((256, 256), BF16)
+    with pytest.raises(ValueError, match="one dtype"):
+        blackwell.transposed_ragged_dot(x, g.astype(F16), starts, blocks)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        blackwell.transposed_ragged_dot(x[:, :100], g, starts, blocks)
+    with pytest.raises(ValueError, match="share their rows"):
+        blackwell.transposed_ragged_dot(x[:200], g[:200], starts, blocks)
 
 
 # --- Compiled for GPUs without one (one process per architecture: Mosaic GPU compiles for
@@ -420,14 +478,16 @@ def test_a_tpu_runs_xlas_own_ragged_dot_kernels():
 
 
 @pytest.mark.slow
-def test_a_b200_runs_forward_and_input_gradient_in_blackwell_kernels_and_a_second_architecture_falls_back():
+def test_a_b200_runs_all_three_gemms_in_kernels_and_a_second_architecture_falls_back():
     (b200, b200_summary), (h100, _) = _compile("b200", "h100")
-    # JAX has no Blackwell weight-gradient kernel: XLA's dense GEMM over every expert (8x the
-    # 2 * 2048 * 1024 * 2048 FLOPs), named with the FLOPs it needs and why.
-    assert b200 == f"2 [{8 * 2 * M_BIG * K_BIG * N_BIG}] []"
+    # JAX's Blackwell kernels forward and for the input gradient, mpjax's for the weights':
+    # no dense GEMM. The weight gradient counts the most rows its padded operand holds, 2048
+    # tokens and 127 per expert rounded up to blocks: 3072, 1.5x its 8.59G of work.
+    assert b200 == "3 [] []"
     assert (
-        "expanded dense by XLA: weight_gradient, 1 run, 68.7G FLOPs for 8.59G of work (JAX has "
-        "no Blackwell kernel for the weight gradient)"
+        "grouped GEMMs: 3 kernel runs (30.1G FLOPs at most for 25.8G of work, each expert's "
+        "tokens padded to whole blocks where a kernel contracts over them; each token against "
+        "its own expert only; bfloat16 100.0%)"
     ) in b200_summary
     # Mosaic compiled for the B200 first: the H100's GEMMs take XLA's path, said once each.
     calls, dense, said = h100.split(" ", 2)
@@ -454,6 +514,32 @@ ENTRY %main (sizes: s32[8], x: bf16[2048,1024], w: bf16[8,1024,2048], g: bf16[20
   ROOT %k2 = bf16[2048,1024]{1,0} custom-call(%sizes, %g, %w), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/transpose(jvp(grouped_matmul(input_gradient, 2048x1024x2048)))/body/mpmd_map"}
 }
 """
+
+
+_PADDED_HLO = """HloModule m, entry_computation_layout={}
+
+ENTRY %main (starts: s32[8], blocks: s32[8], x: bf16[3072,1024], g: bf16[3072,2048]) -> f32[8,1024,2048] {
+  %starts = s32[8]{0} parameter(0)
+  %blocks = s32[8]{0} parameter(1)
+  %x = bf16[3072,1024]{1,0} parameter(2)
+  %g = bf16[3072,2048]{1,0} parameter(3)
+  ROOT %k = f32[8,1024,2048]{2,1,0} custom-call(%starts, %blocks, %x, %g), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/transpose(jvp(grouped_matmul(weight_gradient, 2048x1024x2048)))/mpmd_map"}
+}
+"""
+
+
+def test_a_plan_counts_a_padded_weight_gradient_kernel_at_the_most_its_operand_holds():
+    # mpjax's Blackwell (and Hopper fp8) weight-gradient kernels take each expert's tokens
+    # padded to whole blocks of 128 rows: 2048 tokens in 8 experts fill at most 3072 rows.
+    (kernel,) = mpjax.Plan.from_hlo_text(_PADDED_HLO, device="NVIDIA B200").gemms
+    work = 2 * 2048 * 1024 * 2048
+    assert (kernel.grouped, kernel.flops, kernel.model_flops) == (
+        "weight_gradient",
+        work * 3 // 2,
+        work,
+    )
+    summary = mpjax.Plan.from_hlo_text(_PADDED_HLO, device="NVIDIA B200").summary()
+    assert "grouped GEMMs: 1 kernel run (12.9G FLOPs at most for 8.59G of work" in summary
 
 
 def test_a_plan_reads_grouped_kernels_and_the_dense_gemms_xla_made_of_ragged_dots():

@@ -19,17 +19,19 @@ when the program is lowered for its target (:func:`mpjax.jax_compat.gpu_chosen_p
 - on Hopper (compute capability 9): ``ragged_dot_mgpu.ragged_dot`` forward, the same with
   ``transpose_rhs`` for the input gradient, ``transposed_ragged_dot_mgpu`` for the weights';
 - on Blackwell (10): ``blackwell_ragged_dot_mgpu`` forward and for the input gradient (on a
-  transposed copy of the weights). JAX ships no Blackwell kernel for the weight gradient: XLA
-  computes it there (a dense GEMM, which :func:`mpjax.plan` names with the FLOPs it wastes);
+  transposed copy of the weights); JAX ships no Blackwell kernel for the weight gradient, which
+  runs in mpjax's (:mod:`mpjax.grouped.blackwell`, each group's tokens padded to a multiple of
+  128 rows, float32 results);
 - elsewhere (other GPUs, TPUs, the CPU), and wherever a kernel does not take the shapes or the
   dtype (:func:`kernel_refusal`), XLA's ``ragged_dot_general``.
 
-The kernels take bf16 or f16 operands, accumulate in f32 and write their operands' dtype: a
-weight gradient on them is rounded to the compute dtype once, then widened to the reduce dtype
-(XLA's path writes it in the reduce dtype). fp8 operands (:mod:`mpjax.grouped.fp8`) take
-mpjax's own fp8 kernels on Hopper (:mod:`mpjax.grouped.kernels`, float32 results), and on
-Blackwell JAX's bf16 kernels on the fp8 values widened to bf16 (exact), their result rounded
-once to bf16: the fp8 numbers at bf16's speed. Rows past ``sum(group_sizes)`` belong to no group
+The kernels take bf16 or f16 operands and accumulate in f32. JAX's write their operands'
+dtype: a weight gradient on JAX's Hopper kernel is rounded to the compute dtype once, then
+widened to the reduce dtype (XLA's path and mpjax's Blackwell kernel write it in the reduce
+dtype). fp8 operands (:mod:`mpjax.grouped.fp8`) take mpjax's own fp8 kernels on Hopper
+(:mod:`mpjax.grouped.kernels`, float32 results), and on Blackwell the bf16 kernels on the fp8
+values widened to bf16 (exact), the forward's and input gradient's results rounded once to
+bf16: the fp8 numbers at bf16's speed. Rows past ``sum(group_sizes)`` belong to no group
 and come out zero, as from ``lax.ragged_dot``.
 
 Mosaic GPU compiles its kernels for one GPU architecture per process: after a kernel compiled
@@ -51,6 +53,7 @@ import numpy as np
 from jax import lax
 
 from mpjax import jax_compat
+from mpjax.grouped import blackwell as blackwell_kernels
 from mpjax.grouped import kernels as grouped_kernels
 
 __all__ = [
@@ -240,8 +243,9 @@ def kernel_refusal(
     """Why no kernel takes a grouped GEMM of ``form`` on a GPU of compute capability ``major``
     (9: Hopper, 10: Blackwell), or None if one does: the operands' dtypes (``dtype``, and
     ``rhs_dtype`` where it differs), a dimension the kernel's tiles do not divide, no kernel
-    for that GPU. bf16 and f16 operands take JAX's kernels; fp8 ones mpjax's on Hopper
-    (:mod:`mpjax.grouped.kernels`), and JAX's bf16 ones on Blackwell, widened.
+    for that GPU. bf16 and f16 operands take JAX's kernels (mpjax's for the weight gradient on
+    Blackwell, :mod:`mpjax.grouped.blackwell`); fp8 ones mpjax's on Hopper
+    (:mod:`mpjax.grouped.kernels`), and the bf16 ones on Blackwell, widened.
 
     >>> kernel_refusal(9, "forward", (4096, 1024), (8, 1024, 2048), jnp.bfloat16) is None
     True
@@ -272,8 +276,11 @@ def kernel_refusal(
         checks = [(red, 64, red_name), (out, 128, out_name), (rows, 8, "the tokens")]
         if rows < 128:
             return f"{rows} tokens are fewer than the kernel's block of 128"
-    elif major == 10 and form == "weight_gradient":
-        return "JAX has no Blackwell kernel for the weight gradient"
+    elif major == 10 and form == "weight_gradient":  # mpjax's kernel, on padded groups
+        tile_x, tile_dy, _ = blackwell_kernels.TILE  # features of x and of the gradient
+        checks = [(k, tile_x, "K"), (n, tile_dy, "N")]
+        if rows == 0:
+            return "there are no tokens to contract"
     elif major == 10:
         tile_m, tile_n, tile_k = _BLACKWELL_TILE
         checks = [
@@ -373,6 +380,10 @@ def _blackwell(
         grid_tile_width=8,
         grid_minor_dim=blackwell_matmul_mgpu.MatmulDimension.N,
     )
+    if form == "weight_gradient":  # mpjax's kernel: each group on blocks of its own
+        x, starts, blocks = grouped_kernels.pad_groups(lhs, group_sizes)
+        g, _, _ = grouped_kernels.pad_groups(rhs, group_sizes)
+        return blackwell_kernels.transposed_ragged_dot(x, g, starts, blocks).astype(out_dtype)
     if form == "input_gradient":  # no transposed operand: the weights copied [G, N, K]
         rhs = jnp.swapaxes(rhs, 1, 2)
     out = blackwell_ragged_dot_mgpu.ragged_dot_kernel(lhs, rhs, group_sizes, config)
@@ -397,9 +408,9 @@ def _hopper_fp8(
 def _blackwell_widened(
     lhs: Any, rhs: Any, group_sizes: Any, *, form: str, out_dtype: Any, precision: Any = None
 ) -> Any:
-    """fp8 operands on Blackwell, where mpjax has no fp8 kernel: JAX's bf16 kernel on them
-    widened to bf16 (exactly: every e4m3 and e5m2 value is a bf16 value), its float32
-    accumulation rounded once to bf16 as the kernel writes it. The fp8 numbers at bf16's
+    """fp8 operands on Blackwell, where mpjax has no fp8 kernel: the bf16 kernels on them
+    widened to bf16 (exactly: every e4m3 and e5m2 value is a bf16 value), the float32
+    accumulation rounded once to bf16 where JAX's kernels write it (forward, input gradient). The fp8 numbers at bf16's
     speed, where XLA would expand the GEMM dense over every expert."""
     lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
     return _blackwell(lhs, rhs, group_sizes, form=form, out_dtype=out_dtype)

@@ -212,10 +212,12 @@ def mosaic_gpu_interpretable() -> bool:
 
 
 @contextlib.contextmanager
-def mosaic_gpu_interpreted(cores: int = 4) -> Any:
+def mosaic_gpu_interpreted(cores: int = 4, detect_races: bool = False) -> Any:
     """Runs the Mosaic GPU kernels traced inside it with Pallas's GPU interpreter, slowly, on
     any platform: how the grouped-GEMM kernels' numbers are checked on a CPU. The kernels read
-    the number of SMs off ``jax.devices()[0]`` as they are traced; here they see ``cores``."""
+    the number of SMs off ``jax.devices()[0]`` as they are traced; here they see ``cores``.
+    With ``detect_races``, the interpreter raises on a read or write of shared memory that no
+    barrier orders against another thread's (a stage of a pipeline refilled too early)."""
     from jax.experimental.pallas import mosaic_gpu  # its kernels: where they are asked for
 
     device = type("InterpretedGpu", (), {"core_count": cores, "platform": "gpu"})()
@@ -223,7 +225,9 @@ def mosaic_gpu_interpreted(cores: int = 4) -> Any:
     try:
         jax.devices = lambda *a, **k: [device]
         jax.local_devices = lambda *a, **k: [device]
-        with mosaic_gpu.force_gpu_interpret_mode(mosaic_gpu.InterpretGPUParams()):
+        with mosaic_gpu.force_gpu_interpret_mode(
+            mosaic_gpu.InterpretGPUParams(detect_races=detect_races)
+        ):
             yield
     finally:
         jax.devices, jax.local_devices = saved

@@ -8,7 +8,10 @@ grouped GEMM's named scope (:func:`mpjax.grouped.matmul.scope_name`) carries its
 into the compiled program's op names, so each of these reads as one :class:`~mpjax.PlanGemm`
 with its ``grouped`` form and ``model_flops``, the FLOPs the grouped GEMM needs. A
 ``lax.ragged_dot`` written without mpjax carries no such scope: its dense expansion is named by
-its op name (``.../ragged_dot_general``), its needed FLOPs unknown.
+its op name (``.../ragged_dot_general``), its needed FLOPs unknown. mpjax's kernels that
+contract over each expert's tokens (the weight gradient of fp8 on Hopper, of any dtype on
+Blackwell) take them padded to whole blocks per expert; how many blocks depends on the routing,
+so such a kernel counts the most its operand holds, at most ``G x 127`` rows past the model's.
 
 A block format's experts at a capacity (:mod:`mpjax.grouped.capacity`) run as batched
 block-scaled GEMMs over every expert's slots; their scope marks them ``grouped="at_capacity"``
@@ -84,6 +87,12 @@ def _kernel_row(
         return None
     lhs_dtype, rhs_dtype = (np_dtype(s.dtype) for s in (data * 2)[:2]) if data else (None, None)
     lhs_shape, rhs_shape = _per_group_shapes(form, rows, k, n)
+    flops = _model_flops(rows, k, n)
+    if scoped is not None and form == "weight_gradient" and data and len(data[0].dims) == 2:
+        # mpjax's padded kernels contract each group's tokens in whole blocks: their operand
+        # holds the most rows they can (``pad_groups``), [M', K] or transposed [K, M'].
+        padded = sum(data[0].dims) - k
+        flops = _model_flops(max(padded, rows), k, n)
     return PlanGemm(
         name=inst.name,
         computation=where,
@@ -91,7 +100,7 @@ def _kernel_row(
         lhs_dtype=lhs_dtype or np_dtype(out.dtype),
         rhs_dtype=rhs_dtype or np_dtype(out.dtype),
         out_dtype=np_dtype(out.dtype),
-        flops=_model_flops(rows, k, n),
+        flops=flops,
         executions=executions,
         lhs_shape=lhs_shape,
         rhs_shape=rhs_shape,
@@ -176,9 +185,16 @@ def grouped_lines(gemms: Sequence[PlanGemm], target: Target | None) -> list[str]
         shares = ", ".join(
             f"{key} {n / flops:.1%}" for key, n in sorted(by_dtype.items(), key=lambda kv: -kv[1])
         )
+        work = sum((g.model_flops or g.flops) * g.executions for g in kernels)
+        padded = (
+            f" at most for {flops_text(work)} of work, each expert's tokens padded to whole "
+            "blocks where a kernel contracts over them;"
+            if flops > work
+            else ","
+        )
         lines.append(
-            f"grouped GEMMs: {runs} kernel run{'s' * (runs != 1)} ({flops_text(flops)} FLOPs, "
-            f"each token against its own expert only; {shares})"
+            f"grouped GEMMs: {runs} kernel run{'s' * (runs != 1)} ({flops_text(flops)} "
+            f"FLOPs{padded} each token against its own expert only; {shares})"
         )
     by_form: dict[tuple[str, str], list[PlanGemm]] = {}
     capability = target.chip.compute_capability if target is not None else None
