@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from differential import FRAMEWORKS, LAYERS, TOP_K, sample, subject, value_and_input_grad
+from differential import FRAMEWORKS, LAYERS, TOP_K, B, T, sample, subject, value_and_input_grad
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tolerances import tolerance
@@ -296,6 +296,29 @@ def test_moe_routing_is_decided_far_beyond_rounding(framework):
         reach = np.abs(w.T[chosen] - w.T[others]) * np.abs(x)[:, None, None, :]
         moved = e4m3 * reach.sum(-1)
         assert np.all(gap > moved), f"{framework} at {m:g}: margin {np.min(gap - moved):.3g}"
+
+
+# MXFP8 experts as batched block-scaled GEMMs over each expert's slots (mpjax.grouped.capacity):
+# 64 token-expert pairs in 4 experts fill at most 64 rows of an expert's 128 slots (slots are
+# rounded up to 128), so no row is dropped and float32's result is the one to match.
+CAPACITY_POLICY = "p=f32,c=bf16,o=f32,fp8=mxfp8;capacity=1.0"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_moe_experts_at_a_capacity_match_float32_and_hand_written_low_precision(framework):
+    assert B * T * TOP_K <= 128  # every pair fits an expert's slots: nothing dropped
+    run = subject(framework, "moe").build("mpjax", CAPACITY_POLICY)
+    args = arguments(framework, "moe", 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = mpjax.inspect_matmuls(run)(*args).operand_dtypes()
+    # Both expert GEMMs batched over the slots in MXFP8, forward and both gradients (with the
+    # identity projection's three GEMMs; none grouped in bf16), the router in float32.
+    assert found == {("float8_e4m3fn", "float8_e4m3fn"): 9, ("float32", "float32"): 2}, found
+    found = failures(framework, "moe", CAPACITY_POLICY)
+    assert not found, explain(framework, "moe", CAPACITY_POLICY, found)
+    assert narrow_ops(framework, "moe", CAPACITY_POLICY) == []  # the router in float32
 
 
 class DenseNorm(nn.Module):
