@@ -45,7 +45,7 @@ from mpjax.grouped.kernels import BLOCK
 __all__ = ["TILE", "transposed_ragged_dot"]
 
 TILE = (128, 128, 64)
-"""The kernel's tile: 128 features of ``x`` by 128 of ``dy`` (the output tile, in tensor
+"""The kernel's tile, 128 features of ``x`` by 128 of ``dy`` (the output tile, in tensor
 memory), over 64 tokens per step (128 bytes of bf16, the shared-memory swizzle)."""
 _STAGES = 4  # 4 x (16 + 16) KiB of operands + a 32 KiB float32 store tile
 _EPILOGUE_N = 64  # output columns stored per copy out of tensor memory
