@@ -26,6 +26,7 @@ from mpjax.grouped import matmul as gm
 from mpjax.inspection.matmuls import iter_equations
 
 F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
+E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 SIZES = np.array([40, 0, 120, 64, 16])  # a group of none, rows past the sum (M = 256)
 M, K, N = 256, 128, 128
 
@@ -375,18 +376,24 @@ BLACKWELL_SIZES = [0, 700, 1, 129, 0, 255, 0]
 @pytest.mark.skipif(
     not jax_compat.mosaic_gpu_interpretable(), reason="this JAX has no Mosaic GPU interpreter"
 )
-@pytest.mark.parametrize("scale", [1.0, 1000.0])
-def test_the_blackwell_weight_gradient_kernel_computes_each_experts_gradient(scale):
+@pytest.mark.parametrize(
+    "dtypes, scale",
+    [((BF16, BF16), 1.0), ((BF16, BF16), 1000.0), ((E4M3, E5M2), 50.0)],
+    ids=["bf16", "bf16-1000", "fp8"],
+)
+def test_the_blackwell_weight_gradient_kernel_computes_each_experts_gradient(dtypes, scale):
     # mpjax's kernel in Pallas's GPU interpreter, with its race detector, as mpjax calls it
-    # for a B200: each SM's tiles of groups of every size in a row, so a stage of the ring is
-    # refilled across tiles and groups. Against float64, at magnitudes up to the thousands.
+    # for a B200 (fp8 operands as the fp8 recipes give it: e4m3 tokens, an e5m2 gradient):
+    # each SM's tiles of groups of every size in a row, so a stage of the ring is refilled
+    # across tiles and groups. Against float64, at magnitudes up to the thousands.
     rows, k, n = 1100, 256, 384
     sizes = jnp.asarray(BLACKWELL_SIZES, jnp.int32)
     kx, kg = jax.random.split(jax.random.key(3))
-    x = (jax.random.normal(kx, (rows, k)) * scale).astype(BF16)
-    g = jax.random.normal(kg, (rows, n)).astype(BF16)
+    x = (jax.random.normal(kx, (rows, k)) * scale).astype(dtypes[0])
+    g = jax.random.normal(kg, (rows, n)).astype(dtypes[1])
     with jax_compat.mosaic_gpu_interpreted(cores=3, detect_races=True):
-        kernel = gm._blackwell(x, g, sizes, form="weight_gradient", out_dtype=F32)
+        choose = gm._blackwell_fp8 if dtypes[0] == E4M3 else gm._blackwell
+        kernel = choose(x, g, sizes, form="weight_gradient", out_dtype=F32)
     x64, g64 = np.asarray(x, np.float64), np.asarray(g, np.float64)
     ends = np.cumsum(BLACKWELL_SIZES)
     exact = np.stack(
@@ -414,6 +421,8 @@ def test_the_blackwell_weight_gradient_kernel_refuses_what_it_cannot_tile():
     x, g = jnp.zeros((256, 128), BF16), jnp.zeros((256, 256), BF16)
     with pytest.raises(ValueError, match="one dtype"):
         blackwell.transposed_ragged_dot(x, g.astype(F16), starts, blocks)
+    with pytest.raises(ValueError, match="float8_e4m3fn or float8_e5m2"):
+        blackwell.transposed_ragged_dot(x.astype(E4M3), g, starts, blocks)
     with pytest.raises(ValueError, match="multiples of 128"):
         blackwell.transposed_ragged_dot(x[:, :100], g, starts, blocks)
     with pytest.raises(ValueError, match="share their rows"):

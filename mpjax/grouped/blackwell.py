@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -44,9 +45,11 @@ from mpjax.grouped.kernels import BLOCK
 
 __all__ = ["TILE", "transposed_ragged_dot"]
 
-TILE = (128, 128, 64)
-"""The kernel's tile, 128 features of ``x`` by 128 of ``dy`` (the output tile, in tensor
-memory), over 64 tokens per step (128 bytes of bf16, the shared-memory swizzle)."""
+TILE = (128, 128)
+"""The kernel's output tile, 128 features of ``x`` by 128 of ``dy``, in tensor memory. Each step
+contracts 128 bytes of tokens (the shared-memory swizzle): 64 in bf16 or f16, 128 in fp8."""
+_WIDE = frozenset(np.dtype(d) for d in (jnp.bfloat16, jnp.float16))
+_FP8 = frozenset(np.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2))
 _STAGES = 4  # 4 x (16 + 16) KiB of operands + a 32 KiB float32 store tile
 _EPILOGUE_N = 64  # output columns stored per copy out of tensor memory
 _GRID_TILE_WIDTH = 8  # output tiles per stripe of the traversal, as JAX's matmul
@@ -63,19 +66,21 @@ def transposed_ragged_dot(
 ) -> jax.Array:
     """``[G, K, N]`` float32: for each group ``g``, ``x[its rows]^T @ dy[its rows]``
     accumulated in float32, for ``x`` ``[M', K]`` and ``dy`` ``[M', N]`` (bf16 or f16, one
-    dtype) laid out by :func:`mpjax.grouped.kernels.pad_groups` (``starts`` and ``blocks``
+    dtype, or fp8: e4m3 and e5m2 in either order, as ``tcgen05`` multiplies them) laid out by :func:`mpjax.grouped.kernels.pad_groups` (``starts`` and ``blocks``
     from it: each group's first row, a multiple of 128, and its blocks of 128 rows). A group
     without rows gets zeros. K and N must be multiples of 128.
 
     Raises:
-      ValueError: for operands of two dtypes, or K, N or M' that the tiles do not divide.
+      ValueError: for operands of other dtypes, or K, N or M' that the tiles do not divide.
     """
-    tile_m, tile_n, tile_k = TILE
+    tile_m, tile_n = TILE
     rows, k = x.shape
     rows_dy, n = dy.shape
-    if x.dtype != dy.dtype:
+    dtypes = {np.dtype(x.dtype), np.dtype(dy.dtype)}
+    if not (len(dtypes) == 1 and dtypes <= _WIDE or dtypes <= _FP8):
         raise ValueError(
-            f"transposed_ragged_dot: x ({x.dtype}) and dy ({dy.dtype}) must have one dtype"
+            f"transposed_ragged_dot: x ({x.dtype}) and dy ({dy.dtype}) must have one dtype, "
+            "bfloat16 or float16, or be float8_e4m3fn or float8_e5m2"
         )
     if k % tile_m or n % tile_n or rows != rows_dy or rows % BLOCK:
         raise ValueError(
@@ -85,13 +90,13 @@ def transposed_ragged_dot(
     groups = starts.shape[0]
     grid_m, grid_n = k // tile_m, n // tile_n
     tiles = grid_m * grid_n  # output tiles of each group
+    itemsize = jnp.dtype(x.dtype).itemsize
+    tile_k = 128 // itemsize  # tokens a step
     steps_per_block = BLOCK // tile_k
-    dtype = x.dtype
-    swizzle = plgpu.find_swizzle(tile_k * jnp.dtype(dtype).itemsize * 8)
     # JAX's transforms are dataclasses whose unimplemented method mypy takes for abstract.
     transforms = (
-        plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),  # type: ignore[abstract]
-        plgpu.SwizzleTransform(swizzle),  # type: ignore[abstract]
+        plgpu.TilingTransform((8, 128 // itemsize)),  # type: ignore[abstract]
+        plgpu.SwizzleTransform(128),  # type: ignore[abstract]
     )
 
     def kernel(starts_gmem, blocks_gmem, x_gmem, dy_gmem, out_gmem, **refs):
@@ -125,8 +130,8 @@ def transposed_ragged_dot(
     def scoped(*gmem):
         pl.run_scoped(
             functools.partial(kernel, *gmem),
-            x_smem=plgpu.SMEM((_STAGES, tile_k, tile_m), dtype, transforms=transforms),
-            dy_smem=plgpu.SMEM((_STAGES, tile_k, tile_n), dtype, transforms=transforms),
+            x_smem=plgpu.SMEM((_STAGES, tile_k, tile_m), x.dtype, transforms=transforms),
+            dy_smem=plgpu.SMEM((_STAGES, tile_k, tile_n), dy.dtype, transforms=transforms),
             out_smem=plgpu.SMEM((tile_m, _EPILOGUE_N), jnp.float32),
             x_loaded=plgpu.Barrier(num_arrivals=1, num_barriers=_STAGES),
             dy_loaded=plgpu.Barrier(num_arrivals=1, num_barriers=_STAGES),
@@ -173,7 +178,8 @@ def _tile(
     rows from ``first_row``, into ``out_tile``. ``done`` counts the steps this SM ran before
     (stage ``s`` of the ring holds step ``done + j`` where ``(done + j) % _STAGES == s``);
     ``local`` counts the tiles (the accumulator buffer is ``local % 2``)."""
-    _, tile_n, tile_k = TILE
+    _, tile_n = TILE
+    tile_k = x_smem.shape[1]  # tokens a step
     first_step = lax.div(first_row, jnp.int32(tile_k))  # first_row: a multiple of 128
     slot_of = lambda j: lax.rem(done + j, jnp.int32(_STAGES))  # noqa: E731
     buffer = lax.rem(local, jnp.int32(2))
