@@ -19,6 +19,7 @@ from tolerances import tolerance
 
 import mpjax
 from mpjax import fp8, jax_compat
+from mpjax.grouped import blackwell
 from mpjax.grouped import fp8 as gf
 from mpjax.grouped import kernels as gk
 from mpjax.grouped import matmul as gm
@@ -294,6 +295,13 @@ def test_groups_padded_to_the_block_start_on_a_block_of_their_own():
         np.testing.assert_array_equal(padded[first : first + size], x[start : start + size])
         assert not np.asarray(padded[first + size : first + -(-size // 128) * 128]).any()
         start += size
+    # And back, the rows past the groups zero; the tiles of 128 rows each hold one group's
+    # rows or none (-1), as mpjax's Blackwell kernels read them.
+    back = gk.unpad_groups(padded, jnp.asarray(SIZES), starts, 256)
+    np.testing.assert_array_equal(back[: SIZES.sum()], x[: SIZES.sum()])
+    assert not np.asarray(back[SIZES.sum() :]).any()
+    groups = blackwell.tile_groups(starts, blocks, padded.shape[0])
+    assert groups.tolist() == [0, 2, 3, 4] + [-1] * (padded.shape[0] // 128 - 4)
 
 
 @pytest.mark.parametrize(
@@ -319,15 +327,16 @@ def test_fp8_kernel_refusals_name_the_reason(form, lhs, rhs, dtypes, reason):
     "form, lhs, rhs, reason",
     [
         ("forward", (512, 128), (4, 128, 256), None),
-        ("input_gradient", (512, 256), (4, 256, 256), None),
-        ("weight_gradient", (512, 128), (512, 256), None),  # mpjax's Blackwell kernel
+        ("forward", (500, 128), (4, 128, 256), None),  # the tokens padded per expert
+        ("input_gradient", (512, 256), (4, 128, 256), None),
+        ("weight_gradient", (512, 128), (512, 256), None),
         ("weight_gradient", (512, 100), (512, 256), "K=100 is not a multiple of 128"),
-        ("forward", (500, 128), (4, 128, 256), "the tokens (500) is not a multiple of 256"),
+        ("forward", (512, 128), (4, 128, 200), "N=200 is not a multiple of 128"),
+        ("input_gradient", (512, 200), (4, 128, 200), "N=200 is not a multiple of 128"),
+        ("forward", (0, 128), (4, 128, 256), "no tokens"),
     ],
 )
-def test_fp8_on_blackwell_takes_jaxs_bf16_kernels_where_they_take_the_shapes(
-    form, lhs, rhs, reason
-):
+def test_fp8_on_blackwell_takes_mpjaxs_kernels_where_they_take_the_shapes(form, lhs, rhs, reason):
     said = gm.kernel_refusal(10, form, lhs, rhs, E5M2, E4M3)
     assert said is None if reason is None else reason in said
 
@@ -344,10 +353,12 @@ def test_mixed_fp8_kernels_are_refused_where_this_jax_cannot_multiply_them():
 @pytest.mark.skipif(
     not jax_compat.mosaic_gpu_interpretable(), reason="this JAX has no Mosaic GPU interpreter"
 )
+@pytest.mark.parametrize("gpu", ["hopper", "blackwell"])
 @pytest.mark.parametrize("form", gm.FORMS)
-def test_the_fp8_kernels_compute_what_xla_does(form):
-    # mpjax's kernels in Pallas's GPU interpreter, as an H100 lowering calls them, against
-    # XLA's ragged dot on the same fp8 values: a group of none, rows past the groups.
+def test_the_fp8_kernels_compute_what_xla_does(form, gpu):
+    # mpjax's kernels in Pallas's GPU interpreter (with its race detector), as an H100 or a
+    # B200 lowering calls them, against XLA's ragged dot on the same fp8 values: a group of
+    # none, rows past the groups.
     x, w, sizes, g = _operands(seed=1)
     xq, wq = (
         fp8.quantize(x, E4M3, fp8.current_scale(x, E4M3)),
@@ -355,8 +366,9 @@ def test_the_fp8_kernels_compute_what_xla_does(form):
     )
     gq = fp8.quantize(g, E5M2, fp8.current_scale(g, E5M2))
     lhs, rhs = {"forward": (xq, wq), "input_gradient": (gq, wq), "weight_gradient": (xq, gq)}[form]
-    with jax_compat.mosaic_gpu_interpreted():
-        kernel = gm._hopper_fp8(lhs, rhs, sizes, form=form, out_dtype=F32)
+    chosen = gm._hopper_fp8 if gpu == "hopper" else gm._blackwell_fp8
+    with jax_compat.mosaic_gpu_interpreted(detect_races=True):
+        kernel = chosen(lhs, rhs, sizes, form=form, out_dtype=F32)
     xla = gm._xla_cpu(lhs, rhs, sizes, form=form, out_dtype=F32)
     reduction = {"forward": K, "input_gradient": N, "weight_gradient": M}[form]
     scale = float(jnp.max(jnp.abs(xla)))
@@ -395,15 +407,16 @@ def _compile(target, recipe):
 
 
 @pytest.mark.slow
-def test_a_b200_runs_the_fp8_weight_gradient_in_fp8_and_the_rest_in_bf16_kernels_widened():
-    # The weight gradient in mpjax's Blackwell kernel, e4m3 by e5m2; no fp8 kernel for the
-    # forward and input gradient: the fp8 values widened to bf16 (exact) in JAX's Blackwell
-    # kernels, where XLA would expand them dense. The weight gradient's padded tokens counted
-    # at the most its operand holds (3072 rows for 2048 tokens, 1.5x its 8.59G of work).
+def test_a_b200_runs_all_three_fp8_gemms_in_mpjaxs_kernels():
+    # mpjax's Blackwell kernels, e4m3 by e4m3 forward, e5m2 by e4m3 for the input gradient,
+    # e4m3 by e5m2 for the weights', on the tokens padded per expert: each counted at the most
+    # its operand holds (3072 rows for 2048 tokens in 8 experts, 1.5x its 8.59G of work).
     calls, summary = _compile("b200", "current")
     assert calls == 3
-    assert "grouped GEMMs: 3 kernel runs (30.1G FLOPs at most for 25.8G of work" in summary
-    assert "bfloat16 57.1%, float8_e4m3fn x float8_e5m2 42.9%" in summary
+    assert "grouped GEMMs: 3 kernel runs (38.7G FLOPs at most for 25.8G of work" in summary
+    assert (
+        "float8_e4m3fn 33.3%, float8_e5m2 x float8_e4m3fn 33.3%, float8_e4m3fn x float8_e5m2 33.3%)"
+    ) in summary
     assert "expanded dense" not in summary
 
 

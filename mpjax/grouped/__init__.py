@@ -2,8 +2,8 @@
 
 - :mod:`mpjax.grouped.kernels`: mpjax's own Mosaic GPU kernels, for the grouped GEMMs JAX has
   no kernel for (fp8 operands on Hopper).
-- :mod:`mpjax.grouped.blackwell`: mpjax's Blackwell kernel for the weight gradient, a
-  contraction over each expert's tokens, which JAX ships no kernel for.
+- :mod:`mpjax.grouped.blackwell`: mpjax's Blackwell kernels, for the weight gradient (a
+  contraction over each expert's tokens, which JAX ships no kernel for) and for fp8.
 - :mod:`mpjax.grouped.matmul`: a ragged dot's three GEMMs kept grouped forward and backward,
   each lowered to the kernel chosen for the target GPU, or to XLA's ragged dot.
 - :mod:`mpjax.grouped.fp8`: the same GEMMs in fp8, scaled per expert or per row.

@@ -1,37 +1,44 @@
-"""mpjax's grouped-GEMM kernel for the weight gradient on Blackwell GPUs.
+"""mpjax's grouped-GEMM kernels for Blackwell GPUs: the weight gradient, and fp8.
 
-JAX ships Blackwell (``tcgen05``) kernels for the forward grouped GEMM of a mixture of experts
-(``blackwell_ragged_dot_mgpu``), which also serves its input gradient, but none for the weight
-gradient, ``out[g] = x[rows of g]^T @ dy[rows of g]``: a contraction over each expert's tokens.
-Without one, XLA expands it dense, every expert against every token in float32. The kernel here
-computes it on the tokens laid out by :func:`mpjax.grouped.kernels.pad_groups` (each group
-starting at a multiple of 128 rows, zeros between), as torchao pads them for its grouped GEMMs:
-no tile of tokens mixes two groups, so no tile is masked, and the FLOPs are the model's plus at
-most 127 padded rows per group.
+JAX ships a Blackwell (``tcgen05``) kernel for the forward grouped GEMM of a mixture of experts
+(``blackwell_ragged_dot_mgpu``), which also serves its input gradient, in one dtype that it
+also writes, and none for the weight gradient, ``out[g] = x[rows of g]^T @ dy[rows of g]``: a
+contraction over each expert's tokens. Without one, XLA expands it dense, every expert against
+every token in float32. The kernels here work on the tokens laid out by
+:func:`mpjax.grouped.kernels.pad_groups` (each group starting at a multiple of 128 rows, zeros
+between), as torchao pads them for its grouped GEMMs: no tile of tokens mixes two groups, so no
+tile is masked, and the FLOPs are the model's plus at most 127 padded rows per group.
 
-Its structure is JAX's Blackwell matmul's (a persistent kernel over the SMs, one warp issuing
+- :func:`transposed_ragged_dot`: the weight gradient, in bf16, f16 or fp8;
+- :func:`ragged_dot`: the forward GEMM and the input gradient on fp8 operands (e4m3 by e4m3,
+  e5m2 by e4m3), written in float32 for the caller to scale, where JAX's kernel would take one
+  dtype and write it.
+
+Their structure is JAX's Blackwell matmul's (a persistent kernel over the SMs, one warp issuing
 TMA copies into a ring of shared-memory stages, one issuing ``tcgen05`` MMAs into a
 double-buffered tensor-memory accumulator, a second warpgroup storing the last tile while the
 next one accumulates; JAX is Apache-2.0 licensed, as mpjax is). What differs:
 
-- the contraction runs over the tokens, whose number per group is known only when the kernel
-  runs: each output tile of group ``g`` takes ``blocks[g]`` x 2 steps, and the steps count on
-  across the tiles an SM visits (the loop's carry), so that every stage of the ring is waited
-  on exactly as often as it was filled, whatever the groups' sizes;
-- the token rows are read as they are stored, ``[tokens, features]``, and handed to the MMA
-  transposed (``tcgen05`` reads shared memory in either major order), so neither operand is
-  copied transposed first;
-- the accumulator is written in float32, where the caller rounds it to the reduce dtype;
-- a group without tokens gets zeros without an MMA.
+- the contraction's length depends on the tile: the weight gradient's runs over a group's
+  tokens, known only when the kernel runs, and a tile of tokens past the groups has none. The
+  steps count on across the tiles an SM visits (the loop's carry), so that every stage of the
+  ring is waited on exactly as often as it was filled, whatever the groups' sizes;
+- operands are read as they are stored and handed to the MMA transposed where the
+  contraction is their leading dimension (``tcgen05`` reads shared memory in either major
+  order, fp8 included), so none is copied transposed first;
+- the accumulator is written in float32, where the caller scales it and rounds it;
+- a tile without steps gets zeros without an MMA.
 
-It runs only lowered for a compute capability 10 GPU (:mod:`mpjax.grouped.matmul` chooses it)
-or in Pallas's GPU interpreter. One CTA per tile (no 2-SM cluster): the interpreter runs no
-collective MMA, and the kernel that ships is the one its tests run.
+They run only lowered for a compute capability 10 GPU (:mod:`mpjax.grouped.matmul` chooses
+them) or in Pallas's GPU interpreter. One CTA per tile (no 2-SM cluster): the interpreter runs
+no collective MMA, and the kernels that ship are the ones their tests run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -43,11 +50,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mpjax.grouped.kernels import BLOCK
 
-__all__ = ["TILE", "transposed_ragged_dot"]
+__all__ = ["TILE", "ragged_dot", "tile_groups", "transposed_ragged_dot"]
 
-TILE = (128, 128)
-"""The kernel's output tile, 128 features of ``x`` by 128 of ``dy``, in tensor memory. Each step
-contracts 128 bytes of tokens (the shared-memory swizzle): 64 in bf16 or f16, 128 in fp8."""
+TILE = 128
+"""Each side of the kernels' output tiles, in tensor memory. Each step contracts 128 bytes (the
+shared-memory swizzle): 64 values in bf16 or f16, 128 in fp8."""
 _WIDE = frozenset(np.dtype(d) for d in (jnp.bfloat16, jnp.float16))
 _FP8 = frozenset(np.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2))
 _STAGES = 4  # 4 x (16 + 16) KiB of operands + a 32 KiB float32 store tile
@@ -61,130 +68,245 @@ def _cores() -> int:
     return int(jax.devices()[0].core_count)
 
 
+def _check_dtypes(where: str, lhs: jax.Array, rhs: jax.Array, *, wide: bool = True) -> int:
+    """The bytes of a value of the operands, which must be bf16 or f16 of one dtype (if
+    ``wide``) or fp8, e4m3 and e5m2 in either order."""
+    dtypes = {np.dtype(lhs.dtype), np.dtype(rhs.dtype)}
+    if not (wide and len(dtypes) == 1 and dtypes <= _WIDE or dtypes <= _FP8):
+        one = "have one dtype, bfloat16 or float16, or " if wide else ""
+        raise ValueError(
+            f"{where}: the operands ({lhs.dtype} and {rhs.dtype}) must {one}be "
+            "float8_e4m3fn or float8_e5m2"
+        )
+    return int(jnp.dtype(lhs.dtype).itemsize)
+
+
 def transposed_ragged_dot(
     x: jax.Array, dy: jax.Array, starts: jax.Array, blocks: jax.Array
 ) -> jax.Array:
     """``[G, K, N]`` float32: for each group ``g``, ``x[its rows]^T @ dy[its rows]``
     accumulated in float32, for ``x`` ``[M', K]`` and ``dy`` ``[M', N]`` (bf16 or f16, one
-    dtype, or fp8: e4m3 and e5m2 in either order, as ``tcgen05`` multiplies them) laid out by :func:`mpjax.grouped.kernels.pad_groups` (``starts`` and ``blocks``
-    from it: each group's first row, a multiple of 128, and its blocks of 128 rows). A group
-    without rows gets zeros. K and N must be multiples of 128.
+    dtype, or fp8) laid out by :func:`mpjax.grouped.kernels.pad_groups` (``starts`` and
+    ``blocks`` from it: each group's first row, a multiple of 128, and its blocks of 128 rows).
+    A group without rows gets zeros. K and N must be multiples of 128.
 
     Raises:
       ValueError: for operands of other dtypes, or K, N or M' that the tiles do not divide.
     """
-    tile_m, tile_n = TILE
+    itemsize = _check_dtypes("transposed_ragged_dot", x, dy)
     rows, k = x.shape
     rows_dy, n = dy.shape
-    dtypes = {np.dtype(x.dtype), np.dtype(dy.dtype)}
-    if not (len(dtypes) == 1 and dtypes <= _WIDE or dtypes <= _FP8):
-        raise ValueError(
-            f"transposed_ragged_dot: x ({x.dtype}) and dy ({dy.dtype}) must have one dtype, "
-            "bfloat16 or float16, or be float8_e4m3fn or float8_e5m2"
-        )
-    if k % tile_m or n % tile_n or rows != rows_dy or rows % BLOCK:
+    if k % TILE or n % TILE or rows != rows_dy or rows % BLOCK:
         raise ValueError(
             f"transposed_ragged_dot: x {x.shape} and dy {dy.shape} must share their rows, a "
-            f"multiple of {BLOCK}, and have K and N multiples of {tile_m} and {tile_n}"
+            f"multiple of {BLOCK}, and have K and N multiples of {TILE}"
         )
     groups = starts.shape[0]
-    grid_m, grid_n = k // tile_m, n // tile_n
+    grid_m, grid_n = k // TILE, n // TILE
     tiles = grid_m * grid_n  # output tiles of each group
-    itemsize = jnp.dtype(x.dtype).itemsize
-    tile_k = 128 // itemsize  # tokens a step
-    steps_per_block = BLOCK // tile_k
-    # JAX's transforms are dataclasses whose unimplemented method mypy takes for abstract.
-    transforms = (
-        plgpu.TilingTransform((8, 128 // itemsize)),  # type: ignore[abstract]
-        plgpu.SwizzleTransform(128),  # type: ignore[abstract]
+    step = 128 // itemsize  # tokens a step
+
+    def tile(loop: Any, starts_gmem: Any, blocks_gmem: Any, x_gmem: Any, dy_gmem: Any, out_gmem):
+        (index,) = loop.index
+        g = lax.div(index, jnp.int32(tiles))
+        mi, ni = plgpu.planar_snake(
+            lax.rem(index, jnp.int32(tiles)), (grid_m, grid_n), 1, _GRID_TILE_WIDTH
+        )
+        first = lax.div(starts_gmem[g], jnp.int32(step))  # starts: multiples of 128 rows
+        # Token rows as a multiple of the step that Mosaic proves (no multiple_of in a warp).
+        tokens = lambda j: pl.ds((first + j) * step, step)  # noqa: E731
+        return _Tile(
+            lhs=lambda j: x_gmem.at[tokens(j), pl.ds(mi * TILE, TILE)],
+            rhs=lambda j: dy_gmem.at[tokens(j), pl.ds(ni * TILE, TILE)],
+            out=out_gmem.at[g, pl.ds(mi * TILE, TILE), pl.ds(ni * TILE, TILE)],
+            steps=blocks_gmem[g] * (BLOCK // step),
+        )
+
+    return _launch(
+        tile,
+        groups * tiles,
+        _Operand((step, TILE), x.dtype, transposed=True),  # [tokens, K]: contracted first
+        _Operand((step, TILE), dy.dtype, transposed=False),
+        (groups, k, n),
+        starts.astype(jnp.int32),
+        blocks.astype(jnp.int32),
+        x,
+        dy,
     )
 
-    def kernel(starts_gmem, blocks_gmem, x_gmem, dy_gmem, out_gmem, **refs):
+
+def tile_groups(starts: jax.Array, blocks: jax.Array, rows: int) -> jax.Array:
+    """``[rows // 128]`` int32: the group of each tile of 128 rows of
+    :func:`mpjax.grouped.kernels.pad_groups`'s layout (``starts``, ``blocks`` from it), -1
+    for a tile that holds no group's rows."""
+    tile = lax.iota(jnp.int32, rows // BLOCK)
+    first = starts.astype(jnp.int32) // BLOCK
+    inside = (tile[:, None] >= first) & (tile[:, None] < first + blocks.astype(jnp.int32))
+    return jnp.where(inside.any(axis=1), jnp.argmax(inside, axis=1), -1).astype(jnp.int32)
+
+
+def ragged_dot(
+    lhs: jax.Array, rhs: jax.Array, groups_of_tiles: jax.Array, *, transpose_rhs: bool
+) -> jax.Array:
+    """``[M', N]`` float32: each tile of 128 rows of ``lhs`` ``[M', K]`` times its group's
+    matrix of ``rhs`` ``[G, K, N]`` (``transpose_rhs``: ``[G, N, K]``, contracted over its
+    last dimension), accumulated in float32, for fp8 operands laid out by
+    :func:`mpjax.grouped.kernels.pad_groups`; ``groups_of_tiles`` from :func:`tile_groups`.
+    A tile of no group comes out zero. K and N must be multiples of 128.
+
+    Raises:
+      ValueError: for operands that are not fp8, or shapes the tiles do not divide.
+    """
+    _check_dtypes("ragged_dot", lhs, rhs, wide=False)
+    rows, k = lhs.shape
+    k_rhs, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else rhs.shape[1:]
+    if k != k_rhs or k % TILE or n % TILE or rows % BLOCK:
+        raise ValueError(
+            f"ragged_dot: lhs {lhs.shape} and rhs {rhs.shape} (transpose_rhs={transpose_rhs}) "
+            f"must share K, with K, N and the rows multiples of {TILE}"
+        )
+    grid_m, grid_n = rows // TILE, n // TILE
+    step = 128  # fp8 values a step: 128 bytes
+
+    def tile(loop: Any, groups_gmem: Any, lhs_gmem: Any, rhs_gmem: Any, out_gmem: Any):
+        (index,) = loop.index
+        mi, ni = plgpu.planar_snake(index, (grid_m, grid_n), 1, _GRID_TILE_WIDTH)
+        g = groups_gmem[mi]
+        w = rhs_gmem.at[lax.max(g, jnp.int32(0))]
+        columns = pl.ds(ni * TILE, TILE)
+        if transpose_rhs:
+            rhs_block = lambda j: w.at[columns, pl.ds(j * step, step)]  # noqa: E731
+        else:
+            rhs_block = lambda j: w.at[pl.ds(j * step, step), columns]  # noqa: E731
+        return _Tile(
+            lhs=lambda j: lhs_gmem.at[pl.ds(mi * TILE, TILE), pl.ds(j * step, step)],
+            rhs=rhs_block,
+            out=out_gmem.at[pl.ds(mi * TILE, TILE), columns],
+            steps=jnp.where(g >= 0, jnp.int32(k // step), jnp.int32(0)),
+        )
+
+    return _launch(
+        tile,
+        grid_m * grid_n,
+        _Operand((TILE, step), lhs.dtype, transposed=False),
+        _Operand((TILE, step) if transpose_rhs else (step, TILE), rhs.dtype, transpose_rhs),
+        (rows, n),
+        groups_of_tiles.astype(jnp.int32),
+        lhs,
+        rhs,
+    )
+
+
+# --- The kernel both run -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Operand:
+    """One operand's tile of a step in shared memory: its shape and dtype, and whether the MMA
+    reads it transposed (its first dimension the contraction for the left, its last for the
+    right)."""
+
+    shape: tuple[int, int]
+    dtype: Any
+    transposed: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tile:
+    """One output tile: the operands' tiles of step ``j`` (``lhs(j)``, ``rhs(j)``, views of
+    global memory), where it goes, and how many steps it takes."""
+
+    lhs: Callable[[Any], Any]
+    rhs: Callable[[Any], Any]
+    out: Any
+    steps: Any
+
+
+def _launch(
+    tile: Callable[..., _Tile],
+    tiles: int,
+    lhs: _Operand,
+    rhs: _Operand,
+    out_shape: tuple[int, ...],
+    *operands: jax.Array,
+) -> jax.Array:
+    """The kernel on every SM: ``tiles`` output tiles, ``tile(loop, *refs)`` saying each one
+    (``refs``: the operands' and the output's global memory), written float32 ``out_shape``."""
+
+    def smem(operand: _Operand) -> Any:
+        itemsize = jnp.dtype(operand.dtype).itemsize
+        # JAX's transforms are dataclasses whose unimplemented method mypy takes for abstract.
+        transforms = (
+            plgpu.TilingTransform((8, 128 // itemsize)),  # type: ignore[abstract]
+            plgpu.SwizzleTransform(128),  # type: ignore[abstract]
+        )
+        return plgpu.SMEM((_STAGES, *operand.shape), operand.dtype, transforms=transforms)
+
+    def kernel(*refs, **scratch):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((groups * tiles,), collective_axes="sm", init_carry=jnp.int32(0))
+        @plgpu.nd_loop((tiles,), collective_axes="sm", init_carry=jnp.int32(0))
         def tile_loop(loop: Any, carry: Any) -> Any:
-            (index,) = loop.index
-            local = loop.local_index
-            g = lax.div(index, jnp.int32(tiles))
-            mi, ni = plgpu.planar_snake(
-                lax.rem(index, jnp.int32(tiles)), (grid_m, grid_n), 1, _GRID_TILE_WIDTH
-            )
-            first_row = starts_gmem[g]
-            steps = blocks_gmem[g] * steps_per_block
-            _tile(
-                x_gmem.at[:, pl.ds(mi * tile_m, tile_m)],
-                dy_gmem.at[:, pl.ds(ni * tile_n, tile_n)],
-                out_gmem.at[g, pl.ds(mi * tile_m, tile_m), pl.ds(ni * tile_n, tile_n)],
-                wg=wg,
-                first_row=first_row,
-                steps=steps,
-                done=carry,
-                local=local,
-                **refs,
-            )
-            return carry + steps
+            said = tile(loop, *refs)
+            _run_tile(said, (lhs, rhs), wg=wg, done=carry, local=loop.local_index, **scratch)
+            return carry + said.steps
 
         del tile_loop
 
-    def scoped(*gmem):
+    def scoped(*refs):
         pl.run_scoped(
-            functools.partial(kernel, *gmem),
-            x_smem=plgpu.SMEM((_STAGES, tile_k, tile_m), x.dtype, transforms=transforms),
-            dy_smem=plgpu.SMEM((_STAGES, tile_k, tile_n), dy.dtype, transforms=transforms),
-            out_smem=plgpu.SMEM((tile_m, _EPILOGUE_N), jnp.float32),
-            x_loaded=plgpu.Barrier(num_arrivals=1, num_barriers=_STAGES),
-            dy_loaded=plgpu.Barrier(num_arrivals=1, num_barriers=_STAGES),
+            functools.partial(kernel, *refs),
+            lhs_smem=smem(lhs),
+            rhs_smem=smem(rhs),
+            out_smem=plgpu.SMEM((TILE, _EPILOGUE_N), jnp.float32),
+            lhs_loaded=plgpu.Barrier(num_arrivals=1, num_barriers=_STAGES),
+            rhs_loaded=plgpu.Barrier(num_arrivals=1, num_barriers=_STAGES),
             consumed=plgpu.Barrier(num_arrivals=1, num_barriers=_STAGES, orders_tensor_core=True),
             accumulated=plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True),
             stored=plgpu.Barrier(num_arrivals=1, num_barriers=2, orders_tensor_core=True),
-            acc_tmem=plgpu.TMEM((tile_m, 2 * tile_n), jnp.float32),
+            acc_tmem=plgpu.TMEM((TILE, 2 * TILE), jnp.float32),
             collective_axes=("wg",),
         )
 
     launch = plgpu.kernel(
         scoped,
-        out_type=jax.ShapeDtypeStruct((groups, k, n), jnp.float32),
+        out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         grid=(_cores(),),
         grid_names=("sm",),
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    return launch(starts.astype(jnp.int32), blocks.astype(jnp.int32), x, dy)
+    return launch(*operands)
 
 
-def _tile(
-    x_cols: Any,
-    dy_cols: Any,
-    out_tile: Any,
+def _run_tile(
+    tile: _Tile,
+    operands: tuple[_Operand, _Operand],
     *,
     wg: Any,
-    first_row: Any,
-    steps: Any,
     done: Any,
     local: Any,
-    x_smem: Any,
-    dy_smem: Any,
+    lhs_smem: Any,
+    rhs_smem: Any,
     out_smem: Any,
-    x_loaded: Any,
-    dy_loaded: Any,
+    lhs_loaded: Any,
+    rhs_loaded: Any,
     consumed: Any,
     accumulated: Any,
     stored: Any,
     acc_tmem: Any,
 ) -> None:
-    """One output tile: ``x_cols[rows]^T @ dy_cols[rows]`` over the ``steps`` steps of 64 token
-    rows from ``first_row``, into ``out_tile``. ``done`` counts the steps this SM ran before
-    (stage ``s`` of the ring holds step ``done + j`` where ``(done + j) % _STAGES == s``);
-    ``local`` counts the tiles (the accumulator buffer is ``local % 2``)."""
-    _, tile_n = TILE
-    tile_k = x_smem.shape[1]  # tokens a step
-    first_step = lax.div(first_row, jnp.int32(tile_k))  # first_row: a multiple of 128
+    """One output tile: ``sum_j lhs(j) @ rhs(j)`` over its steps, into ``tile.out``. ``done``
+    counts the steps this SM ran before (stage ``s`` of the ring holds step ``done + j`` where
+    ``(done + j) % _STAGES == s``); ``local`` counts the tiles (the accumulator buffer is
+    ``local % 2``)."""
+    steps = tile.steps
     slot_of = lambda j: lax.rem(done + j, jnp.int32(_STAGES))  # noqa: E731
     buffer = lax.rem(local, jnp.int32(2))
-    acc = acc_tmem.at[:, pl.ds(buffer * tile_n, tile_n)]
+    acc = acc_tmem.at[:, pl.ds(buffer * TILE, TILE)]
     has_steps, no_steps = steps > 0, steps == 0  # Mosaic lowers no `not` in a warp
+    lhs_t, rhs_t = (operand.transposed for operand in operands)
 
     @pl.when(wg == 0)
     def _issue():
@@ -199,11 +321,8 @@ def _tile(
                     def _wait_consumed():
                         plgpu.barrier_wait(consumed.at[slot])
 
-                    # A multiple of tile_k that Mosaic can prove (it takes no multiple_of
-                    # in a warp).
-                    rows = pl.ds((first_step + j) * tile_k, tile_k)
-                    plgpu.copy_gmem_to_smem(x_cols.at[rows], x_smem.at[slot], x_loaded.at[slot])
-                    plgpu.copy_gmem_to_smem(dy_cols.at[rows], dy_smem.at[slot], dy_loaded.at[slot])
+                    plgpu.copy_gmem_to_smem(tile.lhs(j), lhs_smem.at[slot], lhs_loaded.at[slot])
+                    plgpu.copy_gmem_to_smem(tile.rhs(j), rhs_smem.at[slot], rhs_loaded.at[slot])
 
                 lax.fori_loop(0, steps, step, None)
 
@@ -215,12 +334,13 @@ def _tile(
             def _multiply():
                 def step(j, _):
                     slot = slot_of(j)
-                    plgpu.barrier_wait(x_loaded.at[slot])
-                    plgpu.barrier_wait(dy_loaded.at[slot])
+                    plgpu.barrier_wait(lhs_loaded.at[slot])
+                    plgpu.barrier_wait(rhs_loaded.at[slot])
+                    a, b = lhs_smem.at[slot], rhs_smem.at[slot]
                     plgpu.tcgen05_mma(
                         acc,
-                        x_smem.at[slot].T,  # [features, tokens]: the tokens contracted
-                        dy_smem.at[slot],
+                        a.T if lhs_t else a,
+                        b.T if rhs_t else b,
                         consumed.at[slot],
                         accumulate=j > 0,
                     )
@@ -231,8 +351,8 @@ def _tile(
 
                 lax.fori_loop(0, steps, step, None)
 
-                # A group without tokens: nothing to multiply, but the store still waits for
-                # the MMA warp, which keeps the two in step on the buffer's barriers.
+                # A tile without steps: nothing to multiply, but the store still waits for the
+                # MMA warp, which keeps the two in step on the buffer's barriers.
                 @pl.when(no_steps)
                 def _commit_none():
                     plgpu.tcgen05_commit_arrive(accumulated.at[buffer])
@@ -241,7 +361,7 @@ def _tile(
     def _store():
         plgpu.barrier_wait(accumulated.at[buffer])
 
-        for c in range(tile_n // _EPILOGUE_N):
+        for c in range(TILE // _EPILOGUE_N):
             columns = pl.ds(c * _EPILOGUE_N, _EPILOGUE_N)
 
             @pl.when(has_steps)
@@ -255,7 +375,7 @@ def _tile(
                 out_smem[...] = jnp.zeros(out_smem.shape, jnp.float32)
 
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, out_tile.at[:, columns])
+            plgpu.copy_smem_to_gmem(out_smem, tile.out.at[:, columns])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         plgpu.wait_load_tmem()
         plgpu.barrier_arrive(stored.at[buffer])

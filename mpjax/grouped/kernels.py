@@ -38,7 +38,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["BLOCK", "pad_groups", "padded_rows", "ragged_dot", "transposed_ragged_dot"]
+__all__ = [
+    "BLOCK",
+    "pad_groups",
+    "padded_rows",
+    "ragged_dot",
+    "transposed_ragged_dot",
+    "unpad_groups",
+]
 
 BLOCK = 128
 """Each side of the kernels' tiles, in rows (tokens, or features of the weight gradient),
@@ -203,6 +210,21 @@ def pad_groups(x: jax.Array, group_sizes: jax.Array) -> tuple[jax.Array, jax.Arr
     inside = local < sizes[group]
     taken = jnp.take(x, jnp.where(inside, source, 0), axis=0)
     return jnp.where(inside[:, None], taken, jnp.zeros((), x.dtype)), starts, blocks
+
+
+def unpad_groups(
+    padded: jax.Array, group_sizes: jax.Array, starts: jax.Array, rows: int
+) -> jax.Array:
+    """The rows of ``padded`` (:func:`pad_groups`'s layout of ``rows`` rows, ``starts`` from
+    it) back where they were, ``[rows, C]``; the rows past ``sum(group_sizes)`` zero."""
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    position = lax.iota(jnp.int32, rows)
+    group = jnp.minimum(jnp.searchsorted(ends, position, side="right"), sizes.shape[0] - 1)
+    inside = position < ends[-1]
+    source = starts.astype(jnp.int32)[group] + position - (ends[group] - sizes[group])
+    taken = jnp.take(padded, jnp.where(inside, source, 0), axis=0)
+    return jnp.where(inside[:, None], taken, jnp.zeros((), padded.dtype))
 
 
 def transposed_ragged_dot(

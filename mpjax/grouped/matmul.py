@@ -29,10 +29,9 @@ The kernels take bf16 or f16 operands and accumulate in f32. JAX's write their o
 dtype: a weight gradient on JAX's Hopper kernel is rounded to the compute dtype once, then
 widened to the reduce dtype (XLA's path and mpjax's Blackwell kernel write it in the reduce
 dtype). fp8 operands (:mod:`mpjax.grouped.fp8`) take mpjax's own fp8 kernels on Hopper
-(:mod:`mpjax.grouped.kernels`, float32 results); on Blackwell the weight gradient takes
-mpjax's kernel in fp8, the forward and input gradient JAX's bf16 kernel on the fp8 values
-widened to bf16 (exact), their results rounded once to bf16: the fp8 numbers at bf16's speed.
-Rows past ``sum(group_sizes)`` belong to no group
+(:mod:`mpjax.grouped.kernels`), and on Blackwell mpjax's Blackwell kernels
+(:mod:`mpjax.grouped.blackwell`, the tokens padded per expert), all three in fp8 with float32
+results for the recipe's scales. Rows past ``sum(group_sizes)`` belong to no group
 and come out zero, as from ``lax.ragged_dot``.
 
 Mosaic GPU compiles its kernels for one GPU architecture per process: after a kernel compiled
@@ -246,8 +245,7 @@ def kernel_refusal(
     ``rhs_dtype`` where it differs), a dimension the kernel's tiles do not divide, no kernel
     for that GPU. bf16 and f16 operands take JAX's kernels (mpjax's for the weight gradient on
     Blackwell, :mod:`mpjax.grouped.blackwell`); fp8 ones mpjax's on Hopper
-    (:mod:`mpjax.grouped.kernels`), and on Blackwell the same as bf16 ones (JAX's on them
-    widened, mpjax's for the weight gradient in fp8).
+    (:mod:`mpjax.grouped.kernels`) and on Blackwell (:mod:`mpjax.grouped.blackwell`).
 
     >>> kernel_refusal(9, "forward", (4096, 1024), (8, 1024, 2048), jnp.bfloat16) is None
     True
@@ -262,9 +260,11 @@ def kernel_refusal(
     red_name, out_name = ("N", "K") if form == "input_gradient" else ("K", "N")
     if dtype in _FP8_DTYPES or rhs_dtype in _FP8_DTYPES:
         if major == 10 and dtype in _FP8_DTYPES and rhs_dtype in _FP8_DTYPES:
-            # Blackwell: the bf16 kernels' shapes (JAX's on the fp8 values widened exactly,
-            # mpjax's weight gradient in fp8; see _blackwell_fp8).
-            dtype = rhs_dtype = np.dtype(jnp.bfloat16)
+            # Blackwell: mpjax's kernels on tokens padded per group (see _blackwell_fp8).
+            if rows == 0:
+                return "there are no tokens"
+            tile = blackwell_kernels.TILE
+            return _untiled([(red, tile, red_name), (out, tile, out_name)])
         else:
             return _fp8_refusal(
                 major, form, rows, (red, red_name), (out, out_name), dtype, rhs_dtype
@@ -280,10 +280,9 @@ def kernel_refusal(
         if rows < 128:
             return f"{rows} tokens are fewer than the kernel's block of 128"
     elif major == 10 and form == "weight_gradient":  # mpjax's kernel, on padded groups
-        tile_x, tile_dy = blackwell_kernels.TILE  # features of x and of the gradient
-        checks = [(k, tile_x, "K"), (n, tile_dy, "N")]
+        checks = [(k, blackwell_kernels.TILE, "K"), (n, blackwell_kernels.TILE, "N")]
         if rows == 0:
-            return "there are no tokens to contract"
+            return "there are no tokens"
     elif major == 10:
         tile_m, tile_n, tile_k = _BLACKWELL_TILE
         checks = [
@@ -411,14 +410,16 @@ def _hopper_fp8(
 def _blackwell_fp8(
     lhs: Any, rhs: Any, group_sizes: Any, *, form: str, out_dtype: Any, precision: Any = None
 ) -> Any:
-    """fp8 operands on Blackwell: the weight gradient in mpjax's kernel, which multiplies fp8
-    natively; the forward and input gradient, which mpjax has no fp8 kernel for, in JAX's bf16
-    kernel on them widened to bf16 (exactly: every e4m3 and e5m2 value is a bf16 value), the
-    float32 accumulation rounded once to bf16 as JAX's kernel writes it: the fp8 numbers at
-    bf16's speed, where XLA would expand the GEMM dense over every expert."""
-    if form != "weight_gradient":
-        lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
-    return _blackwell(lhs, rhs, group_sizes, form=form, out_dtype=out_dtype)
+    """fp8 operands on Blackwell: mpjax's kernels (:mod:`mpjax.grouped.blackwell`), all three
+    GEMMs in fp8 on the tokens padded per group, written in float32 for the recipe's scales."""
+    if form == "weight_gradient":
+        return _blackwell(lhs, rhs, group_sizes, form=form, out_dtype=out_dtype)
+    padded, starts, blocks = grouped_kernels.pad_groups(lhs, group_sizes)
+    groups = blackwell_kernels.tile_groups(starts, blocks, padded.shape[0])
+    # The input gradient contracts the weights [G, K, N] over N: read transposed.
+    transpose = form == "input_gradient"
+    out = blackwell_kernels.ragged_dot(padded, rhs, groups, transpose_rhs=transpose)
+    return grouped_kernels.unpad_groups(out, group_sizes, starts, lhs.shape[0]).astype(out_dtype)
 
 
 # The compute capability Mosaic GPU compiled kernels for in this process (see the docstring).

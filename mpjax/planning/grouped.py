@@ -9,9 +9,10 @@ into the compiled program's op names, so each of these reads as one :class:`~mpj
 with its ``grouped`` form and ``model_flops``, the FLOPs the grouped GEMM needs. A
 ``lax.ragged_dot`` written without mpjax carries no such scope: its dense expansion is named by
 its op name (``.../ragged_dot_general``), its needed FLOPs unknown. mpjax's kernels that
-contract over each expert's tokens (the weight gradient of fp8 on Hopper, of any dtype on
-Blackwell) take them padded to whole blocks per expert; how many blocks depends on the routing,
-so such a kernel counts the most its operand holds, at most ``G x 127`` rows past the model's.
+take each expert's tokens padded to whole blocks (the weight gradient of fp8 on Hopper and of
+any dtype on Blackwell, all three fp8 GEMMs on Blackwell): how many blocks depends on the
+routing, so such a kernel counts the most its operand holds, at most ``G x 127`` rows past the
+model's.
 
 A block format's experts at a capacity (:mod:`mpjax.grouped.capacity`) run as batched
 block-scaled GEMMs over every expert's slots; their scope marks them ``grouped="at_capacity"``
@@ -88,10 +89,11 @@ def _kernel_row(
     lhs_dtype, rhs_dtype = (np_dtype(s.dtype) for s in (data * 2)[:2]) if data else (None, None)
     lhs_shape, rhs_shape = _per_group_shapes(form, rows, k, n)
     flops = _model_flops(rows, k, n)
-    if scoped is not None and form == "weight_gradient" and data and len(data[0].dims) == 2:
-        # mpjax's padded kernels contract each group's tokens in whole blocks: their operand
-        # holds the most rows they can (``pad_groups``), [M', K] or transposed [K, M'].
-        padded = sum(data[0].dims) - k
+    if scoped is not None and data and len(data[0].dims) == 2:
+        # mpjax's padded kernels take each group's tokens in whole blocks: their token operand
+        # holds the most rows they can (``pad_groups``): [M', K] (or [K, M']), [M', N] for
+        # the input gradient.
+        padded = sum(data[0].dims) - (n if form == "input_gradient" else k)
         flops = _model_flops(max(padded, rows), k, n)
     return PlanGemm(
         name=inst.name,
