@@ -25,7 +25,6 @@ import train_transformer as tt  # noqa: E402
 from tolerances import assert_close_in_norm, gpt_reduction_length, tolerance  # noqa: E402
 
 import mpjax  # noqa: E402
-from mpjax import jax_compat  # noqa: E402
 from mpjax.inspection.matmuls import iter_equations  # noqa: E402
 
 # A model small enough that each compile takes a second or two on a shared CPU.
@@ -1591,91 +1590,3 @@ def test_a_moe_run_trains_on_the_cpu(text_file, tmp_path):
     summary = tt.train(tt.parse_args([*_argv(text_file, out, "--steps", "6"), *MOE_FLAGS]))
     losses = [r["loss"] for r in summary["history"]]
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
-
-
-def _plan_lines(*argv: str) -> str:
-    """The example's --plan output, in a process of its own: Mosaic GPU compiles its kernels
-    for one GPU architecture per process."""
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_transformer.py"), *argv],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
-
-
-@pytest.mark.slow
-def test_the_moe_step_planned_for_an_h100_runs_the_models_expert_flops_in_grouped_kernels():
-    if mpjax.plan_unavailable() is not None:
-        pytest.skip(f"the plan cannot compile: {mpjax.plan_unavailable()}")
-    printed = _plan_lines(*MOE_FLAGS, "--plan", "h100")
-    cfg = tt.parse_args(MOE_FLAGS).model_config()
-    tokens = tt.BATCH_SIZE * cfg.block_size
-    expected = cfg.expert_flops_per_token() * tokens  # 4 layers, 2 grouped GEMMs, 3 passes
-    match = re.search(r"grouped GEMMs: (\d+) kernel runs \(([\d.]+)G FLOPs", printed)
-    assert match is not None, printed
-    assert int(match[1]) == 4 * 2 * 3
-    assert abs(float(match[2]) * 1e9 - expected) <= 0.1 * expected
-    assert "expanded dense" not in printed
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("policy", ["mixed_bfloat16_fp8", "mixed_bfloat16_fp8_rowwise"])
-def test_the_moe_step_planned_for_an_h100_runs_its_expert_gemms_in_fp8(policy):
-    if mpjax.plan_unavailable() is not None:
-        pytest.skip(f"the plan cannot compile: {mpjax.plan_unavailable()}")
-    if policy == "mixed_bfloat16_fp8" and not jax_compat.mosaic_mixed_fp8_wgmma():
-        pytest.skip("this JAX's Mosaic GPU multiplies no e5m2 by e4m3: its backward stays dense")
-    printed = _plan_lines(*MOE_FLAGS, "--policy", policy, "--plan", "h100")
-    match = re.search(
-        r"grouped GEMMs: (\d+) kernel runs \(([\d.]+)G FLOPs[^)]*; ([^;)]*)\)", printed
-    )
-    assert match is not None, printed
-    assert int(match[1]) == 4 * 2 * 3  # forward and both gradients of every expert GEMM
-    shares = dict(part.rsplit(" ", 1) for part in match[3].split(", "))
-    fp8 = sum(float(v.rstrip("%")) for k, v in shares.items() if k.startswith("float8"))
-    assert fp8 >= 80.0, shares  # in fact all of them
-    assert "expanded dense" not in printed
-
-
-@pytest.mark.slow
-def test_the_moe_step_at_a_capacity_runs_its_experts_block_scaled_on_a_b200():
-    """MXFP8 with a capacity runs every expert GEMM, forward and both gradients, as a batched
-    block-scaled GEMM over each expert's slots: 2048 tokens x top-2 over 8 experts at capacity
-    1.25 are 640 slots each, 1.25 times the rows' FLOPs, all of them block-scaled. (NVFP4 takes
-    the same route: tests/test_grouped_capacity.py reads its e2m1 GEMMs.)"""
-    if mpjax.plan_unavailable("b200") is not None:
-        pytest.skip(f"the plan cannot compile: {mpjax.plan_unavailable('b200')}")
-    policy = "p=f32,c=bf16,o=f32,fp8=mxfp8;capacity=1.25"
-    printed = _plan_lines(*MOE_FLAGS, "--d-model", "256", "--policy", policy, "--plan", "b200")
-    match = re.search(
-        r"experts at a capacity: (\d+) batched GEMM runs, [^(]*\(every slot multiplied: "
-        r"([\d.]+)x\), ([\d.]+)% of them block-scaled",
-        printed,
-    )
-    assert match is not None, printed
-    assert int(match[1]) == 4 * 2 * 3  # forward and both gradients of every expert GEMM
-    assert float(match[2]) == 1.25 and float(match[3]) >= 80.0  # in fact all of them
-    assert "expanded dense" not in printed and "grouped GEMMs:" not in printed
-
-
-@pytest.mark.slow
-def test_the_moe_step_planned_for_a_b200_runs_the_models_expert_flops_in_grouped_kernels():
-    """All three GEMMs of every expert in kernels, JAX's forward and for the input gradient,
-    mpjax's for the weights': within 10% of the model's expert FLOPs, though the weight
-    gradient counts the most rows its padded operand can hold. The sort compiles with XLA's."""
-    if mpjax.plan_unavailable("b200") is not None:
-        pytest.skip(f"the plan cannot compile: {mpjax.plan_unavailable('b200')}")
-    flags = [*MOE_FLAGS, "--d-model", "256"]  # Blackwell's kernels tile the features by 256
-    printed = _plan_lines(*flags, "--plan", "b200")
-    cfg = tt.parse_args(flags).model_config()
-    expected = cfg.expert_flops_per_token() * tt.BATCH_SIZE * cfg.block_size
-    match = re.search(r"grouped GEMMs: (\d+) kernel runs \(([\d.]+)G FLOPs", printed)
-    assert match is not None, printed
-    assert int(match[1]) == 4 * 2 * 3
-    assert expected <= float(match[2]) * 1e9 <= 1.1 * expected
-    assert "expanded dense" not in printed
-    assert "compiled with xla_gpu_enable_cub_radix_sort=False" in printed
