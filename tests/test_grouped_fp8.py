@@ -300,7 +300,9 @@ def test_groups_padded_to_the_block_start_on_a_block_of_their_own():
     back = gk.unpad_groups(padded, jnp.asarray(SIZES), starts, 256)
     np.testing.assert_array_equal(back[: SIZES.sum()], x[: SIZES.sum()])
     assert not np.asarray(back[SIZES.sum() :]).any()
+    assert back.dtype == x.dtype and back.shape == x.shape
     groups = blackwell.tile_groups(starts, blocks, padded.shape[0])
+    assert groups.dtype == jnp.int32
     assert groups.tolist() == [0, 2, 3, 4] + [-1] * (padded.shape[0] // 128 - 4)
 
 
@@ -369,6 +371,7 @@ def test_the_fp8_kernels_compute_what_xla_does(form, gpu):
     chosen = gm._hopper_fp8 if gpu == "hopper" else gm._blackwell_fp8
     with jax_compat.mosaic_gpu_interpreted(detect_races=True):
         kernel = chosen(lhs, rhs, sizes, form=form, out_dtype=F32)
+    assert kernel.dtype == F32  # the float32 accumulation, for the recipe's scales
     xla = gm._xla_cpu(lhs, rhs, sizes, form=form, out_dtype=F32)
     reduction = {"forward": K, "input_gradient": N, "weight_gradient": M}[form]
     scale = float(jnp.max(jnp.abs(xla)))
